@@ -1,0 +1,44 @@
+//! The boundary between the engine and a compute backend (CPU, CUDA, and one day Metal): a backend
+//! owns the weights on its device and runs the whole forward pass of a chunk of tokens against a
+//! session state it defines. The engine never sees tensors, only token ids, states and logits.
+
+use crate::config::ModelConfig;
+
+/// Which logits a forward call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// None (prefill of a prompt whose continuation is not needed yet).
+    None,
+    /// The last token's row: `[V]`.
+    Last,
+    /// Every token's row: `[T, V]` (teacher-forced scoring).
+    All,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("token id {id} is outside the vocabulary (size {vocab})")]
+    InvalidToken { id: u32, vocab: usize },
+    #[error("the context is full: {len} tokens held, {add} more asked, at most {max}")]
+    ContextFull { len: usize, add: usize, max: usize },
+    #[error("state belongs to another model or backend: {0}")]
+    BadState(String),
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+/// A model on a device.
+pub trait Backend: Send {
+    /// Everything the model remembers about a sequence: KV caches, conv and recurrent states.
+    type State: Clone + Send;
+
+    fn name(&self) -> &'static str;
+    fn config(&self) -> &ModelConfig;
+    /// A fresh sequence.
+    fn new_state(&self) -> Self::State;
+    /// Tokens processed into `state`.
+    fn state_len(&self, state: &Self::State) -> usize;
+    /// Runs `tokens` after what `state` holds, advancing it; returns the logits asked for
+    /// (row-major `[rows, vocab_size]` f32).
+    fn forward(&mut self, state: &mut Self::State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>, BackendError>;
+}
