@@ -1,0 +1,83 @@
+//! The sparse MoE block: router softmax over all experts (f32), top-k, renormalise; SwiGLU experts
+//! run on the tokens routed to them; plus the sigmoid-gated shared expert. Also the dense SwiGLU
+//! MLP (the shared expert, or the MLP of a dense model of the family).
+
+use lily_model::weights::{DenseMlpWeights, MoeWeights};
+use lily_model::ModelConfig;
+
+use crate::linear::{matmul, matmul_new};
+use crate::norm::{sigmoid, silu};
+
+/// `down(silu(gate(x)) · up(x))` for matrix `m` of the stacks. x: [T, H] → [T, H].
+fn swiglu(gate: &lily_model::weights::Matrix, up: &lily_model::weights::Matrix, down: &lily_model::weights::Matrix, m: usize, x: &[f32]) -> Vec<f32> {
+    let mut g = matmul_new(gate, m, x); // [T, I]
+    let u = matmul_new(up, m, x); // [T, I]
+    for (a, b) in g.iter_mut().zip(&u) {
+        *a = silu(*a) * b;
+    }
+    matmul_new(down, m, &g) // [T, H]
+}
+
+pub fn dense_mlp(w: &DenseMlpWeights, x: &[f32]) -> Vec<f32> {
+    swiglu(&w.gate_proj, &w.up_proj, &w.down_proj, 0, x)
+}
+
+/// Per token: the chosen experts and their weights. logits: [T, E].
+pub fn route(logits: &[f32], e: usize, k: usize, renormalise: bool) -> Vec<Vec<(usize, f32)>> {
+    logits
+        .chunks_exact(e)
+        .map(|row| {
+            let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let ex: Vec<f32> = row.iter().map(|v| (v - m).exp()).collect();
+            let sum: f32 = ex.iter().sum();
+            let p: Vec<f32> = ex.iter().map(|v| v / sum).collect();
+            let mut idx: Vec<usize> = (0..e).collect();
+            // Largest first; ties to the lower index.
+            idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            idx.truncate(k);
+            let total: f32 = idx.iter().map(|&i| p[i]).sum();
+            idx.into_iter().map(|i| (i, if renormalise { p[i] / total } else { p[i] })).collect()
+        })
+        .collect()
+}
+
+/// x: [T, H] (post-attention-normed) → [T, H].
+pub fn forward(w: &MoeWeights, cfg: &ModelConfig, x: &[f32]) -> Vec<f32> {
+    let h = cfg.hidden_size;
+    let t = x.len() / h;
+    let logits = matmul_new(&w.router, 0, x); // [T, E]
+    let routes = route(&logits, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob);
+
+    // Group token rows by expert, run each expert once on its rows.
+    let mut by_expert: Vec<Vec<(usize, f32)>> = vec![Vec::new(); cfg.num_experts];
+    for (ti, r) in routes.iter().enumerate() {
+        for &(e, wgt) in r {
+            by_expert[e].push((ti, wgt));
+        }
+    }
+    let mut out = vec![0.0f32; t * h];
+    for (e, rows) in by_expert.iter().enumerate() {
+        if rows.is_empty() {
+            continue;
+        }
+        let xe: Vec<f32> = rows.iter().flat_map(|&(ti, _)| x[ti * h..(ti + 1) * h].iter().copied()).collect();
+        let ye = swiglu(&w.gate_proj, &w.up_proj, &w.down_proj, e, &xe); // [n, H]
+        for (j, &(ti, wgt)) in rows.iter().enumerate() {
+            for (o, v) in out[ti * h..(ti + 1) * h].iter_mut().zip(&ye[j * h..(j + 1) * h]) {
+                *o += wgt * v;
+            }
+        }
+    }
+    if let (Some(shared), Some(sg)) = (&w.shared, &w.shared_gate) {
+        let s = dense_mlp(shared, x); // [T, H]
+        let mut g = vec![0.0f32; t];
+        matmul(sg, 0, x, &mut g); // [T, 1]
+        for ti in 0..t {
+            let gate = sigmoid(g[ti]);
+            for (o, v) in out[ti * h..(ti + 1) * h].iter_mut().zip(&s[ti * h..(ti + 1) * h]) {
+                *o += gate * v;
+            }
+        }
+    }
+    out
+}

@@ -1,0 +1,65 @@
+//! Shared helpers for the CPU backend's tests: the reference fixtures (made by
+//! `tools/make_fixtures.py` with MLX-LM and transformers) and comparison metrics.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use lily_model::checkpoint::Checkpoint;
+
+pub fn fixtures_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+/// Every fixture (a directory with tokens.json).
+pub fn fixture_names() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(fixtures_dir())
+        .expect("tests/fixtures is missing: run tools/make_fixtures.py")
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("tokens.json").exists())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    assert!(v.len() >= 2, "expected at least two reference fixtures, found {v:?}");
+    v
+}
+
+pub fn tokens(name: &str) -> Vec<u32> {
+    let text = std::fs::read_to_string(fixtures_dir().join(name).join("tokens.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// A reference JSON (`ref_mlx.json` / `ref_hf.json`): (perplexity, token_logprobs, argmax).
+pub fn reference(name: &str, which: &str) -> (f64, Vec<f64>, Vec<u32>) {
+    let text = std::fs::read_to_string(fixtures_dir().join(name).join(format!("ref_{which}.json"))).unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let lp = v["token_logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect();
+    let am = v["argmax"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+    (v["perplexity"].as_f64().unwrap(), lp, am)
+}
+
+/// A float32 tensor of `ref_<which>_hidden.safetensors`.
+pub fn reference_tensor(name: &str, which: &str, tensor: &str) -> Vec<f32> {
+    let dir = fixtures_dir().join(name);
+    let path = dir.join(format!("ref_{which}_hidden.safetensors"));
+    let bytes = std::fs::read(&path).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(tensor).unwrap_or_else(|_| panic!("{} has no {tensor}", path.display()));
+    t.data().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+}
+
+pub fn open_checkpoint(name: &str, sub: &str) -> Checkpoint {
+    Checkpoint::open(&fixtures_dir().join(name).join(sub)).unwrap()
+}
+
+/// max |a - b| / rms(b): a scale-free error, ~1e-6 for f32 rounding, ~1 for a wrong computation.
+pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let rms = (b.iter().map(|&x| (x as f64).powi(2)).sum::<f64>() / b.len() as f64).sqrt().max(1e-30);
+    a.iter().zip(b).map(|(&x, &y)| (x as f64 - y as f64).abs()).fold(0.0, f64::max) / rms
+}
+
+/// Fraction of equal entries.
+pub fn agreement(a: &[u32], b: &[u32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).filter(|(x, y)| x == y).count() as f64 / a.len() as f64
+}
