@@ -38,6 +38,8 @@ pub trait Backend: Send {
     fn new_state(&self) -> Self::State;
     /// Tokens processed into `state`.
     fn state_len(&self, state: &Self::State) -> usize;
+    /// Memory `state` holds, in bytes (for cache budgets).
+    fn state_bytes(&self, state: &Self::State) -> usize;
     /// Runs `tokens` after what `state` holds, advancing it; returns the logits asked for
     /// (row-major `[rows, vocab_size]` f32).
     fn forward(&mut self, state: &mut Self::State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>, BackendError>;
