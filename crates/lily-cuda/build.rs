@@ -1,0 +1,61 @@
+//! With the `cuda` feature: compiles every `kernels/*.cu` to an sm_90a cubin with nvcc 13.0 and
+//! writes `$OUT_DIR/cubins.rs` (one `(name, bytes)` entry per kernel file, embedded with
+//! `include_bytes!`). nvcc comes from `$NVCC`, else the workspace's `.cuda-toolchain` (installed from
+//! PyPI by `.ci/run`), else `PATH`. Without the feature it does nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn main() {
+    println!("cargo::rerun-if-changed=kernels");
+    println!("cargo::rerun-if-env-changed=NVCC");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    let out = PathBuf::from(std::env::var("OUT_DIR").unwrap());
+    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
+    let nvcc = find_nvcc(&manifest);
+    let include_cccl = nvcc.parent().and_then(Path::parent).map(|p| p.join("include/cccl"));
+
+    let mut kernels: Vec<PathBuf> = std::fs::read_dir(manifest.join("kernels"))
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.extension().is_some_and(|x| x == "cu")).collect())
+        .unwrap_or_default();
+    kernels.sort();
+
+    let mut rs = String::from("/// Embedded sm_90a cubins: (kernel file stem, bytes).\npub static CUBINS: &[(&str, &[u8])] = &[\n");
+    let mut log = String::new();
+    for src in &kernels {
+        let stem = src.file_stem().unwrap().to_string_lossy().to_string();
+        let cubin = out.join(format!("{stem}.sm_90a.cubin"));
+        let mut cmd = Command::new(&nvcc);
+        cmd.args(["-cubin", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "-std=c++17", "-lineinfo", "-Xptxas=-v"])
+            .arg(format!("-I{}", manifest.join("kernels").display()));
+        if let Some(cccl) = include_cccl.as_ref().filter(|p| p.exists()) {
+            cmd.arg(format!("-I{}", cccl.display()));
+        }
+        let o = cmd.arg("-o").arg(&cubin).arg(src).output().unwrap_or_else(|e| {
+            panic!("could not run nvcc at {}: {e}\nSet NVCC, or install the toolkit with .ci/run's pip line.", nvcc.display())
+        });
+        log.push_str(&String::from_utf8_lossy(&o.stderr));
+        if !o.status.success() {
+            panic!("nvcc failed on {}:\n{}", src.display(), String::from_utf8_lossy(&o.stderr));
+        }
+        rs.push_str(&format!("    ({stem:?}, include_bytes!({:?})),\n", cubin.display().to_string()));
+    }
+    rs.push_str("];\n");
+    std::fs::write(out.join("cubins.rs"), rs).unwrap();
+    std::fs::write(out.join("ptxas.log"), log).unwrap();
+}
+
+fn find_nvcc(manifest: &Path) -> PathBuf {
+    if let Some(p) = std::env::var_os("NVCC") {
+        return PathBuf::from(p);
+    }
+    for dir in manifest.ancestors() {
+        let p = dir.join(".cuda-toolchain/nvidia/cu13/bin/nvcc");
+        if p.exists() {
+            return p;
+        }
+    }
+    PathBuf::from("nvcc")
+}

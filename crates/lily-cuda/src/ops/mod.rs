@@ -1,0 +1,59 @@
+//! Typed launch wrappers, one module per kernel file (`kernels/<family>.cu` ↔ `ops/<family>.rs`).
+//!
+//! Every wrapper checks shapes and lengths on the host, builds the kernel's `#[repr(C)]` parameter
+//! struct (which must match the `struct ...Params` at the top of the `.cu` file field for field), and
+//! launches on the device's stream. Nothing synchronises: results are ready after
+//! [`crate::Device::synchronize`] or a download.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use crate::{CudaError, Device, Result};
+
+pub mod affine_gemv;
+pub mod embed;
+pub mod rmsnorm;
+pub mod util;
+
+/// Every kernel the ops use, by module (file stem): resolved once when the device opens.
+pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
+    ("affine_gemv", affine_gemv::KERNELS),
+    ("embed", embed::KERNELS),
+    ("rmsnorm", rmsnorm::KERNELS),
+    ("util", util::KERNELS),
+];
+
+/// One-time function attributes (called by `Device::open`).
+pub(crate) fn configure(dev: &Device) -> Result<()> {
+    affine_gemv::configure(dev)
+}
+
+/// The device address of `s`, which must hold at least `need` elements.
+pub(crate) fn addr<T, S: DevicePtr<T>>(dev: &Device, s: &S, need: usize, what: &str) -> Result<u64> {
+    if s.len() < need {
+        return Err(CudaError::Shape(format!("{what}: buffer of {} elements, {need} needed", s.len())));
+    }
+    let (p, _guard) = s.device_ptr(dev.stream());
+    Ok(p)
+}
+
+/// The device address of `s` for writing, which must hold at least `need` elements.
+pub(crate) fn addr_mut<T, S: DevicePtrMut<T>>(dev: &Device, s: &mut S, need: usize, what: &str) -> Result<u64> {
+    if s.len() < need {
+        return Err(CudaError::Shape(format!("{what}: buffer of {} elements, {need} needed", s.len())));
+    }
+    let (p, _guard) = s.device_ptr_mut(dev.stream());
+    Ok(p)
+}
+
+/// Launches `name` with one by-value parameter struct.
+///
+/// Safety contract (upheld by each wrapper): `P` is the kernel's parameter struct, and every address
+/// in it points to a live buffer of the size the kernel will touch.
+pub(crate) fn launch<P: DeviceRepr>(dev: &Device, name: &'static str, cfg: LaunchConfig, params: &P) -> Result<()> {
+    let f = dev.function(name)?;
+    let mut b = dev.stream().launch_builder(f);
+    b.arg(params);
+    // SAFETY: see above.
+    unsafe { b.launch(cfg) }?;
+    Ok(())
+}

@@ -1,0 +1,84 @@
+//! RMSNorm of f32 rows (`kernels/rmsnorm.cu`): `y = h / sqrt(mean(h²) + eps) · w` with `h = x` or,
+//! fused, `h = x + residual` written back into the residual stream. `w` is the folded weight (Qwen's
+//! `1 + w` already added at load), as in `lily_cpu::norm::rms_norm`.
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+
+use super::{addr, addr_mut, launch};
+use crate::{CudaError, Device, Result};
+
+/// Must match `struct RmsNormParams` in `kernels/rmsnorm.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct RmsNormParams {
+    x: u64,
+    residual: u64,
+    residual_out: u64,
+    w: u64,
+    y: u64,
+    rows: i32,
+    n: i32,
+    eps: f32,
+    pad: i32,
+}
+// SAFETY: plain old data with the kernel's layout.
+unsafe impl DeviceRepr for RmsNormParams {}
+
+pub(crate) const KERNELS: &[&str] = &["rmsnorm_f32", "rmsnorm_f32_v4"];
+
+/// `y[r] = rms_norm(x[r]) · w` for each of the `rows` rows of `w.len()` elements.
+pub fn rms_norm<X: DevicePtr<f32>, W: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+    dev: &Device,
+    x: &X,
+    w: &W,
+    eps: f32,
+    rows: usize,
+    y: &mut Y,
+) -> Result<()> {
+    let n = w.len();
+    let p = RmsNormParams {
+        x: addr(dev, x, rows * n, "rms_norm x")?,
+        w: addr(dev, w, n, "rms_norm w")?,
+        y: addr_mut(dev, y, rows * n, "rms_norm y")?,
+        ..Default::default()
+    };
+    run(dev, p, rows, n, eps)
+}
+
+/// Fused residual add: `residual += x`, then `y = rms_norm(residual) · w` (rows of `w.len()`).
+pub fn add_rms_norm<X: DevicePtr<f32>, R: DevicePtrMut<f32>, W: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+    dev: &Device,
+    x: &X,
+    residual: &mut R,
+    w: &W,
+    eps: f32,
+    rows: usize,
+    y: &mut Y,
+) -> Result<()> {
+    let n = w.len();
+    let r = addr_mut(dev, residual, rows * n, "add_rms_norm residual")?;
+    let p = RmsNormParams {
+        x: addr(dev, x, rows * n, "add_rms_norm x")?,
+        residual: r,
+        residual_out: r,
+        w: addr(dev, w, n, "add_rms_norm w")?,
+        y: addr_mut(dev, y, rows * n, "add_rms_norm y")?,
+        ..Default::default()
+    };
+    run(dev, p, rows, n, eps)
+}
+
+fn run(dev: &Device, mut p: RmsNormParams, rows: usize, n: usize, eps: f32) -> Result<()> {
+    if n == 0 || n > i32::MAX as usize || rows == 0 || rows > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("rms_norm: {rows} rows of {n}")));
+    }
+    p.rows = rows as i32;
+    p.n = n as i32;
+    p.eps = eps;
+    let aligned = [p.x, p.residual, p.residual_out, p.w, p.y].iter().all(|a| a % 16 == 0);
+    let vec = n % 4 == 0 && aligned;
+    let (name, per) = if vec { ("rmsnorm_f32_v4", n / 4) } else { ("rmsnorm_f32", n) };
+    let threads = per.div_ceil(32).clamp(1, 32) as u32 * 32;
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    launch(dev, name, cfg, &p)
+}

@@ -1,0 +1,818 @@
+//! CPU-vs-GPU tests of every kernel family, plus the timing table (`bench_ops`, ignored by default).
+//!
+//! Each test skips (prints "no GPU, skipped") when `probe(0)` fails, so `cargo test --features cuda`
+//! passes on machines without a GPU. On the GPU machine: `tools/gpu_check.sh`.
+//!
+//! Every check draws fresh random inputs (never zeros), poisons the output with NaN before the GPU
+//! run, requires every element to have been written, and compares with an f64 reference computed from
+//! the same stored bytes (and with `lily-cpu`), at a tolerance that an indexing or decoding bug would
+//! exceed by orders of magnitude.
+#![cfg(feature = "cuda")]
+
+use cudarc::driver::CudaSlice;
+use half::{bf16, f16};
+use lily_cuda::ops::affine_gemv::{self, Q4Decode, Select};
+use lily_cuda::ops::{embed, rmsnorm, util};
+use lily_cuda::weights::{upload_matrix, DeviceMatrix, DeviceStorage, Uploader};
+use lily_cuda::{probe, Device, KernelSource};
+use lily_model::affine::{quantize_bf16, AffineParams};
+use lily_model::buf::{Buf, FloatBuf};
+use lily_model::weights::{Matrix, Storage};
+
+// ---------------------------------------------------------------------------------------------------
+// Helpers
+
+fn device() -> Option<Device> {
+    match probe(0) {
+        Err(e) => {
+            println!("no GPU, skipped ({e})");
+            None
+        }
+        Ok(_) => Some(Device::open(0).expect("the GPU is there but Device::open failed")),
+    }
+}
+
+/// splitmix64: a fresh, reproducible stream per test.
+struct Rng(u64);
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed ^ 0x9E37_79B9_7F4A_7C15)
+    }
+    fn u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1), never exactly 0.
+    fn f32(&mut self) -> f32 {
+        let v = ((self.u64() >> 40) as f32 + 0.5) / (1u64 << 24) as f32;
+        2.0 * v - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f32()).collect()
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.u64() % n as u64) as usize
+    }
+}
+
+/// A stack of `count` random `[rows, cols]` matrices quantised with MLX's algorithm; scales and biases
+/// stored as `dtype` ("bf16", "f16" or "f32", converted from the quantiser's bf16).
+fn affine_matrix(rng: &mut Rng, count: usize, rows: usize, cols: usize, bits: u32, gs: usize, dtype: &str) -> Matrix {
+    // Rows with different spreads so per-row/per-group scales matter.
+    let mut w = Vec::with_capacity(count * rows * cols);
+    for _ in 0..count * rows {
+        let amp = 0.05 + rng.f32().abs();
+        let off = 0.3 * rng.f32();
+        w.extend((0..cols).map(|_| bf16::from_f32(off + amp * rng.f32())));
+    }
+    let q = quantize_bf16(&w, cols, AffineParams::new(bits, gs));
+    let conv = |v: Vec<bf16>| match dtype {
+        "bf16" => FloatBuf::Bf16(Buf::owned(v)),
+        "f16" => FloatBuf::F16(Buf::owned(v.iter().map(|x| f16::from_f32(x.to_f32())).collect())),
+        "f32" => FloatBuf::F32(Buf::owned(v.iter().map(|x| x.to_f32()).collect())),
+        _ => unreachable!(),
+    };
+    Matrix {
+        count,
+        rows,
+        cols,
+        storage: Storage::Affine {
+            params: AffineParams::new(bits, gs),
+            packed: Buf::owned(q.packed),
+            scales: conv(q.scales),
+            biases: conv(q.biases),
+        },
+    }
+}
+
+fn dense_matrix(rng: &mut Rng, count: usize, rows: usize, cols: usize) -> Matrix {
+    let v: Vec<bf16> = (0..count * rows * cols).map(|_| bf16::from_f32(rng.f32())).collect();
+    Matrix { count, rows, cols, storage: Storage::Dense(FloatBuf::Bf16(Buf::owned(v))) }
+}
+
+/// What the device holds for a float (scales/biases/dense values become bf16).
+fn as_bf16(v: f32) -> f64 {
+    bf16::from_f32(v).to_f32() as f64
+}
+
+/// Row `r` of matrix `m`, dequantised exactly (f64) from the values the GPU sees.
+fn ref_row(w: &Matrix, m: usize, r: usize) -> Vec<f64> {
+    let row = m * w.rows + r;
+    match &w.storage {
+        Storage::Dense(d) => (0..w.cols).map(|c| as_bf16(d.get(row * w.cols + c))).collect(),
+        Storage::Affine { params, packed, scales, biases } => {
+            let (bits, gs) = (params.bits, params.group_size);
+            let words = w.cols * bits as usize / 32;
+            let groups = w.cols / gs;
+            (0..w.cols)
+                .map(|c| {
+                    let q = lily_model::affine::code(&packed[row * words..(row + 1) * words], c, bits) as f64;
+                    let g = row * groups + c / gs;
+                    as_bf16(scales.get(g)) * q + as_bf16(biases.get(g))
+                })
+                .collect()
+        }
+    }
+}
+
+/// `W_m x` in f64.
+fn ref_gemv(w: &Matrix, m: usize, x: &[f32]) -> Vec<f64> {
+    (0..w.rows).map(|r| ref_row(w, m, r).iter().zip(x).map(|(a, b)| a * *b as f64).sum()).collect()
+}
+
+fn silu64(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+/// max |got - want| / max |want|, after checking every element was written (no NaN).
+fn rel_err(got: &[f32], want: &[f64], what: &str) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        panic!("{what}: element {i} of {} not written (or not finite): {}", got.len(), got[i]);
+    }
+    let scale = want.iter().fold(0.0f64, |a, b| a.max(b.abs())).max(1e-30);
+    got.iter().zip(want).fold(0.0f64, |a, (g, w)| a.max((*g as f64 - w).abs())) / scale
+}
+
+fn check(got: &[f32], want: &[f64], tol: f64, what: &str) -> f64 {
+    let e = rel_err(got, want, what);
+    assert!(e <= tol, "{what}: relative max error {e:.3e} > {tol:.0e}");
+    e
+}
+
+/// A device buffer of `n` NaNs (the poison).
+fn poisoned(dev: &Device, n: usize) -> CudaSlice<f32> {
+    let mut y = dev.zeros::<f32>(n).unwrap();
+    util::fill(dev, &mut y, f32::NAN).unwrap();
+    y
+}
+
+/// Tolerance of the f32 GEMV paths against the exact f64 result, relative to the largest output.
+/// Measured errors are ~1e-7; a wrong code, group or row shows up as >1e-2.
+const GEMV_TOL: f64 = 1e-5;
+
+// ---------------------------------------------------------------------------------------------------
+// Device and upload
+
+#[test]
+fn device_opens_and_loads_every_kernel() {
+    let Some(dev) = device() else { return };
+    let info = dev.info();
+    println!("{} (sm_{}{}), {} SMs, {:.1} GiB", info.name, info.compute_capability.0, info.compute_capability.1, dev.sm_count(), info.total_memory as f64 / (1u64 << 30) as f64);
+    let sources = dev.kernel_sources();
+    let names: Vec<&str> = sources.iter().map(|(n, _)| *n).collect();
+    for m in ["affine_gemv", "embed", "rmsnorm", "util"] {
+        assert!(names.contains(&m), "module {m} not loaded: {names:?}");
+    }
+    assert!(sources.iter().all(|(_, s)| **s == KernelSource::Embedded));
+    assert!(dev.function("affine_gemv_q4_t32_u2r4").is_ok());
+    assert!(dev.function("affine_gemv_async_q4_t32_u2r2").is_ok());
+    assert!(dev.function("no_such_kernel").is_err());
+}
+
+#[test]
+fn kernel_dir_override_loads_files() {
+    let Some(_) = device() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    // Only rmsnorm comes from the directory; the rest fall back to the embedded cubins.
+    let (_, bytes) = lily_cuda::embedded_cubins().iter().find(|(n, _)| *n == "rmsnorm").unwrap();
+    std::fs::write(dir.path().join("rmsnorm.sm_90a.cubin"), bytes).unwrap();
+    let dev = Device::open_with_kernel_dir(0, Some(dir.path())).unwrap();
+    for (name, src) in dev.kernel_sources() {
+        match name {
+            "rmsnorm" => assert_eq!(*src, KernelSource::File(dir.path().join("rmsnorm.sm_90a.cubin"))),
+            _ => assert_eq!(*src, KernelSource::Embedded, "{name}"),
+        }
+    }
+    // The file-loaded module works.
+    let mut rng = Rng::new(11);
+    let (x, w) = (rng.vec(256), rng.vec(256));
+    let (xd, wd) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+    let mut y = poisoned(&dev, 256);
+    rmsnorm::rms_norm(&dev, &xd, &wd, 1e-6, 1, &mut y).unwrap();
+    let mut want = vec![0.0; 256];
+    lily_cpu::norm::rms_norm(&x, &w, 1e-6, &mut want);
+    check(&dev.download(&y).unwrap(), &want.iter().map(|v| *v as f64).collect::<Vec<_>>(), 1e-5, "rmsnorm from file");
+
+    // A corrupt file is a clean error naming the module; a missing directory too.
+    std::fs::write(dir.path().join("rmsnorm.sm_90a.cubin"), b"not a cubin").unwrap();
+    let err = Device::open_with_kernel_dir(0, Some(dir.path())).unwrap_err().to_string();
+    assert!(err.contains("rmsnorm"), "{err}");
+    let err = Device::open_with_kernel_dir(0, Some(&dir.path().join("nope"))).unwrap_err().to_string();
+    assert!(err.contains("does not exist"), "{err}");
+}
+
+#[test]
+fn upload_roundtrip_through_small_chunks() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(1);
+    // 1000-byte chunks (rounded to 1008): every array crosses many chunk boundaries at odd offsets.
+    let mut up = Uploader::with_chunk_bytes(&dev, 1000).unwrap();
+    for (dtype, bits, gs) in [("bf16", 4, 64), ("f16", 8, 32), ("f32", 4, 128)] {
+        let m = affine_matrix(&mut rng, 3, 37, 256, bits, gs, dtype);
+        let d = up.upload_matrix(&m).unwrap();
+        assert_eq!((d.count, d.rows, d.cols, d.bits(), d.group_size()), (3, 37, 256, bits, Some(gs)));
+        let (Storage::Affine { packed, scales, biases, .. }, DeviceStorage::Affine { packed: dp, scales: ds, biases: db, .. }) =
+            (&m.storage, &d.storage)
+        else {
+            panic!()
+        };
+        assert_eq!(dev.download(dp).unwrap(), packed.to_vec(), "{dtype} packed");
+        // Scales and biases carry SCALE_PAD zeros after the real values.
+        let want = |f: &FloatBuf| {
+            let mut v: Vec<bf16> = (0..f.len()).map(|i| bf16::from_f32(f.get(i))).collect();
+            v.extend(std::iter::repeat_n(bf16::ZERO, lily_cuda::weights::SCALE_PAD));
+            v
+        };
+        assert_eq!(dev.download(ds).unwrap(), want(scales), "{dtype} scales");
+        assert_eq!(dev.download(db).unwrap(), want(biases), "{dtype} biases");
+    }
+    let f32_dense = Matrix { count: 1, rows: 5, cols: 77, storage: Storage::Dense(FloatBuf::F32(Buf::owned(rng.vec(5 * 77)))) };
+    let d = up.upload_matrix(&f32_dense).unwrap();
+    let DeviceStorage::Dense { data } = &d.storage else { panic!() };
+    let Storage::Dense(src) = &f32_dense.storage else { panic!() };
+    let want: Vec<bf16> = (0..src.len()).map(|i| bf16::from_f32(src.get(i))).collect();
+    assert_eq!(dev.download(data).unwrap(), want);
+    up.finish().unwrap();
+
+    // Inconsistent shapes are refused.
+    let mut bad = affine_matrix(&mut rng, 1, 4, 64, 4, 64, "bf16");
+    bad.rows = 5;
+    assert!(upload_matrix(&dev, &bad).is_err());
+}
+
+// ---------------------------------------------------------------------------------------------------
+// GEMV
+
+/// One plain GEMV against the f64 reference (and lily-cpu); returns the GPU error.
+fn gemv_case(dev: &Device, rng: &mut Rng, w: &Matrix, dw: &DeviceMatrix, m: usize, decode: Q4Decode, label: &str) -> f64 {
+    let x = rng.vec(w.cols);
+    let xd = dev.upload(&x).unwrap();
+    let mut y = poisoned(dev, w.rows);
+    affine_gemv::gemv_with(dev, dw, Select::matrix(m), &xd, false, &mut y, decode).unwrap();
+    let got = dev.download(&y).unwrap();
+    let want = ref_gemv(w, m, &x);
+    let cpu: Vec<f32> = lily_cpu::linear::matmul_new(w, m, &x);
+    // lily-cpu dequantises from the stored (possibly f32/f16) scales; the device holds bf16. Only compare
+    // it when they agree, i.e. for bf16 storage.
+    if matches!(&w.storage, Storage::Affine { scales: FloatBuf::Bf16(_), .. } | Storage::Dense(FloatBuf::Bf16(_))) {
+        check(&cpu, &want, GEMV_TOL, &format!("{label} (lily-cpu vs f64)"));
+    }
+    check(&got, &want, GEMV_TOL, label)
+}
+
+#[test]
+fn gemv_affine_every_bits_and_group() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(2);
+    let mut worst = 0.0f64;
+    // (rows, cols): rows not multiples of a block's rows; cols giving 1..128 chunks per row (every TPR,
+    // idle lanes, and lanes with more chunks than others).
+    let shapes: &[(usize, usize)] = &[(1, 128), (3, 256), (37, 512), (100, 1024), (259, 2048), (61, 4096), (17, 8192)];
+    for bits in [4u32, 8] {
+        for gs in [32usize, 64, 128] {
+            let mut cases: Vec<(usize, usize)> = shapes.to_vec();
+            if gs == 32 {
+                cases.extend([(5, 32), (9, 96), (33, 1056)]);
+            }
+            for &(rows, cols) in &cases {
+                let count = if rows < 50 { 3 } else { 1 };
+                let w = affine_matrix(&mut rng, count, rows, cols, bits, gs, "bf16");
+                let dw = upload_matrix(&dev, &w).unwrap();
+                let m = count - 1;
+                let decodes: &[Q4Decode] = if bits == 4 { &[Q4Decode::Fast, Q4Decode::Exact] } else { &[Q4Decode::Fast] };
+                for &d in decodes {
+                    let e = gemv_case(&dev, &mut rng, &w, &dw, m, d, &format!("q{bits} g{gs} [{count}x{rows}x{cols}] m={m} {d:?}"));
+                    worst = worst.max(e);
+                }
+            }
+        }
+    }
+    // Scales stored as f16/f32 in the checkpoint become bf16 on the device.
+    for dtype in ["f16", "f32"] {
+        let w = affine_matrix(&mut rng, 1, 70, 512, 4, 64, dtype);
+        let dw = upload_matrix(&dev, &w).unwrap();
+        worst = worst.max(gemv_case(&dev, &mut rng, &w, &dw, 0, Q4Decode::Fast, &format!("q4 g64 {dtype} scales")));
+    }
+    println!("gemv affine: worst relative error {worst:.2e} (tolerance {GEMV_TOL:.0e})");
+}
+
+#[test]
+fn gemv_dense_bf16() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(3);
+    let mut worst = 0.0f64;
+    for &(rows, cols) in &[(1, 8), (7, 24), (130, 520), (257, 2048), (33, 4096)] {
+        let w = dense_matrix(&mut rng, 2, rows, cols);
+        let dw = upload_matrix(&dev, &w).unwrap();
+        worst = worst.max(gemv_case(&dev, &mut rng, &w, &dw, 1, Q4Decode::Fast, &format!("bf16 [{rows}x{cols}]")));
+    }
+    // cols not a multiple of 8 is refused, not silently wrong.
+    let w = dense_matrix(&mut rng, 1, 4, 12);
+    let dw = upload_matrix(&dev, &w).unwrap();
+    let x = dev.upload(&rng.vec(12)).unwrap();
+    let mut y = poisoned(&dev, 4);
+    assert!(affine_gemv::gemv(&dev, &dw, Select::matrix(0), &x, false, &mut y).is_err());
+    println!("gemv bf16: worst relative error {worst:.2e}");
+}
+
+#[test]
+fn gemv_indexed_experts() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(4);
+    let mut worst = 0.0f64;
+    let idx_host: Vec<u32> = vec![3, 15, 0, 3, 7, 12, 1, 9];
+    let idx = dev.upload(&idx_host).unwrap();
+    let slots = idx_host.len();
+    // (bits, gs, rows, cols, x per slot): gate/up-like (shared x) and down-like (x per slot).
+    let cases = [(4, 64, 200, 512, false), (4, 64, 300, 256, true), (8, 32, 64, 1024, false), (16, 0, 45, 264, true), (4, 128, 513, 2048, false)];
+    for (bits, gs, rows, cols, per_slot) in cases {
+        let w = if bits == 16 { dense_matrix(&mut rng, 16, rows, cols) } else { affine_matrix(&mut rng, 16, rows, cols, bits, gs, "bf16") };
+        let dw = upload_matrix(&dev, &w).unwrap();
+        let x = rng.vec(if per_slot { slots * cols } else { cols });
+        let xd = dev.upload(&x).unwrap();
+        let mut y = poisoned(&dev, slots * rows);
+        affine_gemv::gemv(&dev, &dw, Select::indexed(&dev, &idx), &xd, per_slot, &mut y).unwrap();
+        let got = dev.download(&y).unwrap();
+        let mut want = Vec::new();
+        for (k, &e) in idx_host.iter().enumerate() {
+            let xk = if per_slot { &x[k * cols..(k + 1) * cols] } else { &x[..] };
+            want.extend(ref_gemv(&w, e as usize, xk));
+        }
+        worst = worst.max(check(&got, &want, GEMV_TOL, &format!("indexed q{bits} g{gs} [16x{rows}x{cols}] per_slot={per_slot}")));
+    }
+
+    // An index past the stack gives NaN rows for that slot only.
+    let w = affine_matrix(&mut rng, 4, 40, 256, 4, 64, "bf16");
+    let dw = upload_matrix(&dev, &w).unwrap();
+    let idx_bad = dev.upload(&[2u32, 4, 0]).unwrap();
+    let x = rng.vec(256);
+    let xd = dev.upload(&x).unwrap();
+    let mut y = poisoned(&dev, 3 * 40);
+    util::fill(&dev, &mut y, 0.5).unwrap();
+    affine_gemv::gemv(&dev, &dw, Select::indexed(&dev, &idx_bad), &xd, false, &mut y).unwrap();
+    let got = dev.download(&y).unwrap();
+    assert!(got[40..80].iter().all(|v| v.is_nan()), "slot with index 4 of 4 must be NaN");
+    check(&got[..40], &ref_gemv(&w, 2, &x), GEMV_TOL, "slot 0 next to a bad index");
+    check(&got[80..], &ref_gemv(&w, 0, &x), GEMV_TOL, "slot 2 next to a bad index");
+    println!("gemv indexed: worst relative error {worst:.2e}");
+}
+
+#[test]
+fn swiglu_matches_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(5);
+    let mut worst = 0.0f64;
+    let idx_host: Vec<u32> = vec![5, 0, 9, 5, 2];
+    let idx = dev.upload(&idx_host).unwrap();
+    for (bits, gs, rows, cols) in [(4, 64, 96, 2048), (8, 32, 33, 512), (4, 32, 7, 96), (16, 0, 50, 1024)] {
+        let mk = |rng: &mut Rng| if bits == 16 { dense_matrix(rng, 10, rows, cols) } else { affine_matrix(rng, 10, rows, cols, bits, gs, "bf16") };
+        let (g, u) = (mk(&mut rng), mk(&mut rng));
+        let (dg, du) = (upload_matrix(&dev, &g).unwrap(), upload_matrix(&dev, &u).unwrap());
+        let x = rng.vec(cols);
+        let xd = dev.upload(&x).unwrap();
+        // Indexed (MoE gate+up) ...
+        let mut y = poisoned(&dev, idx_host.len() * rows);
+        affine_gemv::swiglu(&dev, &dg, &du, Select::indexed(&dev, &idx), &xd, false, &mut y).unwrap();
+        let got = dev.download(&y).unwrap();
+        let mut want = Vec::new();
+        for &e in &idx_host {
+            let (a, b) = (ref_gemv(&g, e as usize, &x), ref_gemv(&u, e as usize, &x));
+            want.extend(a.iter().zip(&b).map(|(a, b)| silu64(*a) * b));
+        }
+        worst = worst.max(check(&got, &want, GEMV_TOL, &format!("swiglu indexed q{bits} g{gs} [{rows}x{cols}]")));
+        // ... and one matrix (shared expert).
+        let mut y = poisoned(&dev, rows);
+        affine_gemv::swiglu(&dev, &dg, &du, Select::matrix(7), &xd, false, &mut y).unwrap();
+        let (a, b) = (ref_gemv(&g, 7, &x), ref_gemv(&u, 7, &x));
+        let want: Vec<f64> = a.iter().zip(&b).map(|(a, b)| silu64(*a) * b).collect();
+        worst = worst.max(check(&dev.download(&y).unwrap(), &want, GEMV_TOL, &format!("swiglu m=7 q{bits} g{gs}")));
+    }
+    // Mismatched gate/up are refused.
+    let g = upload_matrix(&dev, &affine_matrix(&mut rng, 1, 8, 64, 4, 64, "bf16")).unwrap();
+    let u = upload_matrix(&dev, &affine_matrix(&mut rng, 1, 8, 64, 4, 32, "bf16")).unwrap();
+    let x = dev.upload(&rng.vec(64)).unwrap();
+    let mut y = poisoned(&dev, 8);
+    assert!(affine_gemv::swiglu(&dev, &g, &u, Select::matrix(0), &x, false, &mut y).is_err());
+    println!("swiglu: worst relative error {worst:.2e}");
+}
+
+#[test]
+fn gemv_every_variant() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(9);
+    let mut worst = 0.0f64;
+    // Rows of 3..256 chunks (tails inside a batch, several batches) through every kernel and (U, NR).
+    let shapes = [(4, 64, 77, 2048), (4, 32, 29, 1056), (8, 128, 41, 4096), (16, 0, 19, 2056), (4, 32, 13, 96), (8, 64, 70, 256), (4, 64, 9, 512)];
+    for (bits, gs, rows, cols) in shapes {
+        let w = if bits == 16 { dense_matrix(&mut rng, 2, rows, cols) } else { affine_matrix(&mut rng, 2, rows, cols, bits, gs, "bf16") };
+        let dw = upload_matrix(&dev, &w).unwrap();
+        let x = rng.vec(cols);
+        let xd = dev.upload(&x).unwrap();
+        let want = ref_gemv(&w, 1, &x);
+        for variant in [1, 2, 3, 4, 8, 5, 6, 7] {
+            let mut y = poisoned(&dev, rows);
+            affine_gemv::gemv_tuned(&dev, &dw, Select::matrix(1), &xd, false, &mut y, Q4Decode::Fast, variant).unwrap();
+            worst = worst.max(check(&dev.download(&y).unwrap(), &want, GEMV_TOL, &format!("q{bits} [{rows}x{cols}] variant {variant}")));
+        }
+        let u = if bits == 16 { dense_matrix(&mut rng, 2, rows, cols) } else { affine_matrix(&mut rng, 2, rows, cols, bits, gs, "bf16") };
+        let du = upload_matrix(&dev, &u).unwrap();
+        let up = ref_gemv(&u, 0, &x);
+        let want_sw: Vec<f64> = ref_gemv(&w, 0, &x).iter().zip(&up).map(|(a, b)| silu64(*a) * b).collect();
+        for variant in [1, 2, 3, 8, 5, 6, 7] {
+            let mut y = poisoned(&dev, rows);
+            affine_gemv::swiglu_tuned(&dev, &dw, &du, Select::matrix(0), &xd, false, &mut y, variant).unwrap();
+            worst = worst.max(check(&dev.download(&y).unwrap(), &want_sw, GEMV_TOL, &format!("swiglu q{bits} [{rows}x{cols}] variant {variant}")));
+        }
+    }
+    println!("gemv variants: worst relative error {worst:.2e}");
+}
+
+#[test]
+fn gemv_rejects_bad_lengths() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(6);
+    let w = affine_matrix(&mut rng, 2, 16, 128, 4, 64, "bf16");
+    let dw = upload_matrix(&dev, &w).unwrap();
+    let x = dev.upload(&rng.vec(127)).unwrap();
+    let mut y = poisoned(&dev, 16);
+    assert!(affine_gemv::gemv(&dev, &dw, Select::matrix(0), &x, false, &mut y).is_err(), "short x");
+    let x = dev.upload(&rng.vec(128)).unwrap();
+    let mut y_short = poisoned(&dev, 15);
+    assert!(affine_gemv::gemv(&dev, &dw, Select::matrix(0), &x, false, &mut y_short).is_err(), "short y");
+    assert!(affine_gemv::gemv(&dev, &dw, Select::matrix(2), &x, false, &mut y).is_err(), "matrix past the stack");
+    let idx = dev.upload(&[0u32, 1]).unwrap();
+    assert!(affine_gemv::gemv(&dev, &dw, Select::indexed(&dev, &idx), &x, true, &mut y).is_err(), "per-slot x too short");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// RMSNorm
+
+#[test]
+fn rmsnorm_matches_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(7);
+    let mut worst = 0.0f64;
+    for &n in &[2048usize, 256, 128, 250, 4096, 7] {
+        for &rows in &[1usize, 5] {
+            let eps = 1e-6;
+            let (x, w, r) = (rng.vec(rows * n), rng.vec(n), rng.vec(rows * n));
+            let (xd, wd) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+            // Plain.
+            let mut y = poisoned(&dev, rows * n);
+            rmsnorm::rms_norm(&dev, &xd, &wd, eps, rows, &mut y).unwrap();
+            let mut want = vec![0.0f32; rows * n];
+            lily_cpu::norm::rms_norm(&x, &w, eps, &mut want);
+            let want64: Vec<f64> = want.iter().map(|v| *v as f64).collect();
+            worst = worst.max(check(&dev.download(&y).unwrap(), &want64, 1e-5, &format!("rmsnorm n={n} rows={rows}")));
+            // Fused residual, in place.
+            let mut rd = dev.upload(&r).unwrap();
+            let mut y = poisoned(&dev, rows * n);
+            rmsnorm::add_rms_norm(&dev, &xd, &mut rd, &wd, eps, rows, &mut y).unwrap();
+            let h: Vec<f32> = x.iter().zip(&r).map(|(a, b)| a + b).collect();
+            assert_eq!(dev.download(&rd).unwrap(), h, "residual stream n={n}");
+            lily_cpu::norm::rms_norm(&h, &w, eps, &mut want);
+            let want64: Vec<f64> = want.iter().map(|v| *v as f64).collect();
+            worst = worst.max(check(&dev.download(&y).unwrap(), &want64, 1e-5, &format!("add_rmsnorm n={n} rows={rows}")));
+        }
+    }
+    // A misaligned view (offset by one float) takes the scalar path and is still right.
+    let n = 512;
+    let (x, w) = (rng.vec(n + 1), rng.vec(n));
+    let (xd, wd) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+    let mut y = poisoned(&dev, n);
+    rmsnorm::rms_norm(&dev, &xd.slice(1..), &wd, 1e-6, 1, &mut y).unwrap();
+    let mut want = vec![0.0f32; n];
+    lily_cpu::norm::rms_norm(&x[1..], &w, 1e-6, &mut want);
+    let want64: Vec<f64> = want.iter().map(|v| *v as f64).collect();
+    check(&dev.download(&y).unwrap(), &want64, 1e-5, "rmsnorm misaligned");
+    println!("rmsnorm: worst relative error {worst:.2e}");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Embedding
+
+#[test]
+fn embed_matches_cpu_bit_for_bit() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(8);
+    let mut tables: Vec<Matrix> = Vec::new();
+    for bits in [4u32, 8] {
+        for gs in [32usize, 64, 128] {
+            tables.push(affine_matrix(&mut rng, 1, 301, 384, bits, gs, "bf16"));
+        }
+    }
+    tables.push(dense_matrix(&mut rng, 1, 301, 200));
+    for t in &tables {
+        let dt = upload_matrix(&dev, t).unwrap();
+        let mut ids: Vec<u32> = (0..40).map(|_| rng.below(t.rows) as u32).collect();
+        ids.extend([0, t.rows as u32 - 1, ids[3]]);
+        let idd = dev.upload(&ids).unwrap();
+        let mut out = poisoned(&dev, ids.len() * t.cols);
+        embed::embed(&dev, &dt, &idd, &mut out).unwrap();
+        let got = dev.download(&out).unwrap();
+        let mut want = vec![0.0f32; ids.len() * t.cols];
+        for (i, &id) in ids.iter().enumerate() {
+            lily_cpu::linear::embed_row(t, id as usize, &mut want[i * t.cols..(i + 1) * t.cols]);
+        }
+        assert!(got.iter().all(|v| v.is_finite()), "every element written");
+        assert_eq!(got, want, "embed {}-bit g{:?}", dt.bits(), dt.group_size());
+    }
+    // An output that is not 16-byte aligned takes the scalar stores.
+    let dt = upload_matrix(&dev, &tables[1]).unwrap();
+    let ids: Vec<u32> = (0..9).map(|_| rng.below(301) as u32).collect();
+    let idd = dev.upload(&ids).unwrap();
+    let mut out = poisoned(&dev, 1 + ids.len() * 384);
+    embed::embed(&dev, &dt, &idd, &mut out.slice_mut(1..)).unwrap();
+    let got = dev.download(&out).unwrap();
+    let mut want = vec![0.0f32; ids.len() * 384];
+    for (i, &id) in ids.iter().enumerate() {
+        lily_cpu::linear::embed_row(&tables[1], id as usize, &mut want[i * 384..(i + 1) * 384]);
+    }
+    assert_eq!(&got[1..], &want[..], "embed into a misaligned view");
+
+    // An id past the table gives a NaN row, the others are unaffected.
+    let dt = upload_matrix(&dev, &tables[0]).unwrap();
+    let idd = dev.upload(&[5u32, 301, 7]).unwrap();
+    let mut out = poisoned(&dev, 3 * 384);
+    util::fill(&dev, &mut out, 0.25).unwrap();
+    embed::embed(&dev, &dt, &idd, &mut out).unwrap();
+    let got = dev.download(&out).unwrap();
+    assert!(got[384..768].iter().all(|v| v.is_nan()));
+    let mut want = vec![0.0f32; 384];
+    lily_cpu::linear::embed_row(&tables[0], 7, &mut want);
+    assert_eq!(&got[768..], &want[..]);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Timing table (run with `--ignored bench_ops`; tools/gpu_check.sh does)
+
+const PEAK: f64 = 4.3e12; // bytes/s: the H200's sustained device-to-device copy rate measured here
+
+/// Random stack of `count` `[rows, cols]` affine matrices built directly (no quantiser: benchmarks only
+/// need realistic, non-zero bytes).
+fn bench_affine(up: &mut Uploader, rng: &mut Rng, count: usize, rows: usize, cols: usize, bits: u32, gs: usize) -> DeviceMatrix {
+    let n = count * rows * cols;
+    let packed: Vec<u32> = (0..n * bits as usize / 32).map(|_| rng.u64() as u32).collect();
+    let scales: Vec<bf16> = (0..n / gs).map(|_| bf16::from_f32(0.002 + 0.01 * rng.f32().abs())).collect();
+    let biases: Vec<bf16> = (0..n / gs).map(|_| bf16::from_f32(-0.05 * rng.f32())).collect();
+    up.upload_matrix(&Matrix {
+        count,
+        rows,
+        cols,
+        storage: Storage::Affine {
+            params: AffineParams::new(bits, gs),
+            packed: Buf::owned(packed),
+            scales: FloatBuf::Bf16(Buf::owned(scales)),
+            biases: FloatBuf::Bf16(Buf::owned(biases)),
+        },
+    })
+    .unwrap()
+}
+
+/// Times `op(i)` (i = 0, 1, ...): `reps` batches of `batch` back-to-back launches queued behind a GPU
+/// spin, each batch between two CUDA events. Returns the median per-launch time in seconds, and the
+/// spread (max/min batch) for judging noise.
+fn time_op(dev: &Device, reps: usize, batch: usize, mut op: impl FnMut(usize)) -> (f64, f64) {
+    use cudarc::driver::sys::CUevent_flags;
+    for i in 0..3 * batch {
+        op(i); // warm-up
+    }
+    dev.synchronize().unwrap();
+    let ctx = dev.context();
+    let events: Vec<_> = (0..2 * reps).map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap()).collect();
+    util::spin(dev, 30_000_000).unwrap(); // 30 ms: the host queues everything meanwhile
+    let mut i = 0;
+    for r in 0..reps {
+        events[2 * r].record(dev.stream()).unwrap();
+        for _ in 0..batch {
+            op(i);
+            i += 1;
+        }
+        events[2 * r + 1].record(dev.stream()).unwrap();
+    }
+    dev.synchronize().unwrap();
+    let mut t: Vec<f64> = (0..reps).map(|r| events[2 * r].elapsed_ms(&events[2 * r + 1]).unwrap() as f64 * 1e-3 / batch as f64).collect();
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (t[reps / 2], t[reps - 1] / t[0])
+}
+
+struct Row {
+    kernel: String,
+    shape: String,
+    bytes: f64,
+    t: f64,
+    spread: f64,
+}
+
+#[test]
+#[ignore = "timing; run on the GPU machine via tools/gpu_check.sh"]
+fn bench_ops() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(42);
+    let mut rows_out: Vec<Row> = Vec::new();
+    let mut up = Uploader::new(&dev).unwrap();
+    const ROTATE_BYTES: usize = 320 << 20; // > 5x the 60 MB L2: every launch reads from HBM
+
+    // Ceiling: device-to-device copy of 1 GiB (bytes read + written).
+    {
+        let n = 1usize << 28;
+        let a = dev.zeros::<f32>(n).unwrap();
+        let mut b = dev.zeros::<f32>(n).unwrap();
+        let (t, s) = time_op(&dev, 9, 2, |_| dev.stream().memcpy_dtod(&a, &mut b).unwrap());
+        rows_out.push(Row { kernel: "memcpy d2d (ceiling)".into(), shape: "1 GiB".into(), bytes: 2.0 * (n * 4) as f64, t, spread: s });
+    }
+
+    // Upload rate through the pinned stager (host random data already generated).
+    {
+        let n = 256usize << 20;
+        let host: Vec<u32> = (0..n / 4).map(|_| rng.u64() as u32).collect();
+        let t0 = std::time::Instant::now();
+        let d = up.upload(&host).unwrap();
+        dev.synchronize().unwrap();
+        let t = t0.elapsed().as_secs_f64();
+        println!("upload: {} MiB through 2 x 64 MiB pinned buffers in {:.1} ms = {:.1} GB/s", n >> 20, t * 1e3, n as f64 / t / 1e9);
+        drop(d);
+        // Where the time goes: host copy into pinned memory (write-combined, and plain), and the DMA alone.
+        let chunk = 64usize << 20;
+        let ctx = dev.context();
+        for (label, flags) in [("write-combined", cudarc::driver::sys::CU_MEMHOSTALLOC_WRITECOMBINED), ("plain", 0)] {
+            let mut pinned = unsafe { ctx.alloc_pinned_with_flags::<u8>(chunk, flags) }.unwrap();
+            let src: &[u8] = unsafe { std::slice::from_raw_parts(host.as_ptr() as *const u8, chunk) };
+            let t0 = std::time::Instant::now();
+            for _ in 0..4 {
+                pinned.as_mut_slice().unwrap().copy_from_slice(src);
+            }
+            let fill = t0.elapsed().as_secs_f64() / 4.0;
+            let mut dst = dev.zeros::<u8>(chunk).unwrap();
+            dev.synchronize().unwrap();
+            let t0 = std::time::Instant::now();
+            for _ in 0..4 {
+                dev.stream().memcpy_htod(&pinned, &mut dst).unwrap();
+            }
+            dev.synchronize().unwrap();
+            let dma = t0.elapsed().as_secs_f64() / 4.0;
+            println!(
+                "upload parts ({label} pinned, 64 MiB): host copy {:.1} GB/s, DMA {:.1} GB/s",
+                chunk as f64 / fill / 1e9,
+                chunk as f64 / dma / 1e9
+            );
+        }
+    }
+
+    // Plain GEMVs over model shapes, rotating over a stack larger than L2.
+    let dense_cases: &[(&str, usize, usize, u32, usize)] = &[
+        ("in_proj_qkv / q_proj", 8192, 2048, 4, 64),
+        ("2048 x 8192", 2048, 8192, 4, 64),
+        ("in_proj_z", 4096, 2048, 4, 64),
+        ("out_proj / o_proj", 2048, 4096, 4, 64),
+        ("router (8-bit)", 256, 2048, 8, 64),
+        ("lm_head", 248320, 2048, 4, 64),
+    ];
+    for &(label, rows, cols, bits, gs) in dense_cases {
+        let per = rows * cols * bits as usize / 8 + 4 * rows * cols / gs;
+        let count = ROTATE_BYTES.div_ceil(per).max(1);
+        let w = bench_affine(&mut up, &mut rng, count, rows, cols, bits, gs);
+        let x = dev.upload(&rng.vec(cols)).unwrap();
+        let mut y = dev.zeros::<f32>(rows).unwrap();
+        let bytes = (w.bytes_per_matrix() + 4 * cols + 4 * rows) as f64;
+        // (decode, forced kernel): 0 = automatic (pipelined), 8 = register kernel, 5..=7 = pipelined
+        // with (U, NR) = (1, 4), (2, 2), (4, 1); 1..=4 = register kernel with (1, 8), (2, 4), (4, 2), (8, 1).
+        let variants: Vec<(Q4Decode, u32)> = if bits == 4 && (rows == 8192 || rows == 248320 || cols == 8192) {
+            let mut v = vec![(Q4Decode::Fast, 0), (Q4Decode::Fast, 8), (Q4Decode::Fast, 5), (Q4Decode::Fast, 6), (Q4Decode::Fast, 7)];
+            if rows == 248320 {
+                v.push((Q4Decode::Exact, 0));
+            }
+            v
+        } else {
+            vec![(Q4Decode::Fast, 0), (Q4Decode::Fast, 8)]
+        };
+        for (d, forced) in variants {
+            let (reps, batch) = if rows > 100_000 { (15, 4) } else { (25, 20) };
+            let (t, s) = time_op(&dev, reps, batch, |i| {
+                affine_gemv::gemv_tuned(&dev, &w, Select::matrix(i % count), &x, false, &mut y, d, forced).unwrap()
+            });
+            let kernel = match (bits, d, forced) {
+                (4, Q4Decode::Exact, _) => "gemv q4 exact (reg)".to_string(),
+                (_, _, 0) => format!("gemv q{bits}"),
+                (_, _, 8) => format!("gemv q{bits} reg"),
+                (_, _, f) => format!("gemv q{bits} async {}", ["u1r4", "u2r2", "u4r1"][f as usize - 5]),
+            };
+            rows_out.push(Row { kernel, shape: format!("{label} {rows}x{cols} g{gs}"), bytes, t, spread: s });
+        }
+    }
+
+    // MoE decode: 8 of 256 experts per launch, indices on the device (64 random sets rotated).
+    {
+        let (e, inter, hidden, k) = (256usize, 512usize, 2048usize, 8usize);
+        let sets: Vec<CudaSlice<u32>> = (0..64)
+            .map(|_| {
+                let mut s: Vec<u32> = Vec::new();
+                while s.len() < k {
+                    let v = rng.below(e) as u32;
+                    if !s.contains(&v) {
+                        s.push(v);
+                    }
+                }
+                dev.upload(&s).unwrap()
+            })
+            .collect();
+        let gate = bench_affine(&mut up, &mut rng, e, inter, hidden, 4, 64);
+        let upm = bench_affine(&mut up, &mut rng, e, inter, hidden, 4, 64);
+        let down = bench_affine(&mut up, &mut rng, e, hidden, inter, 4, 64);
+        let x = dev.upload(&rng.vec(hidden)).unwrap();
+        let act = dev.upload(&rng.vec(k * inter)).unwrap();
+        let mut y1 = dev.zeros::<f32>(k * inter).unwrap();
+        let mut y2 = dev.zeros::<f32>(k * hidden).unwrap();
+        let b_gate = (k * gate.bytes_per_matrix() + 4 * hidden + 4 * k * inter) as f64;
+        for forced in [0u32, 8] {
+            let (t, s) = time_op(&dev, 25, 20, |i| {
+                affine_gemv::gemv_tuned(&dev, &gate, Select::indexed(&dev, &sets[i % 64]), &x, false, &mut y1, Q4Decode::Fast, forced)
+                    .unwrap()
+            });
+            let kernel = if forced == 0 { "gemv q4 indexed" } else { "gemv q4 indexed reg" };
+            rows_out.push(Row { kernel: kernel.into(), shape: format!("gate 8 of {e} x {inter}x{hidden}"), bytes: b_gate, t, spread: s });
+        }
+        let b_sw = (2 * k * gate.bytes_per_matrix() + 4 * hidden + 4 * k * inter) as f64;
+        for forced in [0u32, 8] {
+            let (t, s) = time_op(&dev, 25, 20, |i| {
+                affine_gemv::swiglu_tuned(&dev, &gate, &upm, Select::indexed(&dev, &sets[i % 64]), &x, false, &mut y1, forced).unwrap()
+            });
+            let kernel = match forced {
+                0 => "swiglu q4 indexed".to_string(),
+                _ => "swiglu q4 indexed reg".to_string(),
+            };
+            rows_out.push(Row { kernel, shape: format!("gate+up 8 of {e} x {inter}x{hidden}"), bytes: b_sw, t, spread: s });
+        }
+        let b_down = (k * down.bytes_per_matrix() + 4 * k * inter + 4 * k * hidden) as f64;
+        for forced in [0u32, 8] {
+            let (t, s) = time_op(&dev, 25, 20, |i| {
+                affine_gemv::gemv_tuned(&dev, &down, Select::indexed(&dev, &sets[i % 64]), &act, true, &mut y2, Q4Decode::Fast, forced)
+                    .unwrap()
+            });
+            let kernel = if forced == 0 { "gemv q4 indexed, x/slot" } else { "gemv q4 indexed, x/slot reg" };
+            rows_out.push(Row { kernel: kernel.into(), shape: format!("down 8 of {e} x {hidden}x{inter}"), bytes: b_down, t, spread: s });
+        }
+    }
+
+    // Dense bf16 GEMV.
+    {
+        let (rows, cols) = (8192usize, 2048usize);
+        let per = 2 * rows * cols;
+        let count = ROTATE_BYTES.div_ceil(per);
+        let v: Vec<bf16> = (0..count * rows * cols).map(|_| bf16::from_f32(rng.f32())).collect();
+        let w = up.upload_matrix(&Matrix { count, rows, cols, storage: Storage::Dense(FloatBuf::Bf16(Buf::owned(v))) }).unwrap();
+        let x = dev.upload(&rng.vec(cols)).unwrap();
+        let mut y = dev.zeros::<f32>(rows).unwrap();
+        for forced in [0u32, 8] {
+            let (t, s) = time_op(&dev, 25, 20, |i| {
+                affine_gemv::gemv_tuned(&dev, &w, Select::matrix(i % count), &x, false, &mut y, Q4Decode::Fast, forced).unwrap()
+            });
+            let kernel = if forced == 0 { "gemv bf16" } else { "gemv bf16 reg" };
+            rows_out.push(Row { kernel: kernel.into(), shape: format!("{rows}x{cols}"), bytes: (per + 4 * cols + 4 * rows) as f64, t, spread: s });
+        }
+    }
+
+    // RMSNorm and embedding.
+    {
+        let n = 2048;
+        let w = dev.upload(&rng.vec(n)).unwrap();
+        for rows in [1usize, 4096] {
+            let x = dev.upload(&rng.vec(rows * n)).unwrap();
+            let mut r = dev.upload(&rng.vec(rows * n)).unwrap();
+            let mut y = dev.zeros::<f32>(rows * n).unwrap();
+            let (t, s) = time_op(&dev, 25, 20, |_| rmsnorm::add_rms_norm(&dev, &x, &mut r, &w, 1e-6, rows, &mut y).unwrap());
+            rows_out.push(Row { kernel: "add_rmsnorm".into(), shape: format!("{rows}x{n}"), bytes: (4 * rows * n * 4 + 4 * n) as f64, t, spread: s });
+        }
+        let table = bench_affine(&mut up, &mut rng, 1, 248320, 2048, 4, 64);
+        for tokens in [1usize, 4096] {
+            let ids: Vec<u32> = (0..tokens).map(|_| rng.below(248320) as u32).collect();
+            let idd = dev.upload(&ids).unwrap();
+            let mut out = dev.zeros::<f32>(tokens * 2048).unwrap();
+            let (t, s) = time_op(&dev, 25, 20, |_| embed::embed(&dev, &table, &idd, &mut out).unwrap());
+            let bytes = (tokens * (table.bytes_per_matrix() / 248320 + 4 * 2048 + 4)) as f64;
+            rows_out.push(Row { kernel: "embed q4".into(), shape: format!("{tokens} tok of 248320x2048"), bytes, t, spread: s });
+        }
+    }
+    up.finish().unwrap();
+
+    println!();
+    println!("{}, {} SMs; median per launch of back-to-back launches (CUDA events); GB/s = bytes that must move / time", dev.info().name, dev.sm_count());
+    println!("{:<26} {:<40} {:>10} {:>10} {:>9} {:>7} {:>7}", "kernel", "shape", "MB", "time us", "GB/s", "% 4.3T", "spread");
+    for r in &rows_out {
+        let gbs = r.bytes / r.t / 1e9;
+        println!(
+            "{:<26} {:<40} {:>10.2} {:>10.2} {:>9.0} {:>6.1}% {:>7.2}",
+            r.kernel,
+            r.shape,
+            r.bytes / 1e6,
+            r.t * 1e6,
+            gbs,
+            100.0 * r.bytes / r.t / PEAK,
+            r.spread
+        );
+    }
+}
