@@ -192,6 +192,9 @@ impl Backend for CpuModel {
     fn state_len(&self, state: &State) -> usize {
         state.pos
     }
+    fn state_bytes(&self, state: &State) -> usize {
+        state.bytes()
+    }
     fn forward(&mut self, state: &mut State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>, BackendError> {
         self.forward_traced(state, tokens, logits, None)
     }
@@ -200,6 +203,19 @@ impl Backend for CpuModel {
 const MAGIC: &[u8; 8] = b"LILYST01";
 
 impl State {
+    /// Memory held, in bytes.
+    pub fn bytes(&self) -> usize {
+        let floats: usize = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Linear { conv, ssm } => conv.len() + ssm.len(),
+                LayerState::Full(c) => c.k.len() + c.v.len(),
+            })
+            .sum();
+        floats * 4
+    }
+
     /// Writes the state in a small self-describing binary form (little-endian).
     pub fn save(&self, mut out: impl Write) -> std::io::Result<()> {
         out.write_all(MAGIC)?;

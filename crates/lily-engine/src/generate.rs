@@ -1,0 +1,171 @@
+//! The generation loop, the same on every backend: prefill the prompt in chunks (only the last
+//! chunk asks for logits), then decode one token at a time — sample, check the stop conditions,
+//! detokenise incrementally — handing each step's text to the caller, who may cancel.
+
+use std::time::{Duration, Instant};
+
+use lily_model::{Backend, BackendError, Logits};
+use lily_sampler::{Defaults, Finish, Sampler, SamplerError, SamplingParams, StopChecker};
+use lily_tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
+
+/// Prompt tokens per prefill forward call.
+pub const PREFILL_CHUNK: usize = 512;
+
+/// What to generate.
+#[derive(Clone, Debug, Default)]
+pub struct GenSpec {
+    pub sampling: SamplingParams,
+    pub defaults: Defaults,
+    pub stop_strings: Vec<String>,
+    /// Token ids that end generation (the model's EOS ids plus any the request adds).
+    pub stop_ids: Vec<u32>,
+    pub max_tokens: Option<usize>,
+    /// Drop control tokens (<|im_end|> …) from the text.
+    pub skip_special: bool,
+}
+
+/// One decoded token, as handed to the caller.
+#[derive(Clone, Debug)]
+pub struct Step<'a> {
+    pub token: u32,
+    /// Text that is now certain (may be empty while a multi-byte character or a possible stop
+    /// string is held back).
+    pub text: &'a str,
+    pub logprob: Option<f32>,
+    pub top_logprobs: &'a [(u32, f32)],
+}
+
+/// Whether to go on after a step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Continue,
+    Cancel,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    Length,
+    Cancelled,
+}
+
+impl FinishReason {
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub finish: FinishReason,
+    /// Tokens generated (the stop token included when one ended it).
+    pub tokens: Vec<u32>,
+    /// Prompt tokens actually run (after any cached prefix).
+    pub prefilled: usize,
+    pub prefill_time: Duration,
+    pub decode_time: Duration,
+    /// Text held back at the end (emitted through the last step already).
+    pub trailing_text: String,
+}
+
+impl Outcome {
+    pub fn prefill_tok_s(&self) -> f64 {
+        self.prefilled as f64 / self.prefill_time.as_secs_f64().max(1e-9)
+    }
+    pub fn decode_tok_s(&self) -> f64 {
+        self.tokens.len() as f64 / self.decode_time.as_secs_f64().max(1e-9)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenError {
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Sampling(#[from] SamplerError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    #[error("the prompt ({prompt} tokens) is already all in the state ({held} tokens): nothing to predict from")]
+    NothingToRun { prompt: usize, held: usize },
+}
+
+/// Runs `tokens` into `state` without asking for logits (a prompt's history, before a snapshot).
+pub fn prefill<B: Backend>(backend: &mut B, state: &mut B::State, tokens: &[u32]) -> Result<(), BackendError> {
+    for chunk in tokens.chunks(PREFILL_CHUNK) {
+        backend.forward(state, chunk, Logits::None)?;
+    }
+    Ok(())
+}
+
+/// Runs `prompt[state_len..]` into `state`, then generates. `state` must hold a prefix of `prompt`
+/// (the caller's cache guarantees it). `on_step` sees every generated token.
+pub fn generate<B: Backend>(
+    backend: &mut B,
+    state: &mut B::State,
+    prompt: &[u32],
+    tokenizer: &Tokenizer,
+    spec: &GenSpec,
+    mut on_step: impl FnMut(Step<'_>) -> Flow,
+) -> Result<Outcome, GenError> {
+    if prompt.is_empty() {
+        return Err(GenError::EmptyPrompt);
+    }
+    let held = backend.state_len(state);
+    if held >= prompt.len() {
+        return Err(GenError::NothingToRun { prompt: prompt.len(), held });
+    }
+    let mut sampler = Sampler::new(&spec.sampling, &spec.defaults, tokenizer.vocab_size().min(backend.config().vocab_size))?;
+    sampler.observe_prompt(prompt);
+    let mut stop = StopChecker::new(spec.stop_strings.clone(), spec.stop_ids.clone(), spec.max_tokens);
+    let mut detok = StreamDecoder::new(tokenizer, spec.skip_special);
+
+    // Prefill: every chunk but the last without logits.
+    let t0 = Instant::now();
+    let rest = &prompt[held..];
+    let n_chunks = rest.len().div_ceil(PREFILL_CHUNK);
+    let mut logits = Vec::new();
+    for (i, chunk) in rest.chunks(PREFILL_CHUNK).enumerate() {
+        let want = if i + 1 == n_chunks { Logits::Last } else { Logits::None };
+        logits = backend.forward(state, chunk, want)?;
+    }
+    let prefill_time = t0.elapsed();
+
+    let t1 = Instant::now();
+    let mut tokens = Vec::new();
+    let finish = if spec.max_tokens == Some(0) {
+        FinishReason::Length
+    } else {
+        loop {
+            let s = sampler.sample(&mut logits);
+            tokens.push(s.token);
+            let piece = detok.push(s.token)?;
+            let step = stop.push(s.token, &piece);
+            let flow = on_step(Step { token: s.token, text: &step.text, logprob: s.logprob, top_logprobs: &s.top_logprobs });
+            match step.finish {
+                Some(Finish::Stop(_)) => break FinishReason::Stop,
+                Some(Finish::Length) => break FinishReason::Length,
+                None => {}
+            }
+            if flow == Flow::Cancel {
+                break FinishReason::Cancelled;
+            }
+            logits = backend.forward(state, &[s.token], Logits::Last)?;
+        }
+    };
+    let decode_time = t1.elapsed();
+    // Text still held back (a partial character, or a prefix of a stop string that never came).
+    let mut trailing_text = String::new();
+    if finish != FinishReason::Stop {
+        let tail = detok.flush();
+        let mut t = stop.finish();
+        t.push_str(&tail);
+        trailing_text = t;
+    }
+    Ok(Outcome { finish, tokens, prefilled: rest.len(), prefill_time, decode_time, trailing_text })
+}

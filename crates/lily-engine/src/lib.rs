@@ -1,0 +1,15 @@
+//! The engine: opens a checkpoint on a backend ([`open`]) and runs work over a backend's session
+//! state, independent of which backend it is: teacher-forced scoring ([`score`]), and generation
+//! ([`generate`]: chunked prefill, then sampling, stop conditions and streaming detokenisation).
+
+pub mod cache;
+pub mod chat;
+pub mod generate;
+pub mod open;
+pub mod score;
+
+pub use cache::PrefixCache;
+pub use chat::{ChatModel, ChatModelError};
+pub use generate::{generate, Flow, FinishReason, GenError, GenSpec, Outcome, Step};
+pub use open::{open, BackendKind, EngineError, LoadedModel};
+pub use score::{score, ScoreResult};
