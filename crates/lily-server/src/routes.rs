@@ -1,0 +1,604 @@
+//! The HTTP surface: routes, authentication, body limits, and the translation between the engine
+//! thread's events and OpenAI responses (whole, or streamed as SSE chunks ending in `[DONE]`).
+
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::header;
+use axum::middleware::Next;
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures::stream::{self, Stream, StreamExt};
+use lily_engine::{FinishReason, GenSpec};
+use lily_parser::{Event as ParseEvent, OutputParser, ParserConfig};
+use lily_sampler::{Defaults, Sampler};
+use lily_template::ChatTemplate;
+use lily_tokenizer::Tokenizer;
+use serde_json::{json, Value};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use crate::error::ApiError;
+use crate::metrics::Metrics;
+use crate::request::{parse_chat, parse_completion, ChatRequest, Common, ToolChoice};
+use crate::worker::{EngineHandle, Event, Job, JobError, SubmitError};
+
+/// Everything a request handler needs; cheap to clone.
+#[derive(Clone)]
+pub struct AppState {
+    pub engine: EngineHandle,
+    pub tokenizer: Arc<Tokenizer>,
+    pub template: Arc<ChatTemplate>,
+    pub defaults: Defaults,
+    pub stop_ids: Vec<u32>,
+    pub model_id: String,
+    pub demo: bool,
+    pub backend: &'static str,
+    pub api_key: Option<String>,
+    pub ctx_size: usize,
+    pub vocab: usize,
+    pub max_body_bytes: usize,
+    pub queue_timeout: Duration,
+    pub metrics: Arc<Metrics>,
+    pub started: Instant,
+}
+
+pub fn router(state: AppState) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/metrics", get(metrics))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .route("/health", get(health))
+        .merge(v1)
+        .method_not_allowed_fallback(|| async {
+            ApiError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "This method is not allowed on this route.")
+        })
+        .fallback(|| async { ApiError::not_found("This route was") })
+        .with_state(state)
+}
+
+async fn auth(State(app): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(key) = &app.api_key {
+        let ok = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .is_some_and(|k| k.trim() == key);
+        if !ok {
+            app.metrics.count_status(401);
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(req).await
+}
+
+async fn health(State(app): State<AppState>) -> Json<Value> {
+    Json(json!({"status": "ok", "model": app.model_id, "demo": app.demo, "backend": app.backend,
+        "queue_depth": app.engine.queue_depth.load(Ordering::Relaxed)}))
+}
+
+async fn models(State(app): State<AppState>) -> Json<Value> {
+    let created = unix_now() - app.started.elapsed().as_secs();
+    let mut m = json!({"id": app.model_id, "object": "model", "created": created, "owned_by": "lily",
+        "max_model_len": app.ctx_size});
+    if app.demo {
+        m["description"] = json!("lily's built-in demo model: random weights of the Qwen3.6 architecture with the real tokenizer. It does not produce meaningful text.");
+    }
+    Json(json!({"object": "list", "data": [m]}))
+}
+
+async fn metrics(State(app): State<AppState>) -> Response {
+    let text = app.metrics.render(&app.engine);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Reads the body (at most `limit` bytes) and parses it as JSON.
+async fn read_json(body: Body, limit: usize) -> Result<Value, ApiError> {
+    let bytes: Bytes = axum::body::to_bytes(body, limit).await.map_err(|_| ApiError::too_large(limit))?;
+    let text = std::str::from_utf8(&bytes).map_err(|e| ApiError::bad_request(format!("The request body is not valid UTF-8: {e}")))?;
+    serde_json::from_str(text).map_err(|e| ApiError::bad_request(format!("The request body is not valid JSON: {e}")))
+}
+
+/// A prompt ready for the engine, with what the response needs to know about it.
+struct Prepared {
+    prompt: Vec<u32>,
+    history: usize,
+    spec: GenSpec,
+    common: Common,
+    /// Chat only: how to parse the output, and text forced into the answer before generation.
+    parse: Option<(ParserConfig, String)>,
+}
+
+fn check_sampling(app: &AppState, common: &Common) -> Result<(), ApiError> {
+    Sampler::new(&common.sampling, &app.defaults, app.vocab).map(|_| ()).map_err(|e| match e.param() {
+        Some(p) => ApiError::invalid(p, e.to_string()),
+        None => ApiError::bad_request(e.to_string()),
+    })
+}
+
+fn gen_spec(app: &AppState, common: &Common, prompt_len: usize, prompt_param: &str) -> Result<GenSpec, ApiError> {
+    if prompt_len >= app.ctx_size {
+        return Err(ApiError::invalid(
+            prompt_param,
+            format!(
+                "This model's maximum context length is {} tokens, but the prompt has {prompt_len} tokens.",
+                app.ctx_size
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    let room = app.ctx_size - prompt_len;
+    let max_tokens = match common.max_tokens {
+        Some(n) if n > room => {
+            return Err(ApiError::invalid(
+                "max_tokens",
+                format!(
+                    "max_tokens ({n}) plus the prompt ({prompt_len} tokens) exceeds the context length ({}); at most {room} tokens can be generated.",
+                    app.ctx_size
+                ),
+            )
+            .with_code("context_length_exceeded"))
+        }
+        Some(n) => n,
+        None => room,
+    };
+    Ok(GenSpec {
+        sampling: common.sampling.clone(),
+        defaults: app.defaults.clone(),
+        stop_strings: common.stop.clone(),
+        stop_ids: app.stop_ids.clone(),
+        max_tokens: Some(max_tokens),
+        skip_special: true,
+    })
+}
+
+fn template_error(e: lily_template::TemplateError) -> ApiError {
+    if e.is_request_error() {
+        ApiError::invalid("messages", e.to_string())
+    } else {
+        ApiError::internal(format!("chat template: {e}"))
+    }
+}
+
+fn prepare_chat(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
+    let req: ChatRequest = parse_chat(body)?;
+    check_sampling(app, &req.common)?;
+    let mut body = body.clone();
+    let tools = match req.tool_choice {
+        ToolChoice::None => {
+            body.as_object_mut().unwrap().remove("tools");
+            Vec::new()
+        }
+        _ => req.tools.clone(),
+    };
+    let text = app.template.render_request(&body).map_err(template_error)?;
+    let thinking = text.trim_end().ends_with("<think>");
+    // Conversation history (no generation prompt): the point to snapshot for the next turn.
+    body["add_generation_prompt"] = json!(false);
+    let history_text = app.template.render_request(&body).ok().filter(|h| text.starts_with(h.as_str()) && h.len() < text.len());
+    // tool_choice required / named: force the start of a call (and close the reasoning first).
+    let forced = match &req.tool_choice {
+        ToolChoice::Required | ToolChoice::Named(_) => {
+            let mut f = String::new();
+            if thinking {
+                f.push_str("\n</think>\n\n");
+            }
+            f.push_str("<tool_call>\n<function=");
+            // A named tool, or the only tool there is: its name is certain too.
+            let name = match &req.tool_choice {
+                ToolChoice::Named(n) => Some(n.as_str()),
+                _ if tools.len() == 1 => Some(tools[0].name.as_str()),
+                _ => None,
+            };
+            if let Some(n) = name {
+                f.push_str(n);
+                f.push_str(">\n");
+            }
+            f
+        }
+        _ => String::new(),
+    };
+    let prompt = app.tokenizer.encode(&format!("{text}{forced}")).map_err(|e| ApiError::internal(e.to_string()))?;
+    let history = match history_text {
+        Some(h) => {
+            let ids = app.tokenizer.encode(&h).map_err(|e| ApiError::internal(e.to_string()))?;
+            if prompt.starts_with(&ids) { ids.len() } else { 0 }
+        }
+        None => 0,
+    };
+    let spec = gen_spec(app, &req.common, prompt.len(), "messages")?;
+    let cfg = ParserConfig { reasoning: thinking, tools, id_seed: None };
+    Ok(Prepared { prompt, history, spec, common: req.common, parse: Some((cfg, forced)) })
+}
+
+fn prepare_completion(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
+    let (text, common) = parse_completion(body)?;
+    check_sampling(app, &common)?;
+    let prompt = app.tokenizer.encode(&text).map_err(|e| ApiError::internal(e.to_string()))?;
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("prompt", "the prompt is empty"));
+    }
+    let spec = gen_spec(app, &common, prompt.len(), "prompt")?;
+    Ok(Prepared { prompt, history: 0, spec, common, parse: None })
+}
+
+/// Sets the job's cancel flag when dropped (the client went away, or the response ended).
+struct CancelOnDrop(Arc<AtomicBool>);
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+fn submit(app: &AppState, p: &Prepared) -> Result<(UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
+    let (tx, rx) = unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    let job = Job {
+        prompt: p.prompt.clone(),
+        history: p.history,
+        spec: p.spec.clone(),
+        events: tx,
+        cancel: Arc::clone(&cancel),
+        deadline: Instant::now() + app.queue_timeout,
+    };
+    app.engine.submit(job).map_err(|e| match e {
+        SubmitError::QueueFull => ApiError::queue_full(),
+        SubmitError::Stopped => ApiError::unavailable("The engine has stopped."),
+    })?;
+    Ok((rx, CancelOnDrop(cancel)))
+}
+
+async fn chat_completions(State(app): State<AppState>, body: Body) -> Response {
+    handle(app, body, true).await
+}
+
+async fn completions(State(app): State<AppState>, body: Body) -> Response {
+    handle(app, body, false).await
+}
+
+async fn handle(app: AppState, body: Body, chat: bool) -> Response {
+    let result = async {
+        let v = read_json(body, app.max_body_bytes).await?;
+        let a = app.clone();
+        let prepared = tokio::task::spawn_blocking(move || if chat { prepare_chat(&a, &v) } else { prepare_completion(&a, &v) })
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))??;
+        let (rx, guard) = submit(&app, &prepared)?;
+        Ok::<_, ApiError>((prepared, rx, guard))
+    }
+    .await;
+    let (prepared, rx, guard) = match result {
+        Ok(x) => x,
+        Err(e) => {
+            app.metrics.count_status(e.status.as_u16());
+            return e.into_response();
+        }
+    };
+    app.metrics.count_status(200);
+    let turn = Turn::new(&app, chat, &prepared);
+    if prepared.common.stream {
+        sse(turn, rx, guard).into_response()
+    } else {
+        whole(turn, rx, guard).await
+    }
+}
+
+/// One response being assembled from engine events.
+struct Turn {
+    tokenizer: Arc<Tokenizer>,
+    chat: bool,
+    id: String,
+    created: u64,
+    model: String,
+    fingerprint: String,
+    parser: Option<OutputParser>,
+    /// Parser events of forced text, not yet streamed.
+    pending: Vec<ParseEvent>,
+    want_logprobs: bool,
+    include_usage: bool,
+    prompt_tokens: usize,
+    cached_tokens: usize,
+    completion_tokens: usize,
+    tool_calls: usize,
+    /// Text completions: the text so far. Chat: unused (the parser keeps the message).
+    text: String,
+    logprobs: Vec<Value>,
+    /// Text completions: characters of the tokens given logprobs so far (`text_offset`).
+    lp_offset: usize,
+}
+
+/// What one engine event turns into.
+enum Out {
+    Chunk(Value),
+    /// The final chunk(s) have been produced; the message (chat) or text is complete.
+    Finished { finish_reason: &'static str, message: Option<lily_parser::ParsedMessage> },
+    Error(ApiError),
+}
+
+fn rand_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));
+    h.finish()
+}
+
+impl Turn {
+    fn new(app: &AppState, chat: bool, p: &Prepared) -> Self {
+        let id = format!("{}-{:016x}", if chat { "chatcmpl" } else { "cmpl" }, rand_id());
+        let mut parser = p.parse.as_ref().map(|(cfg, _)| OutputParser::new(cfg.clone()));
+        let mut pending = Vec::new();
+        if let (Some(parser), Some((_, forced))) = (parser.as_mut(), p.parse.as_ref()) {
+            if !forced.is_empty() {
+                pending = parser.push(forced);
+            }
+        }
+        Turn {
+            tokenizer: Arc::clone(&app.tokenizer),
+            chat,
+            id,
+            created: unix_now(),
+            model: app.model_id.clone(),
+            fingerprint: format!("lily-{}-{}", env!("CARGO_PKG_VERSION"), app.backend),
+            parser,
+            pending,
+            want_logprobs: p.common.sampling.logprobs,
+            include_usage: p.common.include_usage,
+            prompt_tokens: p.prompt.len(),
+            cached_tokens: 0,
+            completion_tokens: 0,
+            tool_calls: 0,
+            text: String::new(),
+            logprobs: Vec::new(),
+            lp_offset: 0,
+        }
+    }
+
+    fn usage(&self) -> Value {
+        json!({"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens}})
+    }
+
+    fn chunk(&self, delta: Value, logprobs: Option<Value>, finish: Option<&str>) -> Value {
+        let choice = if self.chat {
+            json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+        } else {
+            json!({"index": 0, "text": delta.get("content").and_then(Value::as_str).unwrap_or(""), "logprobs": logprobs, "finish_reason": finish})
+        };
+        json!({"id": self.id, "object": if self.chat { "chat.completion.chunk" } else { "text_completion" },
+            "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint, "choices": [choice]})
+    }
+
+    fn token_logprob(&self, id: u32, logprob: f32, top: &[(u32, f32)]) -> Value {
+        let text = |t: u32| self.tokenizer.decode(&[t], false).unwrap_or_default();
+        let entry = |t: u32, lp: f32| {
+            let s = text(t);
+            json!({"token": s, "logprob": lp, "bytes": s.as_bytes()})
+        };
+        let mut e = entry(id, logprob);
+        e["top_logprobs"] = Value::Array(top.iter().map(|&(t, lp)| entry(t, lp)).collect());
+        e
+    }
+
+    /// Parser events as chat deltas.
+    fn deltas(&mut self, events: Vec<ParseEvent>) -> Vec<Value> {
+        let mut out = Vec::new();
+        for e in events {
+            match e {
+                ParseEvent::Reasoning(t) => out.push(json!({"reasoning_content": t})),
+                ParseEvent::Content(t) => out.push(json!({"content": t})),
+                ParseEvent::ToolCallStart { index, id, name } => {
+                    self.tool_calls = self.tool_calls.max(index + 1);
+                    out.push(json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}))
+                }
+                ParseEvent::ToolCallArguments { index, fragment } => {
+                    out.push(json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}))
+                }
+                ParseEvent::ToolCallEnd { .. } => {}
+            }
+        }
+        out
+    }
+
+    /// Text of a token (or the tail) as output chunks.
+    fn text_chunks(&mut self, text: &str, logprobs: Option<Value>) -> Vec<Out> {
+        let deltas = match self.parser.as_mut() {
+            Some(p) => {
+                let ev = p.push(text);
+                self.deltas(ev)
+            }
+            None => {
+                self.text.push_str(text);
+                if text.is_empty() { Vec::new() } else { vec![json!({"content": text})] }
+            }
+        };
+        let lp = logprobs.map(|l| if self.chat { json!({"content": [l]}) } else { l });
+        let mut out = Vec::new();
+        if deltas.is_empty() {
+            if lp.is_some() {
+                out.push(Out::Chunk(self.chunk(json!({}), lp, None)));
+            }
+        } else {
+            let mut lp = lp;
+            for d in deltas {
+                out.push(Out::Chunk(self.chunk(d, lp.take(), None)));
+            }
+        }
+        out
+    }
+
+    fn feed(&mut self, ev: Event) -> Vec<Out> {
+        match ev {
+            Event::Started { prompt_tokens, cached_tokens } => {
+                self.prompt_tokens = prompt_tokens;
+                self.cached_tokens = cached_tokens;
+                let mut out = Vec::new();
+                if self.chat {
+                    out.push(Out::Chunk(self.chunk(json!({"role": "assistant", "content": ""}), None, None)));
+                    let pending = std::mem::take(&mut self.pending);
+                    for d in self.deltas(pending) {
+                        out.push(Out::Chunk(self.chunk(d, None, None)));
+                    }
+                }
+                out
+            }
+            Event::Token { id, text, logprob, top_logprobs } => {
+                self.completion_tokens += 1;
+                let lp = match (self.want_logprobs, logprob) {
+                    (true, Some(l)) => {
+                        let e = self.token_logprob(id, l, &top_logprobs);
+                        self.logprobs.push(e.clone());
+                        if self.chat {
+                            Some(e)
+                        } else {
+                            let legacy = legacy_logprobs(std::slice::from_ref(&e), self.lp_offset);
+                            self.lp_offset += e["token"].as_str().map_or(0, |t| t.chars().count());
+                            Some(legacy)
+                        }
+                    }
+                    _ => None,
+                };
+                self.text_chunks(&text, lp)
+            }
+            Event::Tail(text) => self.text_chunks(&text, None),
+            Event::Done { finish, completion_tokens } => {
+                self.completion_tokens = completion_tokens;
+                let mut out = Vec::new();
+                let message = match self.parser.take() {
+                    Some(p) => {
+                        let (events, message) = p.finish();
+                        for d in self.deltas(events) {
+                            out.push(Out::Chunk(self.chunk(d, None, None)));
+                        }
+                        Some(message)
+                    }
+                    None => None,
+                };
+                let finish_reason = match finish {
+                    FinishReason::Length => "length",
+                    _ if self.tool_calls > 0 || message.as_ref().is_some_and(|m| !m.tool_calls.is_empty()) => "tool_calls",
+                    _ => "stop",
+                };
+                out.push(Out::Chunk(self.chunk(json!({}), None, Some(finish_reason))));
+                out.push(Out::Finished { finish_reason, message });
+                out
+            }
+            Event::Failed(JobError::TimedOut) => vec![Out::Error(ApiError::unavailable("The request waited too long in the queue."))],
+            Event::Failed(JobError::Engine(e)) => vec![Out::Error(ApiError::internal(e))],
+        }
+    }
+
+    fn whole_response(&self, finish_reason: &str, message: Option<lily_parser::ParsedMessage>) -> Value {
+        let logprobs = if self.want_logprobs {
+            if self.chat { json!({"content": self.logprobs}) } else { legacy_logprobs(&self.logprobs, 0) }
+        } else {
+            Value::Null
+        };
+        let choice = match message {
+            Some(m) => {
+                let mut msg = json!({"role": "assistant", "content": m.content});
+                if let Some(r) = m.reasoning {
+                    msg["reasoning_content"] = json!(r);
+                }
+                if !m.tool_calls.is_empty() {
+                    msg["tool_calls"] = Value::Array(
+                        m.tool_calls
+                            .iter()
+                            .map(|c| json!({"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}))
+                            .collect(),
+                    );
+                }
+                json!({"index": 0, "message": msg, "logprobs": logprobs, "finish_reason": finish_reason})
+            }
+            None => json!({"index": 0, "text": self.text, "logprobs": logprobs, "finish_reason": finish_reason}),
+        };
+        json!({"id": self.id, "object": if self.chat { "chat.completion" } else { "text_completion" },
+            "created": self.created, "model": self.model, "system_fingerprint": self.fingerprint,
+            "choices": [choice], "usage": self.usage()})
+    }
+}
+
+/// Text completions' logprobs in OpenAI's legacy form (parallel lists), from chat-style entries.
+fn legacy_logprobs(entries: &[Value], mut offset: usize) -> Value {
+    let (mut tokens, mut lps, mut tops, mut offsets) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for e in entries {
+        let t = e["token"].as_str().unwrap_or("");
+        tokens.push(json!(t));
+        lps.push(e["logprob"].clone());
+        let top: serde_json::Map<String, Value> = e["top_logprobs"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|a| (a["token"].as_str().unwrap_or("").to_string(), a["logprob"].clone()))
+            .collect();
+        tops.push(Value::Object(top));
+        offsets.push(json!(offset));
+        offset += t.chars().count();
+    }
+    json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
+}
+
+async fn whole(mut turn: Turn, mut rx: UnboundedReceiver<Event>, _guard: CancelOnDrop) -> Response {
+    while let Some(ev) = rx.recv().await {
+        for out in turn.feed(ev) {
+            match out {
+                Out::Chunk(_) => {}
+                Out::Finished { finish_reason, message } => {
+                    return Json(turn.whole_response(finish_reason, message)).into_response();
+                }
+                Out::Error(e) => return e.into_response(),
+            }
+        }
+    }
+    ApiError::internal("the engine ended the request without an answer").into_response()
+}
+
+fn sse(turn: Turn, rx: UnboundedReceiver<Event>, guard: CancelOnDrop) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    // State: (turn, receiver, guard, finished). Each engine event becomes zero or more SSE events.
+    let s = stream::unfold(Some((turn, rx, guard)), |st| async move {
+        let (mut turn, mut rx, guard) = st?;
+        let Some(ev) = rx.recv().await else {
+            let e = ApiError::internal("the engine ended the request without an answer");
+            let items = vec![SseEvent::default().data(e.body().to_string()), SseEvent::default().data("[DONE]")];
+            return Some((items, None));
+        };
+        let mut items = Vec::new();
+        let mut done = false;
+        for out in turn.feed(ev) {
+            match out {
+                Out::Chunk(c) => items.push(SseEvent::default().data(c.to_string())),
+                Out::Finished { .. } => {
+                    if turn.include_usage {
+                        let mut u = turn.chunk(json!({}), None, None);
+                        u["choices"] = json!([]);
+                        u["usage"] = turn.usage();
+                        items.push(SseEvent::default().data(u.to_string()));
+                    }
+                    items.push(SseEvent::default().data("[DONE]"));
+                    done = true;
+                }
+                Out::Error(e) => {
+                    items.push(SseEvent::default().data(e.body().to_string()));
+                    items.push(SseEvent::default().data("[DONE]"));
+                    done = true;
+                }
+            }
+        }
+        Some((items, if done { None } else { Some((turn, rx, guard)) }))
+    })
+    .flat_map(|items| stream::iter(items.into_iter().map(Ok)));
+    Sse::new(s).keep_alive(KeepAlive::default())
+}

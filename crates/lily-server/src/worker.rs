@@ -1,0 +1,198 @@
+//! The engine thread: it owns the backend (one model, one sequence at a time), takes jobs from a
+//! bounded FIFO queue, resumes each prompt from the longest cached prefix, generates, and streams
+//! events back over a channel. A job whose receiver is gone (the client hung up) or whose cancel
+//! flag is set stops at the next token.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::Arc;
+use std::time::Instant;
+
+use lily_engine::generate::prefill;
+use lily_engine::{generate, FinishReason, Flow, GenSpec, PrefixCache};
+use lily_model::Backend;
+use lily_tokenizer::Tokenizer;
+use tokio::sync::mpsc::UnboundedSender;
+
+/// One generation request for the engine thread.
+pub struct Job {
+    pub prompt: Vec<u32>,
+    /// The first `history` prompt tokens are conversation history that a later request will
+    /// share: the state is snapshotted there (0: no such snapshot).
+    pub history: usize,
+    pub spec: GenSpec,
+    pub events: UnboundedSender<Event>,
+    pub cancel: Arc<AtomicBool>,
+    /// Give up if the job is still queued at this instant.
+    pub deadline: Instant,
+}
+
+/// What the engine thread reports about a job, in order: Started, Token*, Tail?, Done (or Failed).
+#[derive(Debug)]
+pub enum Event {
+    Started { prompt_tokens: usize, cached_tokens: usize },
+    Token { id: u32, text: String, logprob: Option<f32>, top_logprobs: Vec<(u32, f32)> },
+    /// Text held back until the end (a partial character, a prefix of a stop string that never came).
+    Tail(String),
+    Done { finish: FinishReason, completion_tokens: usize },
+    Failed(JobError),
+}
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum JobError {
+    #[error("the request waited too long in the queue")]
+    TimedOut,
+    #[error("generation failed: {0}")]
+    Engine(String),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the queue is full")]
+    QueueFull,
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+/// Counters the engine thread keeps for /metrics.
+#[derive(Default)]
+pub struct Stats {
+    pub prompt_tokens: AtomicU64,
+    pub prefilled_tokens: AtomicU64,
+    pub cached_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
+    pub cache_hits: AtomicU64,
+    pub cache_misses: AtomicU64,
+    pub jobs: AtomicU64,
+    /// f64 bits of the last job's speeds.
+    pub last_prefill_tok_s: AtomicU64,
+    pub last_decode_tok_s: AtomicU64,
+    pub cache_bytes: AtomicU64,
+    /// 1 while the engine runs a job.
+    pub busy: AtomicU64,
+}
+
+/// The async side's handle on the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: SyncSender<Job>,
+    pub queue_depth: Arc<AtomicUsize>,
+    pub stats: Arc<Stats>,
+}
+
+impl EngineHandle {
+    /// Queues a job, or refuses at once when `max_queue` jobs are already waiting.
+    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        self.queue_depth.fetch_add(1, Ordering::SeqCst);
+        match self.tx.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.queue_depth.fetch_sub(1, Ordering::SeqCst);
+                Err(match e {
+                    TrySendError::Full(_) => SubmitError::QueueFull,
+                    TrySendError::Disconnected(_) => SubmitError::Stopped,
+                })
+            }
+        }
+    }
+}
+
+/// Starts the engine thread over `backend`.
+pub fn spawn<B>(mut backend: B, tokenizer: Arc<Tokenizer>, max_queue: usize, cache_bytes: usize) -> EngineHandle
+where
+    B: Backend + 'static,
+    B::State: 'static,
+{
+    let (tx, rx) = sync_channel::<Job>(max_queue.max(1));
+    let queue_depth = Arc::new(AtomicUsize::new(0));
+    let stats = Arc::new(Stats::default());
+    let (depth, st) = (Arc::clone(&queue_depth), Arc::clone(&stats));
+    std::thread::Builder::new()
+        .name("lily-engine".into())
+        .spawn(move || {
+            let mut cache: PrefixCache<B::State> = PrefixCache::new(cache_bytes);
+            while let Ok(job) = rx.recv() {
+                depth.fetch_sub(1, Ordering::SeqCst);
+                if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
+                    continue;
+                }
+                if Instant::now() > job.deadline {
+                    let _ = job.events.send(Event::Failed(JobError::TimedOut));
+                    continue;
+                }
+                st.busy.store(1, Ordering::SeqCst);
+                // A panic fails this job (its channel closes: the client gets an error), not the
+                // engine thread; the cache may hold a half-made snapshot, so it is dropped.
+                let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&mut backend, &tokenizer, &mut cache, &st, job)));
+                if ran.is_err() {
+                    cache.clear();
+                }
+                st.busy.store(0, Ordering::SeqCst);
+                st.cache_hits.store(cache.hits, Ordering::Relaxed);
+                st.cache_misses.store(cache.misses, Ordering::Relaxed);
+                st.cache_bytes.store(cache.used_bytes() as u64, Ordering::Relaxed);
+            }
+        })
+        .expect("spawning the engine thread");
+    EngineHandle { tx, queue_depth, stats }
+}
+
+fn run<B: Backend>(backend: &mut B, tokenizer: &Tokenizer, cache: &mut PrefixCache<B::State>, st: &Stats, job: Job) {
+    let Job { prompt, history, spec, events, cancel, .. } = job;
+    let fail = |e: String| {
+        let _ = events.send(Event::Failed(JobError::Engine(e)));
+    };
+    let (cached, mut state) = match cache.lookup(&prompt) {
+        Some((n, s)) => (n, s),
+        None => (0, backend.new_state()),
+    };
+    st.jobs.fetch_add(1, Ordering::Relaxed);
+    st.prompt_tokens.fetch_add(prompt.len() as u64, Ordering::Relaxed);
+    st.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
+    st.prefilled_tokens.fetch_add((prompt.len() - cached) as u64, Ordering::Relaxed);
+    if events.send(Event::Started { prompt_tokens: prompt.len(), cached_tokens: cached }).is_err() {
+        return;
+    }
+    let t = Instant::now();
+    if history > cached && history < prompt.len() {
+        if let Err(e) = prefill(backend, &mut state, &prompt[cached..history]) {
+            return fail(e.to_string());
+        }
+        let bytes = backend.state_bytes(&state);
+        cache.insert(prompt[..history].to_vec(), state.clone(), bytes);
+    }
+    let history_time = t.elapsed();
+    let history_run = history.saturating_sub(cached).min(prompt.len());
+    let outcome = generate(backend, &mut state, &prompt, tokenizer, &spec, |step| {
+        let sent = events.send(Event::Token {
+            id: step.token,
+            text: step.text.to_string(),
+            logprob: step.logprob,
+            top_logprobs: step.top_logprobs.to_vec(),
+        });
+        if sent.is_err() || cancel.load(Ordering::Relaxed) {
+            Flow::Cancel
+        } else {
+            Flow::Continue
+        }
+    });
+    let outcome = match outcome {
+        Ok(o) => o,
+        Err(e) => return fail(e.to_string()),
+    };
+    let prefill_s = (outcome.prefill_time + history_time).as_secs_f64().max(1e-9);
+    st.last_prefill_tok_s.store((((outcome.prefilled + history_run) as f64) / prefill_s).to_bits(), Ordering::Relaxed);
+    st.last_decode_tok_s.store(outcome.decode_tok_s().to_bits(), Ordering::Relaxed);
+    st.completion_tokens.fetch_add(outcome.tokens.len() as u64, Ordering::Relaxed);
+    // The state holds the prompt and every generated token but the last (never run through).
+    if !outcome.tokens.is_empty() {
+        let mut tokens = prompt;
+        tokens.extend_from_slice(&outcome.tokens[..outcome.tokens.len() - 1]);
+        let bytes = backend.state_bytes(&state);
+        cache.insert(tokens, state, bytes);
+    }
+    if !outcome.trailing_text.is_empty() {
+        let _ = events.send(Event::Tail(outcome.trailing_text));
+    }
+    let _ = events.send(Event::Done { finish: outcome.finish, completion_tokens: outcome.tokens.len() });
+}
