@@ -1,0 +1,425 @@
+//! `lily`: the command-line entry point. Each subcommand is one job; errors from the libraries are
+//! explained here, at the edge, and never panic.
+
+mod converse;
+
+use std::io::{IsTerminal, Read};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use converse::GenArgs;
+use lily_engine::{open, BackendKind, ChatModel, LoadedModel, PrefixCache};
+use lily_model::affine::AffineParams;
+use lily_model::weights::HfWeights;
+use lily_model::LoadOptions;
+
+#[derive(Parser)]
+#[command(name = "lily", version, about = "lily runs Qwen3.6-35B-A3B (and tiny models of its family) fast, for one user at a time.")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// The OpenAI-compatible server: POST /v1/chat/completions and /v1/completions (streamed with
+    /// "stream": true), GET /v1/models, /health, /metrics. Without --model it serves the built-in
+    /// demo model (random weights, the real tokenizer and chat template) and says so.
+    Serve {
+        /// Checkpoint directory (MLX 4-bit or Hugging Face bf16).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        #[arg(long, default_value_t = 8080)]
+        port: u16,
+        /// Require `Authorization: Bearer KEY` on /v1/* and /metrics.
+        #[arg(long, env = "LILY_API_KEY")]
+        api_key: Option<String>,
+        /// Context length in tokens: prompt plus answer. Default: the model's maximum, capped at 32768.
+        #[arg(long)]
+        ctx_size: Option<usize>,
+        /// Requests allowed to wait for the engine (at least 1); beyond that, 429.
+        #[arg(long, default_value_t = 16)]
+        max_queue: usize,
+        /// Seconds a request may wait in the queue before a 503.
+        #[arg(long, default_value_t = 600)]
+        queue_timeout: u64,
+        /// Memory for the prefix cache's state snapshots, in MiB.
+        #[arg(long, default_value_t = 4096)]
+        cache_mb: usize,
+        /// Name the model is served under (default: the directory name, or "lily-demo").
+        #[arg(long)]
+        model_id: Option<String>,
+        #[command(flatten)]
+        load: LoadArgs,
+    },
+    /// Teacher-forced scoring: prints {"positions", "perplexity", "token_logprobs", "argmax"} as JSON.
+    ///
+    /// Entry i of token_logprobs is the log-probability of token i+1 given tokens 0..=i (so
+    /// positions = len - 1) and argmax[i] is the most likely token there;
+    /// perplexity = exp(-mean(token_logprobs)).
+    Score {
+        /// Checkpoint directory (config.json + safetensors; MLX 4-bit or Hugging Face bf16).
+        #[arg(long)]
+        model: PathBuf,
+        /// A JSON file holding an array of token ids (at least 2).
+        #[arg(long)]
+        tokens: PathBuf,
+        #[command(flatten)]
+        load: LoadArgs,
+        /// Prefill chunk size: tokens per forward call, as serving prefills a prompt.
+        #[arg(long, default_value_t = 512)]
+        chunk: usize,
+    },
+    /// Writes a random checkpoint in the MLX 4-bit layout (config, tokenizer, safetensors shards).
+    ///
+    /// For speed tests and parity tests between engines: MLX-LM loads what it writes. Random routing
+    /// is more even than a trained router's, so expert-load-dependent speed differs from real weights.
+    Synth {
+        /// A built-in name (qwen3.6-35b-a3b, qwen3.6-tiny) or a config.json in the Hugging Face form.
+        #[arg(long)]
+        config: String,
+        /// Output directory (created; must be empty or absent).
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Bits per weight of the quantised matrices (router gates are always 8).
+        #[arg(long, default_value_t = 4)]
+        bits: u32,
+        #[arg(long, default_value_t = 64)]
+        group_size: usize,
+    },
+    /// One answer to one prompt, streamed: reasoning (dimmed) to stderr, the answer to stdout.
+    Run {
+        /// Checkpoint directory; without it, the built-in demo model (random weights).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        /// The user's message.
+        #[arg(long)]
+        prompt: String,
+        #[command(flatten)]
+        load: LoadArgs,
+        #[command(flatten)]
+        gen: GenArgs,
+    },
+    /// Interactive chat in the terminal: history, /reset, Ctrl-C stops an answer, Ctrl-D quits.
+    Chat {
+        /// Checkpoint directory; without it, the built-in demo model (random weights).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[command(flatten)]
+        load: LoadArgs,
+        #[command(flatten)]
+        gen: GenArgs,
+    },
+    /// Text on stdin to token ids (a JSON array on stdout); with --decode, ids on stdin to text.
+    Tokenize {
+        /// Checkpoint directory (its tokenizer.json).
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long)]
+        decode: bool,
+        /// With --decode: leave out control tokens such as <|im_end|>.
+        #[arg(long)]
+        skip_special: bool,
+    },
+    /// Prints the exact prompt text the checkpoint's chat template makes of an OpenAI-style chat
+    /// request body (messages, tools, chat_template_kwargs, add_generation_prompt).
+    Render {
+        /// Checkpoint directory (tokenizer_config.json's chat_template or chat_template.jinja;
+        /// the built-in Qwen3.6 template when it has none).
+        #[arg(long)]
+        model: PathBuf,
+        /// The request body, as JSON (`-` for stdin).
+        #[arg(long)]
+        request: PathBuf,
+    },
+    /// Describes a checkpoint: its configuration, format and size.
+    Info {
+        #[arg(long)]
+        model: PathBuf,
+        #[command(flatten)]
+        load: LoadArgs,
+    },
+}
+
+#[derive(clap::Args)]
+struct LoadArgs {
+    /// Backend: auto (CUDA when available, else CPU), cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    backend: BackendKind,
+    /// For a Hugging Face bf16 checkpoint: keep the weights in bf16 instead of quantising them at
+    /// load (to 4 bits, group 64, exactly as mlx_lm.convert would).
+    #[arg(long)]
+    keep_bf16: bool,
+}
+
+impl LoadArgs {
+    fn options(&self) -> LoadOptions {
+        LoadOptions {
+            hf: if self.keep_bf16 { HfWeights::KeepBf16 } else { HfWeights::Quantize(AffineParams { bits: 4, group_size: 64 }) },
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Score { model, tokens, load, chunk } => {
+            let text = std::fs::read_to_string(&tokens).with_context(|| format!("reading {}", tokens.display()))?;
+            let ids: Vec<u32> = serde_json::from_str(&text)
+                .with_context(|| format!("{}: expected a JSON array of token ids", tokens.display()))?;
+            if ids.len() < 2 {
+                bail!("{}: scoring needs at least 2 tokens, got {}", tokens.display(), ids.len());
+            }
+            if chunk == 0 {
+                bail!("--chunk must be at least 1");
+            }
+            let loaded = open(&model, load.backend, &load.options())?;
+            let result = match loaded {
+                LoadedModel::Cpu(mut m) => lily_engine::score(&mut m, &ids, chunk)?,
+            };
+            println!("{}", serde_json::to_string(&result)?);
+        }
+        Command::Synth { config, out, seed, bits, group_size } => {
+            let cfg = match lily_model::synth::builtin_config(&config) {
+                Some(c) => c,
+                None => {
+                    let p = PathBuf::from(&config);
+                    if !p.exists() {
+                        bail!(
+                            "`{config}` is neither a built-in config ({}) nor a file",
+                            lily_model::synth::builtin_names().join(", ")
+                        );
+                    }
+                    let text = std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))?;
+                    serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", p.display()))?
+                }
+            };
+            if out.exists() && std::fs::read_dir(&out).map(|mut d| d.next().is_some()).unwrap_or(true) {
+                bail!("{}: exists and is not empty; choose a new directory", out.display());
+            }
+            let opts = lily_model::synth::SynthOptions { config: cfg, out: out.clone(), seed, bits, group_size, max_shard_bytes: 5 << 30 };
+            let bar = progress_bar();
+            let t = std::time::Instant::now();
+            let report = lily_model::synth::synthesize(&opts, &bar)?;
+            bar.finish_and_clear();
+            eprintln!("wrote {} in {:.1}s: {report:?}", out.display(), t.elapsed().as_secs_f64());
+        }
+        Command::Serve { model, host, port, api_key, ctx_size, max_queue, queue_timeout, cache_mb, model_id, load } => {
+            let m = open_chat(model.as_deref(), &load)?;
+            let max_pos = m.model.config().max_position_embeddings;
+            let ctx = ctx_size.unwrap_or(max_pos.min(32768));
+            if ctx > max_pos || ctx < 2 {
+                bail!("--ctx-size {ctx} must be between 2 and the model's maximum ({max_pos})");
+            }
+            let id = model_id.unwrap_or_else(|| {
+                if m.demo {
+                    "lily-demo".to_string()
+                } else {
+                    m.dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "lily".into())
+                }
+            });
+            let cfg = lily_server::ServerConfig {
+                model_id: id.clone(),
+                demo: m.demo,
+                api_key,
+                ctx_size: ctx,
+                max_queue,
+                queue_timeout: std::time::Duration::from_secs(queue_timeout),
+                max_body_bytes: 32 << 20,
+                cache_bytes: cache_mb << 20,
+            };
+            let demo = m.demo;
+            let LoadedModel::Cpu(backend) = m.model;
+            let served = lily_server::ServedModel { backend, tokenizer: m.tokenizer, template: m.template, defaults: m.defaults, stop_ids: m.stop_ids };
+            let rt = tokio::runtime::Runtime::new()?;
+            rt.block_on(async move {
+                let addr: std::net::SocketAddr = format!("{host}:{port}").parse().with_context(|| format!("`{host}:{port}` is not an address"))?;
+                let listener = lily_server::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+                let app = lily_server::build(served, &cfg);
+                eprintln!(
+                    "lily serving `{id}`{} on http://{} (backend {}, context {ctx} tokens{}). Ctrl-C stops.",
+                    if demo { " (the built-in DEMO model: random weights, meaningless output)" } else { "" },
+                    listener.local_addr()?,
+                    app.backend,
+                    if cfg.api_key.is_some() { ", API key required" } else { "" },
+                );
+                lily_server::serve(app, listener).await?;
+                anyhow::Ok(())
+            })?;
+        }
+        Command::Run { model, prompt, load, gen } => {
+            let mut m = open_chat(model.as_deref(), &load)?;
+            let mut messages = Vec::new();
+            if let Some(sys) = &gen.system {
+                messages.push(serde_json::json!({"role": "system", "content": sys}));
+            }
+            messages.push(serde_json::json!({"role": "user", "content": prompt}));
+            let p = converse::render(&m, &messages, &gen.kwargs())?;
+            let spec = gen.spec(&m);
+            let stop = install_ctrl_c();
+            let mut cache = PrefixCache::new(0);
+            let (_, outcome, cached) = converse::answer(&mut m, &mut cache, &p, &spec, &stop)?;
+            println!();
+            eprintln!("{}", converse::dim(std::io::stderr().is_terminal(), &converse::speed_line(&outcome, cached)));
+        }
+        Command::Chat { model, load, gen } => chat(open_chat(model.as_deref(), &load)?, gen)?,
+        Command::Tokenize { model, decode, skip_special } => {
+            let tok = lily_tokenizer::Tokenizer::from_dir(&model)?;
+            let mut input = String::new();
+            std::io::stdin().read_to_string(&mut input).context("reading stdin")?;
+            if decode {
+                let ids: Vec<u32> = serde_json::from_str(&input).context("stdin: expected a JSON array of token ids")?;
+                print!("{}", tok.decode(&ids, skip_special)?);
+            } else {
+                println!("{}", serde_json::to_string(&tok.encode(&input)?)?);
+            }
+        }
+        Command::Render { model, request } => {
+            let template = lily_template::ChatTemplate::from_dir(&model)?;
+            let text = if request.as_os_str() == "-" {
+                let mut s = String::new();
+                std::io::stdin().read_to_string(&mut s).context("reading stdin")?;
+                s
+            } else {
+                std::fs::read_to_string(&request).with_context(|| format!("reading {}", request.display()))?
+            };
+            let body: serde_json::Value =
+                serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", request.display()))?;
+            print!("{}", template.render_request(&body)?);
+        }
+        Command::Info { model, load } => {
+            let cfg = lily_model::ModelConfig::from_dir(&model)?;
+            let w = lily_model::ModelWeights::load(&model, &load.options())?;
+            println!("{}", model.display());
+            println!("  family       {}", cfg.model_type);
+            println!("  format       {:?}", w.source);
+            println!("  layers       {} ({} full attention)", cfg.num_hidden_layers, cfg.num_full_attention_layers());
+            println!("  hidden       {}", cfg.hidden_size);
+            println!("  attention    {} q heads / {} kv heads × {}", cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+            println!(
+                "  deltanet     {} k heads / {} v heads × {}/{}",
+                cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            );
+            println!("  experts      {} (top {}), {} wide", cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size);
+            println!("  vocab        {}", cfg.vocab_size);
+            if let Some(q) = &cfg.quantization {
+                println!("  quantisation {} bits, group {} ({} overrides)", q.bits, q.group_size, q.overrides.len());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A checkpoint for conversations, or the demo model (and a line saying so).
+fn open_chat(model: Option<&std::path::Path>, load: &LoadArgs) -> Result<ChatModel> {
+    match model {
+        Some(dir) => Ok(ChatModel::open(dir, load.backend, &load.options())?),
+        None => {
+            eprintln!(
+                "No --model given: using the built-in demo model (random weights of the real architecture, \
+                 the real tokenizer; it talks nonsense) at {}.",
+                lily_engine::chat::demo_dir().display()
+            );
+            Ok(ChatModel::open_demo(load.backend)?)
+        }
+    }
+}
+
+/// Ctrl-C sets the returned flag (and stops the answer being generated) instead of killing lily.
+fn install_ctrl_c() -> Arc<AtomicBool> {
+    let flag = Arc::new(AtomicBool::new(false));
+    let f = Arc::clone(&flag);
+    // A second install (never happens in one process run) would fail; then Ctrl-C keeps its default.
+    let _ = ctrlc::set_handler(move || f.store(true, Ordering::SeqCst));
+    flag
+}
+
+fn chat(mut m: ChatModel, gen: GenArgs) -> Result<()> {
+    use rustyline::error::ReadlineError;
+    let tty = std::io::stderr().is_terminal();
+    eprintln!(
+        "lily chat: {} on {}. /reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops an answer.",
+        if m.demo { "the demo model".to_string() } else { m.dir.display().to_string() },
+        m.model.backend_name()
+    );
+    let stop = install_ctrl_c();
+    let mut editor = rustyline::DefaultEditor::new()?;
+    let base: Vec<serde_json::Value> = gen.system.iter().map(|s| serde_json::json!({"role": "system", "content": s})).collect();
+    let mut messages = base.clone();
+    let spec = gen.spec(&m);
+    let mut cache = PrefixCache::new(2 << 30);
+    loop {
+        let line = match editor.readline(">>> ") {
+            Ok(l) => l,
+            Err(ReadlineError::Interrupted) => continue,
+            Err(ReadlineError::Eof) => break,
+            Err(e) => return Err(e.into()),
+        };
+        let line = line.trim();
+        if line.is_empty() {
+            continue;
+        }
+        let _ = editor.add_history_entry(line);
+        match line {
+            "/exit" | "/quit" => break,
+            "/reset" => {
+                messages = base.clone();
+                cache.clear();
+                eprintln!("{}", converse::dim(tty, "(history cleared)"));
+                continue;
+            }
+            "/help" => {
+                eprintln!("/reset clears the history; /exit or Ctrl-D quits; Ctrl-C stops an answer.");
+                continue;
+            }
+            _ => {}
+        }
+        messages.push(serde_json::json!({"role": "user", "content": line}));
+        stop.store(false, Ordering::SeqCst);
+        let prompt = converse::render(&m, &messages, &gen.kwargs())?;
+        let (msg, outcome, cached) = converse::answer(&mut m, &mut cache, &prompt, &spec, &stop)?;
+        println!();
+        let mut line = converse::speed_line(&outcome, cached);
+        if outcome.finish == lily_engine::FinishReason::Cancelled {
+            line.push_str(" (stopped)");
+        }
+        eprintln!("{}", converse::dim(tty, &line));
+        let mut reply = serde_json::json!({"role": "assistant", "content": msg.content.unwrap_or_default()});
+        if let Some(r) = msg.reasoning {
+            reply["reasoning_content"] = serde_json::Value::String(r);
+        }
+        messages.push(reply);
+    }
+    Ok(())
+}
+
+fn progress_bar() -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(0);
+    if !std::io::stderr().is_terminal() {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})")
+            .unwrap()
+            .progress_chars("=> "),
+    );
+    bar
+}

@@ -1,0 +1,260 @@
+//! The `lily` program as a user runs it: `lily score` against the stored references (this exact
+//! interface is what the numerical-consistency checks call), `lily synth` then `lily score`, and
+//! damaged checkpoints or inputs giving a clear error (naming the file and tensor), never a panic.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
+}
+
+fn fixture_names() -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(fixtures())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().join("tokens.json").exists())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    assert!(v.len() >= 2);
+    v
+}
+
+fn lily(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lily")).args(args).output().unwrap()
+}
+
+fn ok_json(out: Output) -> Value {
+    assert!(out.status.success(), "lily failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// Runs lily expecting a clean failure; returns stderr.
+fn fails(args: &[&str]) -> String {
+    let out = lily(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "expected failure for {args:?}");
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "lily panicked: {err}");
+    assert!(err.starts_with("error: "), "{err}");
+    err
+}
+
+fn score(model: &Path, tokens: &Path, extra: &[&str]) -> Value {
+    let (m, t) = (model.to_str().unwrap(), tokens.to_str().unwrap());
+    let mut args = vec!["score", "--model", m, "--tokens", t, "--backend", "cpu"];
+    args.extend_from_slice(extra);
+    ok_json(lily(&args))
+}
+
+fn compare(ours: &Value, reference: &Path) {
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(reference).unwrap()).unwrap();
+    assert_eq!(ours["positions"], r["positions"]);
+    let (p, q) = (ours["perplexity"].as_f64().unwrap(), r["perplexity"].as_f64().unwrap());
+    assert!((p - q).abs() / q < 1e-4, "perplexity {p} vs {q} ({})", reference.display());
+    let (a, b) = (ours["argmax"].as_array().unwrap(), r["argmax"].as_array().unwrap());
+    let same = a.iter().zip(b).filter(|(x, y)| x == y).count();
+    assert!(same as f64 >= 0.98 * b.len() as f64, "argmax agrees at {same}/{}", b.len());
+    let n = ours["token_logprobs"].as_array().unwrap().len();
+    assert_eq!(n, ours["positions"].as_u64().unwrap() as usize);
+}
+
+#[test]
+fn score_matches_the_references() {
+    for name in fixture_names() {
+        let dir = fixtures().join(&name);
+        let tokens = dir.join("tokens.json");
+        let v = score(&dir.join("mlx"), &tokens, &[]);
+        compare(&v, &dir.join("ref_mlx.json"));
+        // Small prefill chunks: the same numbers.
+        let c = score(&dir.join("mlx"), &tokens, &["--chunk", "23"]);
+        compare(&c, &dir.join("ref_mlx.json"));
+        let b = score(&dir.join("hf"), &tokens, &["--keep-bf16"]);
+        compare(&b, &dir.join("ref_hf.json"));
+    }
+}
+
+/// A copy of a fixture checkpoint to damage.
+fn copy_checkpoint(name: &str, sub: &str) -> tempfile::TempDir {
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(fixtures().join(name).join(sub)).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, tmp.path().join(p.file_name().unwrap())).unwrap();
+    }
+    tmp
+}
+
+fn safetensors_files(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    v.sort();
+    v
+}
+
+/// Rewrites the file holding `name`, passing each tensor through `edit` (None drops it).
+fn rewrite(dir: &Path, name: &str, edit: impl Fn(&str, safetensors::Dtype, Vec<usize>, Vec<u8>) -> Option<(safetensors::Dtype, Vec<usize>, Vec<u8>)>) -> PathBuf {
+    for path in safetensors_files(dir) {
+        let bytes = std::fs::read(&path).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        if !st.names().iter().any(|n| *n == name) {
+            continue;
+        }
+        let mut kept = Vec::new();
+        for (n, t) in st.tensors() {
+            let r = if n == name { edit(&n, t.dtype(), t.shape().to_vec(), t.data().to_vec()) } else { Some((t.dtype(), t.shape().to_vec(), t.data().to_vec())) };
+            if let Some(r) = r {
+                kept.push((n, r));
+            }
+        }
+        let views: Vec<(String, safetensors::tensor::TensorView)> = kept
+            .iter()
+            .map(|(n, (d, s, b))| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        let out = safetensors::serialize(views, None).unwrap();
+        std::fs::write(&path, out).unwrap();
+        return path;
+    }
+    panic!("no file holds {name}");
+}
+
+#[test]
+fn damaged_checkpoints_are_clear_errors() {
+    let name = &fixture_names()[0];
+    let tokens = fixtures().join(name).join("tokens.json");
+    let t = tokens.to_str().unwrap();
+    let run = |dir: &Path| fails(&["score", "--model", dir.to_str().unwrap(), "--tokens", t, "--backend", "cpu"]);
+    let a_log = "language_model.model.layers.0.linear_attn.A_log";
+    let qkv = "language_model.model.layers.0.linear_attn.in_proj_qkv.weight";
+
+    // Truncated file.
+    let d = copy_checkpoint(name, "mlx");
+    let f = safetensors_files(d.path()).pop().unwrap();
+    let len = std::fs::metadata(&f).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len - 1000).unwrap();
+    let e = run(d.path());
+    assert!(e.contains("truncated") && e.contains(f.file_name().unwrap().to_str().unwrap()), "{e}");
+
+    // Garbage header.
+    let d = copy_checkpoint(name, "mlx");
+    let f = safetensors_files(d.path()).remove(0);
+    let mut bytes = std::fs::read(&f).unwrap();
+    bytes[8..24].copy_from_slice(b"this is not json");
+    std::fs::write(&f, bytes).unwrap();
+    assert!(run(d.path()).contains("not a valid safetensors file"));
+
+    // A missing tensor: listed by the index but absent, or absent altogether.
+    let d = copy_checkpoint(name, "mlx");
+    let f = rewrite(d.path(), a_log, |_, _, _, _| None);
+    if d.path().join("model.safetensors.index.json").exists() {
+        let e = run(d.path());
+        assert!(e.contains(a_log) && e.contains("not present") && e.contains(f.file_name().unwrap().to_str().unwrap()), "{e}");
+        std::fs::remove_file(d.path().join("model.safetensors.index.json")).unwrap();
+    }
+    let e = run(d.path());
+    assert!(e.contains(a_log) && e.contains("missing"), "{e}");
+
+    // A wrong shape.
+    let d = copy_checkpoint(name, "mlx");
+    let f = rewrite(d.path(), qkv, |_, dt, s, b| Some((dt, vec![s[0] / 2, s[1] * 2], b)));
+    let e = run(d.path());
+    assert!(e.contains(qkv) && e.contains("shape") && e.contains(f.file_name().unwrap().to_str().unwrap()), "{e}");
+
+    // A wrong dtype.
+    let d = copy_checkpoint(name, "mlx");
+    rewrite(d.path(), a_log, |_, _, s, b| Some((safetensors::Dtype::I32, s, b)));
+    let e = run(d.path());
+    assert!(e.contains(a_log) && e.contains("dtype"), "{e}");
+
+    // No config.json; a config.json with a bad value.
+    let d = copy_checkpoint(name, "mlx");
+    std::fs::remove_file(d.path().join("config.json")).unwrap();
+    assert!(run(d.path()).contains("config.json"));
+    let d = copy_checkpoint(name, "mlx");
+    let cfg = std::fs::read_to_string(d.path().join("config.json")).unwrap();
+    std::fs::write(d.path().join("config.json"), cfg.replacen("\"num_key_value_heads\"", "\"num_key_value_heads\": \"x\", \"ignored\"", 1)).unwrap();
+    assert!(run(d.path()).contains("num_key_value_heads"));
+
+    // Not a directory at all.
+    assert!(run(Path::new("/nonexistent/model")).contains("/nonexistent/model"));
+}
+
+#[test]
+fn bad_token_files_are_clear_errors() {
+    let name = &fixture_names()[0];
+    let model = fixtures().join(name).join("mlx");
+    let m = model.to_str().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    for (text, want) in [("[1, 2", "JSON array"), ("[5]", "at least 2"), ("[1, 99999999]", "outside the vocabulary"), ("[1, -3]", "JSON array")] {
+        let f = tmp.path().join("t.json");
+        std::fs::write(&f, text).unwrap();
+        let e = fails(&["score", "--model", m, "--tokens", f.to_str().unwrap(), "--backend", "cpu"]);
+        assert!(e.contains(want), "{text}: {e}");
+    }
+}
+
+fn template_data() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../lily-template/tests/data")
+}
+
+#[test]
+fn render_prints_what_transformers_renders() {
+    let data = template_data();
+    let mut checked = 0;
+    for model in ["qwen36", "qwen35", "builtin"] {
+        for e in std::fs::read_dir(data.join("expected").join(model)).unwrap() {
+            let p = e.unwrap().path();
+            if p.extension().is_none_or(|x| x != "txt") {
+                continue;
+            }
+            let req = data.join("requests").join(p.file_stem().unwrap()).with_extension("json");
+            let out = lily(&["render", "--model", data.join("models").join(model).to_str().unwrap(), "--request", req.to_str().unwrap()]);
+            assert!(out.status.success(), "{}: {}", req.display(), String::from_utf8_lossy(&out.stderr));
+            assert_eq!(String::from_utf8(out.stdout).unwrap(), std::fs::read_to_string(&p).unwrap(), "{}", p.display());
+            checked += 1;
+        }
+    }
+    assert!(checked >= 60, "only {checked} renders compared");
+    // A template error reaches the user as a clear error.
+    let bad = data.join("requests").join("03_developer.json");
+    let e = fails(&["render", "--model", data.join("models/qwen36").to_str().unwrap(), "--request", bad.to_str().unwrap()]);
+    assert!(e.contains("Unexpected message role"), "{e}");
+}
+
+#[test]
+fn tokenize_round_trips() {
+    use std::io::Write;
+    // The real Qwen3.5/3.6 tokenizer.
+    let dir = tempfile::tempdir().unwrap();
+    let gz = std::fs::File::open(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../assets/qwen3.6-tokenizer.json.gz")).unwrap();
+    let mut json = Vec::new();
+    std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(gz), &mut json).unwrap();
+    std::fs::write(dir.path().join("tokenizer.json"), json).unwrap();
+    let model = dir.path().to_path_buf();
+    let text = "Hello, wereld! 你好 🦀 <|im_start|>user\nfn main() {}<|im_end|>\n";
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(["tokenize", "--model", model.to_str().unwrap()])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let ids: Vec<u32> = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(ids.contains(&248045) && ids.contains(&248046), "special tokens are single ids: {ids:?}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(["tokenize", "--model", model.to_str().unwrap(), "--decode"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(serde_json::to_string(&ids).unwrap().as_bytes()).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8(out.stdout).unwrap(), text);
+}
