@@ -11,6 +11,7 @@ use crate::{CudaError, Device, Result};
 
 pub mod affine_gemv;
 pub mod embed;
+pub mod gdn;
 pub mod rmsnorm;
 pub mod util;
 
@@ -18,6 +19,7 @@ pub mod util;
 pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
     ("affine_gemv", affine_gemv::KERNELS),
     ("embed", embed::KERNELS),
+    ("gdn", gdn::KERNELS),
     ("rmsnorm", rmsnorm::KERNELS),
     ("util", util::KERNELS),
 ];

@@ -1,0 +1,230 @@
+// Gated DeltaNet (Qwen3.5/3.6 `linear_attn`) for decode, f32 activations and f32 state, the same maths
+// and layouts as lily_cpu::gdn (causal_conv1d_silu, gates, normalize_qk, delta_rule_recurrent,
+// gated_rmsnorm). T tokens are processed sequentially inside each kernel (decode: T = 1).
+// Layouts: qkv [T, C] with C = 2·Hk·Dk + Hv·Dv ordered q | k | v (head-major); state [Hv, Dk, Dv]
+// (S[h][i_k][j_v], HF order); value head j reads key head j / (Hv/Hk) (repeat_interleave).
+//
+// Entry points:
+//   gdn_conv_qk: causal depthwise conv (K taps) + SiLU, conv state [K-1, C] updated in place, then
+//     q ← l2norm(q)/√Dk and k ← l2norm(k) per head; and the gates beta = sigmoid(b),
+//     g = -exp(A_log)·softplus(a + dt_bias). Grid 2·Hk + Hv blocks: one per q head, k head, v head
+//     (the v blocks also write the gates of their head). Each channel belongs to one thread for the
+//     whole call, so the in-place conv state update needs no synchronisation. x must not alias out.
+//   gdn_recurrent_r{NR}: the delta rule. Per value head j and token: S *= exp(g); kv = Sᵀk;
+//     δ = β(v − kv); S += k⊗δ; o = Sᵀq. Block = (slice of Dv columns, value head); each warp owns 8
+//     consecutive columns (32-byte sectors of a state row) and spreads Dk over 4 row groups, lane =
+//     rg·8 + col, rows d = rg + 4i (i < NR): the state stays in registers for all T tokens and is read
+//     once and written once. Sums over Dk: in-lane, then two xor-shuffles. NR·4 ≥ Dk.
+//   gdn_gated_norm: y = w ⊙ x·rsqrt(mean(x²) + eps) ⊙ silu(z) per (token, value head) row of Dv,
+//     one warp per row (y may alias x).
+
+#include <stdint.h>
+
+struct GdnConvQkParams {
+    const float* x;        // [T, C] pre-conv projections
+    const float* conv_w;   // [C, K] (tap K-1 multiplies the current token)
+    float* conv_state;     // [K-1, C], in place
+    float* out;            // [T, C]
+    const float* a;        // [T, Hv]
+    const float* b;        // [T, Hv]
+    const float* a_log;    // [Hv]
+    const float* dt_bias;  // [Hv]
+    float* g;              // [T, Hv]
+    float* beta;           // [T, Hv]
+    int t_len;
+    int hk;
+    int hv;
+    int dk;
+    int dv;
+    int k;
+};
+
+struct GdnRecurrentParams {
+    const float* qkv;   // [T, C] after gdn_conv_qk
+    const float* g;     // [T, Hv]
+    const float* beta;  // [T, Hv]
+    float* state;       // [Hv, Dk, Dv], in place
+    float* out;         // [T, Hv, Dv]
+    int t_len;
+    int hk;
+    int hv;
+    int dk;
+    int dv;
+    int pad_;
+};
+
+struct GdnGatedNormParams {
+    const float* x;  // [rows, Dv]
+    const float* z;  // [rows, Dv]
+    const float* w;  // [Dv]
+    float* y;        // [rows, Dv]
+    int rows;
+    int dv;
+    float eps;
+    int pad_;
+};
+
+__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
+
+// Block-wide sum; every thread gets the total. Safe to call repeatedly (ends with a barrier).
+__device__ __forceinline__ float gdn_block_sum(float v) {
+    __shared__ float part[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    v = lane < nw ? part[lane] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    return v;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) gdn_conv_qk(const GdnConvQkParams p) {
+    const int kd = p.hk * p.dk;
+    const long long C = 2LL * kd + (long long)p.hv * p.dv;
+    const int K = p.k, hist = p.k - 1;
+    const int blk = blockIdx.x;
+    int base, width;
+    bool norm = false;
+    float qscale = 1.0f;
+    int vhead = -1;
+    if (blk < 2 * p.hk) {
+        base = blk * p.dk;
+        width = p.dk;
+        norm = true;
+        if (blk < p.hk) qscale = 1.0f / sqrtf((float)p.dk);
+    } else {
+        vhead = blk - 2 * p.hk;
+        base = 2 * kd + vhead * p.dv;
+        width = p.dv;
+    }
+
+    for (int t = 0; t < p.t_len; ++t) {
+        float ss = 0.0f;
+        for (int c = threadIdx.x; c < width; c += blockDim.x) {
+            const long long ch = base + c;
+            float acc = 0.0f;
+            for (int j = 0; j < K; ++j) {
+                const int r = t + j;  // row of xin = concat(conv_state, x)
+                const float xv = r < hist ? p.conv_state[r * C + ch] : p.x[(long long)(r - hist) * C + ch];
+                acc += p.conv_w[ch * K + j] * xv;
+            }
+            const float y = silu_f(acc);
+            p.out[t * C + ch] = y;
+            ss += y * y;
+        }
+        if (norm) {  // block-uniform
+            ss = gdn_block_sum(ss);
+            const float s = (1.0f / sqrtf(ss + 1e-6f)) * qscale;
+            for (int c = threadIdx.x; c < width; c += blockDim.x) p.out[t * C + base + c] *= s;
+        }
+    }
+
+    // New conv state row r = xin[T + r]. Each channel is owned by one thread, and the forward order reads
+    // old row T + r (> r) before it is overwritten.
+    for (int c = threadIdx.x; c < width; c += blockDim.x) {
+        const long long ch = base + c;
+        for (int r = 0; r < hist; ++r) {
+            const int src = p.t_len + r;
+            const float v = src < hist ? p.conv_state[src * C + ch] : p.x[(long long)(src - hist) * C + ch];
+            p.conv_state[r * C + ch] = v;
+        }
+    }
+
+    if (vhead >= 0) {
+        const int j = vhead;
+        const float neg_a = -expf(p.a_log[j]);
+        const float bias = p.dt_bias[j];
+        for (int t = threadIdx.x; t < p.t_len; t += blockDim.x) {
+            const long long i = (long long)t * p.hv + j;
+            const float x = p.a[i] + bias;
+            const float sp = x > 20.0f ? x : log1pf(expf(x));
+            p.g[i] = neg_a * sp;
+            p.beta[i] = 1.0f / (1.0f + expf(-p.b[i]));
+        }
+    }
+}
+
+template <int NR>
+__device__ __forceinline__ void gdn_recurrent(const GdnRecurrentParams& p) {
+    constexpr int CW = 8, RG = 4;
+    __shared__ float sq[NR * RG], sk[NR * RG];
+    const int j = blockIdx.y;
+    const int kh = j / (p.hv / p.hk);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int rg = lane >> 3;
+    const int col = (blockIdx.x * (blockDim.x >> 5) + warp) * CW + (lane & (CW - 1));
+    const bool active = col < p.dv;
+    const int dk = p.dk, dv = p.dv;
+    const long long kd = (long long)p.hk * dk;
+    const long long C = 2 * kd + (long long)p.hv * dv;
+    float* S = p.state + (long long)j * dk * dv;
+
+    float s[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int d = rg + RG * i;
+        s[i] = (active && d < dk) ? S[(long long)d * dv + col] : 0.0f;
+    }
+
+    for (int t = 0; t < p.t_len; ++t) {
+        const float* row = p.qkv + t * C;
+        __syncthreads();  // the previous token's reads of sq/sk are done
+        for (int d = threadIdx.x; d < NR * RG; d += blockDim.x) {
+            const bool in = d < dk;
+            sq[d] = in ? row[kh * dk + d] : 0.0f;
+            sk[d] = in ? row[kd + kh * dk + d] : 0.0f;
+        }
+        __syncthreads();
+        const float decay = expf(p.g[t * p.hv + j]);
+        const float bt = p.beta[t * p.hv + j];
+        const float v = active ? row[2 * kd + (long long)j * dv + col] : 0.0f;
+
+        float kv = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NR; ++i) kv += sk[rg + RG * i] * s[i];
+        kv += __shfl_xor_sync(0xffffffffu, kv, 8);
+        kv += __shfl_xor_sync(0xffffffffu, kv, 16);
+        const float delta = bt * (v - decay * kv);
+
+        float o = 0.0f;
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+            s[i] = decay * s[i] + sk[rg + RG * i] * delta;
+            o += sq[rg + RG * i] * s[i];
+        }
+        o += __shfl_xor_sync(0xffffffffu, o, 8);
+        o += __shfl_xor_sync(0xffffffffu, o, 16);
+        if (active && rg == 0) p.out[((long long)t * p.hv + j) * dv + col] = o;
+    }
+
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int d = rg + RG * i;
+        if (active && d < dk) S[(long long)d * dv + col] = s[i];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r2(const GdnRecurrentParams p) { gdn_recurrent<2>(p); }
+extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r4(const GdnRecurrentParams p) { gdn_recurrent<4>(p); }
+extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r8(const GdnRecurrentParams p) { gdn_recurrent<8>(p); }
+extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r16(const GdnRecurrentParams p) { gdn_recurrent<16>(p); }
+extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r32(const GdnRecurrentParams p) { gdn_recurrent<32>(p); }
+extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r64(const GdnRecurrentParams p) { gdn_recurrent<64>(p); }
+
+extern "C" __global__ void __launch_bounds__(1024) gdn_gated_norm(const GdnGatedNormParams p) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + warp;
+    if (r >= p.rows) return;  // whole warps only; no block barrier below
+    const float* x = p.x + r * p.dv;
+    const float* z = p.z + r * p.dv;
+    float* y = p.y + r * p.dv;
+    float ss = 0.0f;
+    for (int i = lane; i < p.dv; i += 32) ss += x[i] * x[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float inv = 1.0f / sqrtf(ss / (float)p.dv + p.eps);
+    for (int i = lane; i < p.dv; i += 32) y[i] = p.w[i] * (x[i] * inv) * silu_f(z[i]);
+}

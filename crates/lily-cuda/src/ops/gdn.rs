@@ -1,0 +1,340 @@
+//! Gated DeltaNet decode kernels (`kernels/gdn.cu`), f32 activations and f32 state, matching
+//! `lily_cpu::gdn` (same layouts): [`conv_qk`] (causal conv + SiLU + q/k L2 norm + gates, one launch),
+//! [`delta_rule_recurrent`] (the state kept in registers for all T tokens) and [`gated_rmsnorm`].
+//! All three take T tokens and process them in order inside the kernel (decode: T = 1).
+//!
+//! Layouts: qkv [T, C] with C = 2·Hk·Dk + Hv·Dv ordered q | k | v, head-major; conv state [K-1, C];
+//! recurrent state [Hv, Dk, Dv] (HF order S[h][i_k][j_v]); value head j reads key head j / (Hv/Hk).
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+
+use super::{addr, addr_mut, launch};
+use crate::{CudaError, Device, Result};
+
+/// The sizes of one Gated DeltaNet layer (mirror of `lily_cpu::gdn::GdnDims`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GdnDims {
+    pub num_k_heads: usize,
+    pub num_v_heads: usize,
+    pub head_k_dim: usize,
+    pub head_v_dim: usize,
+    pub conv_kernel: usize,
+}
+
+impl GdnDims {
+    /// The GDN sizes of a model config (`linear_*`).
+    pub fn from_config(cfg: &lily_model::ModelConfig) -> Self {
+        GdnDims {
+            num_k_heads: cfg.linear_num_key_heads,
+            num_v_heads: cfg.linear_num_value_heads,
+            head_k_dim: cfg.linear_key_head_dim,
+            head_v_dim: cfg.linear_value_head_dim,
+            conv_kernel: cfg.linear_conv_kernel_dim,
+        }
+    }
+    /// C = 2·Hk·Dk + Hv·Dv.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+    pub fn key_dim(&self) -> usize {
+        self.num_k_heads * self.head_k_dim
+    }
+    pub fn value_dim(&self) -> usize {
+        self.num_v_heads * self.head_v_dim
+    }
+    /// Hv·Dk·Dv.
+    pub fn state_len(&self) -> usize {
+        self.num_v_heads * self.head_k_dim * self.head_v_dim
+    }
+    /// (K-1)·C.
+    pub fn conv_state_len(&self) -> usize {
+        self.conv_kernel.saturating_sub(1) * self.conv_dim()
+    }
+
+    #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.85
+    fn check(&self, t_len: usize) -> Result<()> {
+        let ok = self.num_k_heads > 0
+            && self.num_v_heads % self.num_k_heads == 0
+            && self.head_k_dim > 0
+            && self.head_v_dim > 0
+            && self.conv_kernel > 0
+            && self.head_k_dim <= MAX_DK
+            && self.conv_dim() * t_len.max(self.conv_kernel) <= i32::MAX as usize
+            && self.state_len() <= i32::MAX as usize
+            && 2 * self.num_k_heads + self.num_v_heads <= i32::MAX as usize;
+        if ok {
+            Ok(())
+        } else {
+            Err(CudaError::Shape(format!("gdn: unsupported dims {self:?} (T = {t_len}; Dk ≤ {MAX_DK})")))
+        }
+    }
+}
+
+/// The largest key head dim of the recurrent kernels (4 row groups × 64 rows per lane).
+pub const MAX_DK: usize = 256;
+
+/// Must match `struct GdnConvQkParams` in `kernels/gdn.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct GdnConvQkParams {
+    x: u64,
+    conv_w: u64,
+    conv_state: u64,
+    out: u64,
+    a: u64,
+    b: u64,
+    a_log: u64,
+    dt_bias: u64,
+    g: u64,
+    beta: u64,
+    t_len: i32,
+    hk: i32,
+    hv: i32,
+    dk: i32,
+    dv: i32,
+    k: i32,
+}
+// SAFETY: plain old data with the kernel's layout.
+unsafe impl DeviceRepr for GdnConvQkParams {}
+
+/// Must match `struct GdnRecurrentParams` in `kernels/gdn.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct GdnRecurrentParams {
+    qkv: u64,
+    g: u64,
+    beta: u64,
+    state: u64,
+    out: u64,
+    t_len: i32,
+    hk: i32,
+    hv: i32,
+    dk: i32,
+    dv: i32,
+    pad: i32,
+}
+// SAFETY: plain old data with the kernel's layout.
+unsafe impl DeviceRepr for GdnRecurrentParams {}
+
+/// Must match `struct GdnGatedNormParams` in `kernels/gdn.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct GdnGatedNormParams {
+    x: u64,
+    z: u64,
+    w: u64,
+    y: u64,
+    rows: i32,
+    dv: i32,
+    eps: f32,
+    pad: i32,
+}
+// SAFETY: plain old data with the kernel's layout.
+unsafe impl DeviceRepr for GdnGatedNormParams {}
+
+/// (rows per lane, kernel) of the recurrent kernels, smallest first.
+const RECURRENT: &[(usize, &str)] = &[
+    (2, "gdn_recurrent_r2"),
+    (4, "gdn_recurrent_r4"),
+    (8, "gdn_recurrent_r8"),
+    (16, "gdn_recurrent_r16"),
+    (32, "gdn_recurrent_r32"),
+    (64, "gdn_recurrent_r64"),
+];
+
+pub(crate) const KERNELS: &[&str] = &[
+    "gdn_conv_qk",
+    "gdn_recurrent_r2",
+    "gdn_recurrent_r4",
+    "gdn_recurrent_r8",
+    "gdn_recurrent_r16",
+    "gdn_recurrent_r32",
+    "gdn_recurrent_r64",
+    "gdn_gated_norm",
+];
+
+/// Default warps per block of the recurrent kernel (8 state columns per warp).
+pub const RECURRENT_WARPS: u32 = 2;
+
+/// Steps 1-3 of the layer on T tokens, one launch: `out = silu(causal_conv(x))` with the conv state
+/// `conv_state` [K-1, C] updated in place (to the last K-1 rows of concat(conv_state, x)); then
+/// q ← l2norm(q)/√Dk and k ← l2norm(k) per head in `out`; and `g = -exp(a_log)·softplus(a + dt_bias)`,
+/// `beta = sigmoid(b)`. x, out: [T, C]; conv_w: [C, K]; a, b, g, beta: [T, Hv]; a_log, dt_bias: [Hv].
+/// `x` must not alias `out`.
+#[allow(clippy::too_many_arguments)]
+pub fn conv_qk<X, W, CS, A, B, AL, DB, O, G, BE>(
+    dev: &Device,
+    dims: &GdnDims,
+    t_len: usize,
+    x: &X,
+    conv_w: &W,
+    conv_state: &mut CS,
+    a: &A,
+    b: &B,
+    a_log: &AL,
+    dt_bias: &DB,
+    out: &mut O,
+    g: &mut G,
+    beta: &mut BE,
+) -> Result<()>
+where
+    X: DevicePtr<f32>,
+    W: DevicePtr<f32>,
+    CS: DevicePtrMut<f32>,
+    A: DevicePtr<f32>,
+    B: DevicePtr<f32>,
+    AL: DevicePtr<f32>,
+    DB: DevicePtr<f32>,
+    O: DevicePtrMut<f32>,
+    G: DevicePtrMut<f32>,
+    BE: DevicePtrMut<f32>,
+{
+    dims.check(t_len)?;
+    if t_len == 0 {
+        return Ok(());
+    }
+    let (c, hv, k) = (dims.conv_dim(), dims.num_v_heads, dims.conv_kernel);
+    let p = GdnConvQkParams {
+        x: addr(dev, x, t_len * c, "gdn conv_qk x")?,
+        conv_w: addr(dev, conv_w, c * k, "gdn conv_qk conv_w")?,
+        conv_state: addr_mut(dev, conv_state, dims.conv_state_len(), "gdn conv_qk conv_state")?,
+        out: addr_mut(dev, out, t_len * c, "gdn conv_qk out")?,
+        a: addr(dev, a, t_len * hv, "gdn conv_qk a")?,
+        b: addr(dev, b, t_len * hv, "gdn conv_qk b")?,
+        a_log: addr(dev, a_log, hv, "gdn conv_qk a_log")?,
+        dt_bias: addr(dev, dt_bias, hv, "gdn conv_qk dt_bias")?,
+        g: addr_mut(dev, g, t_len * hv, "gdn conv_qk g")?,
+        beta: addr_mut(dev, beta, t_len * hv, "gdn conv_qk beta")?,
+        t_len: t_len as i32,
+        hk: dims.num_k_heads as i32,
+        hv: hv as i32,
+        dk: dims.head_k_dim as i32,
+        dv: dims.head_v_dim as i32,
+        k: k as i32,
+    };
+    let width = dims.head_k_dim.max(dims.head_v_dim);
+    let threads = (width.div_ceil(32) * 32).clamp(32, 256) as u32;
+    let blocks = (2 * dims.num_k_heads + hv) as u32;
+    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    launch(dev, "gdn_conv_qk", cfg, &p)
+}
+
+/// The gated delta rule on T tokens, in order, from `state` [Hv, Dk, Dv] (updated in place):
+/// per value head j and token t, S ← exp(g)·S; kv = Sᵀk; δ = β(v − kv); S ← S + k⊗δ; o = Sᵀq.
+/// qkv: [T, C] (after [`conv_qk`]); g, beta: [T, Hv]; out: [T, Hv, Dv] (must not alias qkv).
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule_recurrent<Q, G, BE, S, O>(
+    dev: &Device,
+    dims: &GdnDims,
+    t_len: usize,
+    qkv: &Q,
+    g: &G,
+    beta: &BE,
+    state: &mut S,
+    out: &mut O,
+) -> Result<()>
+where
+    Q: DevicePtr<f32>,
+    G: DevicePtr<f32>,
+    BE: DevicePtr<f32>,
+    S: DevicePtrMut<f32>,
+    O: DevicePtrMut<f32>,
+{
+    delta_rule_recurrent_with(dev, dims, t_len, qkv, g, beta, state, out, RECURRENT_WARPS)
+}
+
+/// [`delta_rule_recurrent`] with a chosen number of warps per block (1..=8; 8 state columns each).
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule_recurrent_with<Q, G, BE, S, O>(
+    dev: &Device,
+    dims: &GdnDims,
+    t_len: usize,
+    qkv: &Q,
+    g: &G,
+    beta: &BE,
+    state: &mut S,
+    out: &mut O,
+    warps: u32,
+) -> Result<()>
+where
+    Q: DevicePtr<f32>,
+    G: DevicePtr<f32>,
+    BE: DevicePtr<f32>,
+    S: DevicePtrMut<f32>,
+    O: DevicePtrMut<f32>,
+{
+    dims.check(t_len)?;
+    if !(1..=8).contains(&warps) {
+        return Err(CudaError::Shape(format!("gdn recurrent: {warps} warps per block (1..=8)")));
+    }
+    if t_len == 0 {
+        return Ok(());
+    }
+    let (hv, dv) = (dims.num_v_heads, dims.head_v_dim);
+    let p = GdnRecurrentParams {
+        qkv: addr(dev, qkv, t_len * dims.conv_dim(), "gdn recurrent qkv")?,
+        g: addr(dev, g, t_len * hv, "gdn recurrent g")?,
+        beta: addr(dev, beta, t_len * hv, "gdn recurrent beta")?,
+        state: addr_mut(dev, state, dims.state_len(), "gdn recurrent state")?,
+        out: addr_mut(dev, out, t_len * dims.value_dim(), "gdn recurrent out")?,
+        t_len: t_len as i32,
+        hk: dims.num_k_heads as i32,
+        hv: hv as i32,
+        dk: dims.head_k_dim as i32,
+        dv: dv as i32,
+        pad: 0,
+    };
+    let &(_, name) = RECURRENT.iter().find(|(nr, _)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ MAX_DK checked");
+    let cols = 8 * warps as usize;
+    let cfg = LaunchConfig {
+        grid_dim: (dv.div_ceil(cols) as u32, hv as u32, 1),
+        block_dim: (32 * warps, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch(dev, name, cfg, &p)
+}
+
+/// Gated RMSNorm per (token, value head) row of Dv: y = w ⊙ x·rsqrt(mean(x²) + eps) ⊙ silu(z), with a
+/// plain weight w [Dv]. x (the rule's output), z, y: [T, Hv·Dv]; y may alias x.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_rmsnorm<X, Z, W, Y>(
+    dev: &Device,
+    dims: &GdnDims,
+    t_len: usize,
+    x: &X,
+    z: &Z,
+    w: &W,
+    eps: f32,
+    y: &mut Y,
+) -> Result<()>
+where
+    X: DevicePtr<f32>,
+    Z: DevicePtr<f32>,
+    W: DevicePtr<f32>,
+    Y: DevicePtrMut<f32>,
+{
+    let (rows, dv) = (t_len * dims.num_v_heads, dims.head_v_dim);
+    if dv == 0 || rows * dv > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("gdn gated_rmsnorm: {rows} rows of {dv}")));
+    }
+    if rows == 0 {
+        return Ok(());
+    }
+    let p = GdnGatedNormParams {
+        x: addr(dev, x, rows * dv, "gdn gated_rmsnorm x")?,
+        z: addr(dev, z, rows * dv, "gdn gated_rmsnorm z")?,
+        w: addr(dev, w, dv, "gdn gated_rmsnorm w")?,
+        y: addr_mut(dev, y, rows * dv, "gdn gated_rmsnorm y")?,
+        rows: rows as i32,
+        dv: dv as i32,
+        eps,
+        pad: 0,
+    };
+    let warps = 4usize;
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(warps) as u32, 1, 1),
+        block_dim: (32 * warps as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch(dev, "gdn_gated_norm", cfg, &p)
+}

@@ -1,0 +1,400 @@
+//! CPU-vs-GPU tests of the Gated DeltaNet decode kernels (`kernels/gdn.cu`, `ops::gdn`) against
+//! `lily_cpu::gdn`, plus a timing of the real-size decode step (`bench_gdn_decode`, ignored by default).
+//!
+//! Each test skips (prints "no GPU, skipped") when `probe(0)` fails. Inputs are fresh pseudo-random
+//! values in realistic ranges (never zeros; a random nonzero recurrent and conv state), outputs are
+//! poisoned with NaN before the GPU run, and every output, the updated recurrent state and the updated
+//! conv state are compared with the CPU functions at a relative max error of 1e-5 (an indexing bug shows
+//! up as ≥ 1e-2).
+#![cfg(feature = "cuda")]
+
+use cudarc::driver::CudaSlice;
+use lily_cpu::gdn as cpu;
+use lily_cuda::ops::gdn::{self, GdnDims};
+use lily_cuda::ops::util;
+use lily_cuda::{probe, Device};
+
+fn device() -> Option<Device> {
+    match probe(0) {
+        Err(e) => {
+            println!("no GPU, skipped ({e})");
+            None
+        }
+        Ok(_) => Some(Device::open(0).expect("the GPU is there but Device::open failed")),
+    }
+}
+
+/// xorshift64* with Box–Muller normals (as `lily-cpu/tests/gdn.rs`).
+struct Rng(u64);
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    fn range(&mut self, lo: f64, hi: f64) -> f32 {
+        (lo + (hi - lo) * self.uniform()) as f32
+    }
+    fn normal(&mut self, std: f64) -> f32 {
+        let (u1, u2) = (self.uniform(), self.uniform());
+        (std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+    }
+    fn normals(&mut self, n: usize, std: f64) -> Vec<f32> {
+        (0..n).map(|_| self.normal(std)).collect()
+    }
+}
+
+fn cpu_dims(d: &GdnDims) -> cpu::GdnDims {
+    cpu::GdnDims {
+        num_k_heads: d.num_k_heads,
+        num_v_heads: d.num_v_heads,
+        head_k_dim: d.head_k_dim,
+        head_v_dim: d.head_v_dim,
+        conv_kernel: d.conv_kernel,
+    }
+}
+
+/// max |got − want| / max |want|, after checking every element was written (no NaN).
+fn rel_err(got: &[f32], want: &[f32], what: &str) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        panic!("{what}: element {i} of {} not written (or not finite): {}", got.len(), got[i]);
+    }
+    let scale = want.iter().fold(0.0f64, |a, b| a.max(b.abs() as f64)).max(1e-30);
+    got.iter().zip(want).fold(0.0f64, |a, (g, w)| a.max((*g as f64 - *w as f64).abs())) / scale
+}
+
+const TOL: f64 = 1e-5;
+
+fn check(got: &[f32], want: &[f32], what: &str) -> f64 {
+    let e = rel_err(got, want, what);
+    assert!(e <= TOL, "{what}: relative max error {e:.3e} > {TOL:.0e}");
+    e
+}
+
+fn poisoned(dev: &Device, n: usize) -> CudaSlice<f32> {
+    let mut y = dev.zeros::<f32>(n).unwrap();
+    util::fill(dev, &mut y, f32::NAN).unwrap();
+    y
+}
+
+/// A_log = ln U(1, 16); dt_bias: even heads U(0.5, 2) (fast decay), odd heads the Mamba init
+/// softplus⁻¹(dt), dt log-uniform in [1e-3, 0.1] (slow decay), as in lily-cpu's tests.
+fn gate_params(rng: &mut Rng, hv: usize) -> (Vec<f32>, Vec<f32>) {
+    let a_log = (0..hv).map(|_| rng.range(1.0, 16.0).ln()).collect();
+    let dt_bias = (0..hv)
+        .map(|h| {
+            if h % 2 == 0 {
+                rng.range(0.5, 2.0)
+            } else {
+                let dt = (rng.range(1e-3f64.ln(), 0.1f64.ln()) as f64).exp();
+                dt.exp_m1().ln() as f32
+            }
+        })
+        .collect();
+    (a_log, dt_bias)
+}
+
+/// One layer's worth of inputs for T tokens.
+struct Inputs {
+    x: Vec<f32>,          // [T, C]
+    conv_w: Vec<f32>,     // [C, K]
+    conv_state: Vec<f32>, // [K-1, C]
+    a: Vec<f32>,          // [T, Hv]
+    b: Vec<f32>,          // [T, Hv]
+    a_log: Vec<f32>,
+    dt_bias: Vec<f32>,
+    state: Vec<f32>,  // [Hv, Dk, Dv]
+    z: Vec<f32>,      // [T, Hv·Dv]
+    norm_w: Vec<f32>, // [Dv]
+}
+
+fn inputs(rng: &mut Rng, d: &GdnDims, t: usize) -> Inputs {
+    let (c, hv, k) = (d.conv_dim(), d.num_v_heads, d.conv_kernel);
+    let (a_log, dt_bias) = gate_params(rng, hv);
+    Inputs {
+        x: rng.normals(t * c, 1.0),
+        conv_w: rng.normals(c * k, 0.5),
+        conv_state: rng.normals(d.conv_state_len(), 1.0),
+        a: rng.normals(t * hv, 1.0),
+        b: rng.normals(t * hv, 2.0),
+        a_log,
+        dt_bias,
+        state: rng.normals(d.state_len(), 0.5),
+        z: rng.normals(t * d.value_dim(), 1.0),
+        norm_w: (0..d.head_v_dim).map(|_| rng.range(0.5, 1.5)).collect(),
+    }
+}
+
+/// The CPU results: (qkv after conv + norm, conv state, g, beta, o, state, y).
+struct Outputs {
+    qkv: Vec<f32>,
+    conv_state: Vec<f32>,
+    g: Vec<f32>,
+    beta: Vec<f32>,
+    o: Vec<f32>,
+    state: Vec<f32>,
+    y: Vec<f32>,
+}
+
+const EPS: f32 = 1e-6;
+
+fn cpu_layer(inp: &Inputs, d: &GdnDims, t: usize) -> Outputs {
+    let cd = cpu_dims(d);
+    let mut conv_state = inp.conv_state.clone();
+    let mut qkv = vec![f32::NAN; t * d.conv_dim()];
+    cpu::causal_conv1d_silu(&inp.x, &inp.conv_w, &mut conv_state, &cd, &mut qkv);
+    cpu::normalize_qk(&mut qkv, &cd);
+    let (mut g, mut beta) = (vec![f32::NAN; t * d.num_v_heads], vec![f32::NAN; t * d.num_v_heads]);
+    cpu::gates(&inp.a, &inp.b, &inp.a_log, &inp.dt_bias, &mut g, &mut beta);
+    let mut state = inp.state.clone();
+    let mut o = vec![f32::NAN; t * d.value_dim()];
+    cpu::delta_rule_recurrent(&qkv, &g, &beta, &mut state, &cd, &mut o);
+    let mut y = vec![f32::NAN; t * d.value_dim()];
+    cpu::gated_rmsnorm(&o, &inp.z, &inp.norm_w, EPS, &cd, &mut y);
+    Outputs { qkv, conv_state, g, beta, o, state, y }
+}
+
+fn check_layer(dev: &Device, d: &GdnDims, t: usize, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let inp = inputs(&mut rng, d, t);
+    let want = cpu_layer(&inp, d, t);
+    let what = format!("{d:?} T={t}");
+    let (c, hv, vd) = (d.conv_dim(), d.num_v_heads, d.value_dim());
+
+    // Stage 1: conv + SiLU + q/k norm + gates.
+    let x = dev.upload(&inp.x).unwrap();
+    let conv_w = dev.upload(&inp.conv_w).unwrap();
+    let mut conv_state = dev.upload(&inp.conv_state).unwrap();
+    let (a, b) = (dev.upload(&inp.a).unwrap(), dev.upload(&inp.b).unwrap());
+    let (a_log, dt_bias) = (dev.upload(&inp.a_log).unwrap(), dev.upload(&inp.dt_bias).unwrap());
+    let mut qkv = poisoned(dev, t * c);
+    let (mut g, mut beta) = (poisoned(dev, t * hv), poisoned(dev, t * hv));
+    gdn::conv_qk(dev, d, t, &x, &conv_w, &mut conv_state, &a, &b, &a_log, &dt_bias, &mut qkv, &mut g, &mut beta)
+        .unwrap();
+    let e_qkv = check(&dev.download(&qkv).unwrap(), &want.qkv, &format!("{what}: conv qkv"));
+    let e_cs = check(&dev.download(&conv_state).unwrap(), &want.conv_state, &format!("{what}: conv state"));
+    let e_g = check(&dev.download(&g).unwrap(), &want.g, &format!("{what}: g"));
+    let e_b = check(&dev.download(&beta).unwrap(), &want.beta, &format!("{what}: beta"));
+
+    // Stage 2: the rule, isolated (from the CPU's qkv, g, beta) and chained (from stage 1's).
+    let (qkv_c, g_c, beta_c) =
+        (dev.upload(&want.qkv).unwrap(), dev.upload(&want.g).unwrap(), dev.upload(&want.beta).unwrap());
+    let mut state = dev.upload(&inp.state).unwrap();
+    let mut o = poisoned(dev, t * vd);
+    gdn::delta_rule_recurrent(dev, d, t, &qkv_c, &g_c, &beta_c, &mut state, &mut o).unwrap();
+    let e_o = check(&dev.download(&o).unwrap(), &want.o, &format!("{what}: rule out"));
+    let e_s = check(&dev.download(&state).unwrap(), &want.state, &format!("{what}: rule state"));
+    let mut state2 = dev.upload(&inp.state).unwrap();
+    let mut o2 = poisoned(dev, t * vd);
+    gdn::delta_rule_recurrent(dev, d, t, &qkv, &g, &beta, &mut state2, &mut o2).unwrap();
+    let e_o2 = check(&dev.download(&o2).unwrap(), &want.o, &format!("{what}: chained rule out"));
+    let e_s2 = check(&dev.download(&state2).unwrap(), &want.state, &format!("{what}: chained rule state"));
+    // Other warp counts give the same numbers.
+    for warps in [1, 4, 8] {
+        let mut s = dev.upload(&inp.state).unwrap();
+        let mut ow = poisoned(dev, t * vd);
+        gdn::delta_rule_recurrent_with(dev, d, t, &qkv_c, &g_c, &beta_c, &mut s, &mut ow, warps).unwrap();
+        check(&dev.download(&ow).unwrap(), &want.o, &format!("{what}: rule out, {warps} warps"));
+        check(&dev.download(&s).unwrap(), &want.state, &format!("{what}: rule state, {warps} warps"));
+    }
+
+    // Stage 3: gated norm, isolated and chained.
+    let (o_c, z, nw) = (dev.upload(&want.o).unwrap(), dev.upload(&inp.z).unwrap(), dev.upload(&inp.norm_w).unwrap());
+    let mut y = poisoned(dev, t * vd);
+    gdn::gated_rmsnorm(dev, d, t, &o_c, &z, &nw, EPS, &mut y).unwrap();
+    let e_y = check(&dev.download(&y).unwrap(), &want.y, &format!("{what}: gated norm"));
+    let mut y2 = poisoned(dev, t * vd);
+    gdn::gated_rmsnorm(dev, d, t, &o2, &z, &nw, EPS, &mut y2).unwrap();
+    let e_y2 = check(&dev.download(&y2).unwrap(), &want.y, &format!("{what}: chained gated norm"));
+
+    println!(
+        "{what}: qkv {e_qkv:.1e} conv_state {e_cs:.1e} g {e_g:.1e} beta {e_b:.1e} | o {e_o:.1e} state {e_s:.1e} \
+         (chained {e_o2:.1e} {e_s2:.1e}) | y {e_y:.1e} (chained {e_y2:.1e})"
+    );
+}
+
+fn dims(hk: usize, hv: usize, dk: usize, dv: usize, k: usize) -> GdnDims {
+    GdnDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv, conv_kernel: k }
+}
+
+/// Qwen3.6-35B-A3B: Hk 16, Hv 32, Dk = Dv = 128, K 4 (C = 8192).
+const REAL: GdnDims = GdnDims { num_k_heads: 16, num_v_heads: 32, head_k_dim: 128, head_v_dim: 128, conv_kernel: 4 };
+
+#[test]
+fn gdn_real_sizes_match_cpu() {
+    let Some(dev) = device() else { return };
+    assert_eq!(REAL.conv_dim(), 8192);
+    let same = dims(32, 32, 128, 128, 4); // Hv/Hk = 1 at the real head sizes
+    for (i, d) in [REAL, same].iter().enumerate() {
+        for t in [1, 7] {
+            check_layer(&dev, d, t, 100 + 10 * i as u64 + t as u64);
+        }
+    }
+}
+
+#[test]
+fn gdn_small_odd_sizes_match_cpu() {
+    let Some(dev) = device() else { return };
+    // Dk not a multiple of 4 (padded row groups), Dv not a multiple of 8 (partial warps), K ≠ 4,
+    // Hv/Hk = 1, 2 and 3; a T shorter than K-1 (the conv state keeps some old rows); Dk up to 256.
+    let cases = [
+        dims(3, 3, 24, 40, 4),
+        dims(2, 4, 21, 37, 3),
+        dims(1, 3, 7, 5, 5),
+        dims(2, 4, 200, 72, 4),
+        dims(1, 2, 256, 64, 2),
+    ];
+    for (i, d) in cases.iter().enumerate() {
+        for t in [1, 2, 7] {
+            check_layer(&dev, d, t, 1000 + 10 * i as u64 + t as u64);
+        }
+    }
+}
+
+#[test]
+fn gdn_split_sequence_equals_whole() {
+    // 7 tokens in one call = 3 + 1 + 3 tokens in three calls carrying both states.
+    let Some(dev) = device() else { return };
+    let d = REAL;
+    let t = 7;
+    let mut rng = Rng::new(7);
+    let inp = inputs(&mut rng, &d, t);
+    let want = cpu_layer(&inp, &d, t);
+    let (c, hv, vd) = (d.conv_dim(), d.num_v_heads, d.value_dim());
+    let conv_w = dev.upload(&inp.conv_w).unwrap();
+    let (a_log, dt_bias) = (dev.upload(&inp.a_log).unwrap(), dev.upload(&inp.dt_bias).unwrap());
+    let mut conv_state = dev.upload(&inp.conv_state).unwrap();
+    let mut state = dev.upload(&inp.state).unwrap();
+    let mut o_all = Vec::new();
+    for (lo, hi) in [(0, 3), (3, 4), (4, 7)] {
+        let n = hi - lo;
+        let x = dev.upload(&inp.x[lo * c..hi * c]).unwrap();
+        let a = dev.upload(&inp.a[lo * hv..hi * hv]).unwrap();
+        let b = dev.upload(&inp.b[lo * hv..hi * hv]).unwrap();
+        let mut qkv = poisoned(&dev, n * c);
+        let (mut g, mut beta) = (poisoned(&dev, n * hv), poisoned(&dev, n * hv));
+        gdn::conv_qk(&dev, &d, n, &x, &conv_w, &mut conv_state, &a, &b, &a_log, &dt_bias, &mut qkv, &mut g, &mut beta)
+            .unwrap();
+        let mut o = poisoned(&dev, n * vd);
+        gdn::delta_rule_recurrent(&dev, &d, n, &qkv, &g, &beta, &mut state, &mut o).unwrap();
+        o_all.extend(dev.download(&o).unwrap());
+    }
+    let e_o = check(&o_all, &want.o, "split: out");
+    let e_s = check(&dev.download(&state).unwrap(), &want.state, "split: state");
+    let e_c = check(&dev.download(&conv_state).unwrap(), &want.conv_state, "split: conv state");
+    println!("split 3+1+3 vs CPU whole: out {e_o:.1e} state {e_s:.1e} conv_state {e_c:.1e}");
+}
+
+#[test]
+fn gdn_rejects_bad_shapes() {
+    let Some(dev) = device() else { return };
+    let d = dims(2, 4, 16, 16, 4);
+    let t = 1;
+    let qkv = dev.zeros::<f32>(d.conv_dim() - 1).unwrap();
+    let (g, beta) = (dev.zeros::<f32>(4).unwrap(), dev.zeros::<f32>(4).unwrap());
+    let mut state = dev.zeros::<f32>(d.state_len()).unwrap();
+    let mut o = dev.zeros::<f32>(d.value_dim()).unwrap();
+    assert!(gdn::delta_rule_recurrent(&dev, &d, t, &qkv, &g, &beta, &mut state, &mut o).is_err());
+    let bad = dims(3, 4, 16, 16, 4); // Hv not a multiple of Hk
+    assert!(gdn::delta_rule_recurrent(&dev, &bad, t, &qkv, &g, &beta, &mut state, &mut o).is_err());
+    let big = dims(1, 1, 512, 16, 4); // Dk > MAX_DK
+    assert!(gdn::delta_rule_recurrent(&dev, &big, t, &qkv, &g, &beta, &mut state, &mut o).is_err());
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Timing (run with `--ignored bench_gdn_decode`)
+
+/// Median per-launch time in seconds of `op(i)`: `reps` batches of `batch` launches queued behind a GPU
+/// spin, each batch between two CUDA events (as `bench_ops` in gpu_ops.rs); also max/min batch.
+fn time_op(dev: &Device, reps: usize, batch: usize, mut op: impl FnMut(usize)) -> (f64, f64) {
+    use cudarc::driver::sys::CUevent_flags;
+    for i in 0..3 * batch {
+        op(i);
+    }
+    dev.synchronize().unwrap();
+    let ctx = dev.context();
+    let events: Vec<_> = (0..2 * reps).map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap()).collect();
+    util::spin(dev, 30_000_000).unwrap();
+    let mut i = 0;
+    for r in 0..reps {
+        events[2 * r].record(dev.stream()).unwrap();
+        for _ in 0..batch {
+            op(i);
+            i += 1;
+        }
+        events[2 * r + 1].record(dev.stream()).unwrap();
+    }
+    dev.synchronize().unwrap();
+    let mut t: Vec<f64> =
+        (0..reps).map(|r| events[2 * r].elapsed_ms(&events[2 * r + 1]).unwrap() as f64 * 1e-3 / batch as f64).collect();
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (t[reps / 2], t[reps - 1] / t[0])
+}
+
+#[test]
+#[ignore = "timing; run on the GPU machine"]
+fn bench_gdn_decode() {
+    let Some(dev) = device() else { return };
+    let d = REAL;
+    let layers = 30;
+    let mut rng = Rng::new(42);
+    let (c, hv, vd) = (d.conv_dim(), d.num_v_heads, d.value_dim());
+    // Per layer: its own weights and states (60 MiB of recurrent state in all, more than the 50 MiB L2).
+    let inp: Vec<Inputs> = (0..layers).map(|_| inputs(&mut rng, &d, 1)).collect();
+    let up = |v: &Vec<f32>| dev.upload(v).unwrap();
+    let x: Vec<_> = inp.iter().map(|i| up(&i.x)).collect();
+    let conv_w: Vec<_> = inp.iter().map(|i| up(&i.conv_w)).collect();
+    let mut conv_state: Vec<_> = inp.iter().map(|i| up(&i.conv_state)).collect();
+    let a: Vec<_> = inp.iter().map(|i| up(&i.a)).collect();
+    let b: Vec<_> = inp.iter().map(|i| up(&i.b)).collect();
+    let a_log: Vec<_> = inp.iter().map(|i| up(&i.a_log)).collect();
+    let dt_bias: Vec<_> = inp.iter().map(|i| up(&i.dt_bias)).collect();
+    let mut state: Vec<_> = inp.iter().map(|i| up(&i.state)).collect();
+    let z: Vec<_> = inp.iter().map(|i| up(&i.z)).collect();
+    let nw: Vec<_> = inp.iter().map(|i| up(&i.norm_w)).collect();
+    let mut qkv = dev.zeros::<f32>(c).unwrap();
+    let mut g = dev.zeros::<f32>(hv).unwrap();
+    let mut beta = dev.zeros::<f32>(hv).unwrap();
+    let mut o = dev.zeros::<f32>(vd).unwrap();
+    let mut y = dev.zeros::<f32>(vd).unwrap();
+    let (reps, batch) = (15, 3 * layers);
+    let floor_us = 2.0 * d.state_len() as f64 * 4.0 / 4.3e12 * 1e6;
+    println!("GDN decode, T=1, Hk 16 Hv 32 Dk=Dv=128, {layers} layers cycled (state floor {floor_us:.2} µs/layer)");
+
+    let (t1, s1) = time_op(&dev, reps, batch, |i| {
+        let l = i % layers;
+        gdn::conv_qk(&dev, &d, 1, &x[l], &conv_w[l], &mut conv_state[l], &a[l], &b[l], &a_log[l], &dt_bias[l], &mut qkv, &mut g, &mut beta)
+            .unwrap();
+    });
+    println!("  gdn_conv_qk      {:7.2} µs/layer (spread {s1:.2})", t1 * 1e6);
+    for warps in [1u32, 2, 4, 8] {
+        let (t2, s2) = time_op(&dev, reps, batch, |i| {
+            let l = i % layers;
+            gdn::delta_rule_recurrent_with(&dev, &d, 1, &qkv, &g, &beta, &mut state[l], &mut o, warps).unwrap();
+        });
+        let bw = 2.0 * d.state_len() as f64 * 4.0 / t2 / 1e12;
+        println!("  gdn_recurrent w{warps} {:7.2} µs/layer ({bw:.2} TB/s of state, spread {s2:.2})", t2 * 1e6);
+    }
+    let (t3, s3) = time_op(&dev, reps, batch, |i| {
+        let l = i % layers;
+        gdn::gated_rmsnorm(&dev, &d, 1, &o, &z[l], &nw[l], EPS, &mut y).unwrap();
+    });
+    println!("  gdn_gated_norm   {:7.2} µs/layer (spread {s3:.2})", t3 * 1e6);
+    let (t4, s4) = time_op(&dev, reps, batch, |i| {
+        let l = i % layers;
+        gdn::conv_qk(&dev, &d, 1, &x[l], &conv_w[l], &mut conv_state[l], &a[l], &b[l], &a_log[l], &dt_bias[l], &mut qkv, &mut g, &mut beta)
+            .unwrap();
+        gdn::delta_rule_recurrent(&dev, &d, 1, &qkv, &g, &beta, &mut state[l], &mut o).unwrap();
+        gdn::gated_rmsnorm(&dev, &d, 1, &o, &z[l], &nw[l], EPS, &mut y).unwrap();
+    });
+    println!("  all three        {:7.2} µs/layer (spread {s4:.2}); × 30 layers = {:.1} µs", t4 * 1e6, t4 * 30e6);
+    assert!(dev.download(&y).unwrap().iter().all(|v| v.is_finite()));
+}
