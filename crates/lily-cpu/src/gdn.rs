@@ -26,64 +26,10 @@ pub const CHUNK: usize = 64;
 /// The eps that `l2norm` adds to the sum of squares (FLA / HF convention).
 const L2NORM_EPS: f32 = 1e-6;
 
-/// The sizes of one Gated DeltaNet layer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GdnDims {
-    pub num_k_heads: usize,
-    pub num_v_heads: usize,
-    pub head_k_dim: usize,
-    pub head_v_dim: usize,
-    pub conv_kernel: usize,
-}
+pub use lily_model::GdnDims;
 
-impl GdnDims {
-    /// The GDN sizes of a model config (`linear_*`).
-    pub fn from_config(cfg: &lily_model::ModelConfig) -> Self {
-        GdnDims {
-            num_k_heads: cfg.linear_num_key_heads,
-            num_v_heads: cfg.linear_num_value_heads,
-            head_k_dim: cfg.linear_key_head_dim,
-            head_v_dim: cfg.linear_value_head_dim,
-            conv_kernel: cfg.linear_conv_kernel_dim,
-        }
-    }
-    /// Conv channels C = 2·key_dim + value_dim (q | k | v).
-    pub fn conv_dim(&self) -> usize {
-        2 * self.key_dim() + self.value_dim()
-    }
-    /// Hk·Dk: the width of the q block and of the k block.
-    pub fn key_dim(&self) -> usize {
-        self.num_k_heads * self.head_k_dim
-    }
-    /// Hv·Dv: the width of the v block, of z and of the rule's output.
-    pub fn value_dim(&self) -> usize {
-        self.num_v_heads * self.head_v_dim
-    }
-    /// Hv·Dk·Dv: the f32 recurrent state.
-    pub fn state_len(&self) -> usize {
-        self.num_v_heads * self.head_k_dim * self.head_v_dim
-    }
-    /// (K-1)·C: the conv state (the last K-1 raw input rows).
-    pub fn conv_state_len(&self) -> usize {
-        self.conv_kernel.saturating_sub(1) * self.conv_dim()
-    }
-    /// The key (and query) head that value head `j` reads: j / (Hv/Hk) (`repeat_interleave`).
-    pub fn key_head_of(&self, j: usize) -> usize {
-        j / (self.num_v_heads / self.num_k_heads)
-    }
-    #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.85
-    fn check(&self) {
-        assert!(
-            self.num_k_heads > 0 && self.num_v_heads % self.num_k_heads == 0,
-            "GDN: num_v_heads {} is not a multiple of num_k_heads {}",
-            self.num_v_heads,
-            self.num_k_heads
-        );
-        assert!(
-            self.head_k_dim > 0 && self.head_v_dim > 0 && self.conv_kernel > 0,
-            "GDN: empty dims {self:?}"
-        );
-    }
+fn check(dims: &GdnDims) {
+    assert!(dims.is_valid(), "GDN: invalid dims {dims:?} (empty, or Hv not a multiple of Hk)");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -143,7 +89,7 @@ pub fn causal_conv1d_silu(
     dims: &GdnDims,
     out: &mut [f32],
 ) {
-    dims.check();
+    check(dims);
     let c = dims.conv_dim();
     let k = dims.conv_kernel;
     let hist = k - 1;
@@ -234,7 +180,7 @@ pub fn gates(
 /// In place on the conv output [T, C]: q ← l2norm(q)/√Dk, k ← l2norm(k), with
 /// l2norm(x) = x / √(Σx² + 1e-6) per head. The v part is left alone.
 pub fn normalize_qk(qkv: &mut [f32], dims: &GdnDims) {
-    dims.check();
+    check(dims);
     let c = dims.conv_dim();
     let dk = dims.head_k_dim;
     let kd = dims.key_dim();
@@ -337,7 +283,7 @@ fn check_rule(
     dims: &GdnDims,
     out: &[f32],
 ) -> usize {
-    dims.check();
+    check(dims);
     let c = dims.conv_dim();
     assert_eq!(qkv.len() % c, 0, "delta rule: qkv is not [T, {c}]");
     let t_len = qkv.len() / c;

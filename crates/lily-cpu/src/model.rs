@@ -65,13 +65,7 @@ impl CpuModel {
         &self.w
     }
     fn gdn_dims(cfg: &ModelConfig) -> GdnDims {
-        GdnDims {
-            num_k_heads: cfg.linear_num_key_heads,
-            num_v_heads: cfg.linear_num_value_heads,
-            head_k_dim: cfg.linear_key_head_dim,
-            head_v_dim: cfg.linear_value_head_dim,
-            conv_kernel: cfg.linear_conv_kernel_dim,
-        }
+        GdnDims::from_config(cfg)
     }
 
     pub fn fresh_state(&self) -> State {

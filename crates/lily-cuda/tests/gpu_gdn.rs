@@ -51,15 +51,6 @@ impl Rng {
     }
 }
 
-fn cpu_dims(d: &GdnDims) -> cpu::GdnDims {
-    cpu::GdnDims {
-        num_k_heads: d.num_k_heads,
-        num_v_heads: d.num_v_heads,
-        head_k_dim: d.head_k_dim,
-        head_v_dim: d.head_v_dim,
-        conv_kernel: d.conv_kernel,
-    }
-}
 
 /// max |got − want| / max |want|, after checking every element was written (no NaN).
 fn rel_err(got: &[f32], want: &[f32], what: &str) -> f64 {
@@ -147,7 +138,7 @@ struct Outputs {
 const EPS: f32 = 1e-6;
 
 fn cpu_layer(inp: &Inputs, d: &GdnDims, t: usize) -> Outputs {
-    let cd = cpu_dims(d);
+    let cd = *d;
     let mut conv_state = inp.conv_state.clone();
     let mut qkv = vec![f32::NAN; t * d.conv_dim()];
     cpu::causal_conv1d_silu(&inp.x, &inp.conv_w, &mut conv_state, &cd, &mut qkv);

@@ -10,10 +10,12 @@ pub mod buf;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod shapes;
 pub mod synth;
 pub mod weights;
 
 pub use config::{GenerationConfig, LayerKind, ModelConfig, QuantizationConfig};
 pub use backend::{Backend, BackendError, Logits};
 pub use error::{Error, Result};
+pub use shapes::GdnDims;
 pub use weights::{LoadOptions, ModelWeights};

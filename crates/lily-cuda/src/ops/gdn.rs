@@ -11,62 +11,18 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 use super::{addr, addr_mut, launch};
 use crate::{CudaError, Device, Result};
 
-/// The sizes of one Gated DeltaNet layer (mirror of `lily_cpu::gdn::GdnDims`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct GdnDims {
-    pub num_k_heads: usize,
-    pub num_v_heads: usize,
-    pub head_k_dim: usize,
-    pub head_v_dim: usize,
-    pub conv_kernel: usize,
-}
+pub use lily_model::GdnDims;
 
-impl GdnDims {
-    /// The GDN sizes of a model config (`linear_*`).
-    pub fn from_config(cfg: &lily_model::ModelConfig) -> Self {
-        GdnDims {
-            num_k_heads: cfg.linear_num_key_heads,
-            num_v_heads: cfg.linear_num_value_heads,
-            head_k_dim: cfg.linear_key_head_dim,
-            head_v_dim: cfg.linear_value_head_dim,
-            conv_kernel: cfg.linear_conv_kernel_dim,
-        }
-    }
-    /// C = 2·Hk·Dk + Hv·Dv.
-    pub fn conv_dim(&self) -> usize {
-        2 * self.key_dim() + self.value_dim()
-    }
-    pub fn key_dim(&self) -> usize {
-        self.num_k_heads * self.head_k_dim
-    }
-    pub fn value_dim(&self) -> usize {
-        self.num_v_heads * self.head_v_dim
-    }
-    /// Hv·Dk·Dv.
-    pub fn state_len(&self) -> usize {
-        self.num_v_heads * self.head_k_dim * self.head_v_dim
-    }
-    /// (K-1)·C.
-    pub fn conv_state_len(&self) -> usize {
-        self.conv_kernel.saturating_sub(1) * self.conv_dim()
-    }
-
-    #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.85
-    fn check(&self, t_len: usize) -> Result<()> {
-        let ok = self.num_k_heads > 0
-            && self.num_v_heads % self.num_k_heads == 0
-            && self.head_k_dim > 0
-            && self.head_v_dim > 0
-            && self.conv_kernel > 0
-            && self.head_k_dim <= MAX_DK
-            && self.conv_dim() * t_len.max(self.conv_kernel) <= i32::MAX as usize
-            && self.state_len() <= i32::MAX as usize
-            && 2 * self.num_k_heads + self.num_v_heads <= i32::MAX as usize;
-        if ok {
-            Ok(())
-        } else {
-            Err(CudaError::Shape(format!("gdn: unsupported dims {self:?} (T = {t_len}; Dk ≤ {MAX_DK})")))
-        }
+fn check(dims: &GdnDims, t_len: usize) -> Result<()> {
+    let ok = dims.is_valid()
+        && dims.head_k_dim <= MAX_DK
+        && dims.conv_dim() * t_len.max(dims.conv_kernel) <= i32::MAX as usize
+        && dims.state_len() <= i32::MAX as usize
+        && 2 * dims.num_k_heads + dims.num_v_heads <= i32::MAX as usize;
+    if ok {
+        Ok(())
+    } else {
+        Err(CudaError::Shape(format!("gdn: unsupported dims {dims:?} (T = {t_len}; Dk ≤ {MAX_DK})")))
     }
 }
 
@@ -189,7 +145,7 @@ where
     G: DevicePtrMut<f32>,
     BE: DevicePtrMut<f32>,
 {
-    dims.check(t_len)?;
+    check(dims, t_len)?;
     if t_len == 0 {
         return Ok(());
     }
@@ -263,7 +219,7 @@ where
     S: DevicePtrMut<f32>,
     O: DevicePtrMut<f32>,
 {
-    dims.check(t_len)?;
+    check(dims, t_len)?;
     if !(1..=8).contains(&warps) {
         return Err(CudaError::Shape(format!("gdn recurrent: {warps} warps per block (1..=8)")));
     }
