@@ -4,7 +4,6 @@
 //! Work is split over output rows with rayon.
 
 use lily_model::affine::AffineParams;
-use lily_model::buf::FloatBuf;
 use lily_model::weights::{Matrix, Storage};
 use rayon::prelude::*;
 
@@ -100,9 +99,4 @@ pub fn matmul_new(w: &Matrix, m: usize, x: &[f32]) -> Vec<f32> {
 /// Embedding lookup: row `id` of the (possibly quantised) table.
 pub fn embed_row(w: &Matrix, id: usize, out: &mut [f32]) {
     dequantize_row(w, 0, id, out);
-}
-
-/// Reads a float vector from a stored buffer (used by tests).
-pub fn floats(b: &FloatBuf) -> Vec<f32> {
-    b.to_f32_vec()
 }
