@@ -10,16 +10,20 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKern
 use crate::{CudaError, Device, Result};
 
 pub mod affine_gemv;
+pub mod attention;
 pub mod embed;
 pub mod gdn;
+pub mod moe_route;
 pub mod rmsnorm;
 pub mod util;
 
 /// Every kernel the ops use, by module (file stem): resolved once when the device opens.
 pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
     ("affine_gemv", affine_gemv::KERNELS),
+    ("attention", attention::KERNELS),
     ("embed", embed::KERNELS),
     ("gdn", gdn::KERNELS),
+    ("moe_route", moe_route::KERNELS),
     ("rmsnorm", rmsnorm::KERNELS),
     ("util", util::KERNELS),
 ];
