@@ -10,44 +10,15 @@
 //! within 1e-6 relative (plus f32::MIN_POSITIVE absolute, for underflowed probabilities).
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use lily_cpu::moe as cpu;
 use lily_cuda::ops::moe_route;
 use lily_cuda::ops::util;
-use lily_cuda::{probe, Device};
+use common::{device, Rng};
+use lily_cuda::Device;
 
-fn device() -> Option<Device> {
-    match probe(0) {
-        Err(e) => {
-            println!("no GPU, skipped ({e})");
-            None
-        }
-        Ok(_) => Some(Device::open(0).expect("the GPU is there but Device::open failed")),
-    }
-}
 
-/// xorshift64* with Box–Muller normals (as the other GPU tests).
-struct Rng(u64);
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    fn normal(&mut self, std: f64) -> f32 {
-        let (u1, u2) = (self.uniform(), self.uniform());
-        (std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
-}
 
 /// One token's logits of E, in style `style` (see the file comment).
 fn row(rng: &mut Rng, e: usize, style: usize) -> Vec<f32> {

@@ -9,12 +9,15 @@
 //! exceed by orders of magnitude.
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::device;
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 use lily_cuda::ops::affine_gemv::{self, Q4Decode, Select};
 use lily_cuda::ops::{embed, rmsnorm, util};
 use lily_cuda::weights::{upload_matrix, DeviceMatrix, DeviceStorage, Uploader};
-use lily_cuda::{probe, Device, KernelSource};
+use lily_cuda::{Device, KernelSource};
 use lily_model::affine::{quantize_bf16, AffineParams};
 use lily_model::buf::{Buf, FloatBuf};
 use lily_model::weights::{Matrix, Storage};
@@ -22,15 +25,6 @@ use lily_model::weights::{Matrix, Storage};
 // ---------------------------------------------------------------------------------------------------
 // Helpers
 
-fn device() -> Option<Device> {
-    match probe(0) {
-        Err(e) => {
-            println!("no GPU, skipped ({e})");
-            None
-        }
-        Ok(_) => Some(Device::open(0).expect("the GPU is there but Device::open failed")),
-    }
-}
 
 /// splitmix64: a fresh, reproducible stream per test.
 struct Rng(u64);
