@@ -5,6 +5,8 @@
 use std::time::{Duration, Instant};
 
 use lily_model::{Backend, BackendError, Logits};
+
+use crate::cache::PrefixCache;
 use lily_sampler::{Defaults, Finish, Sampler, SamplerError, SamplingParams, StopChecker};
 use lily_tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 
@@ -168,4 +170,56 @@ pub fn generate<B: Backend>(
         trailing_text = t;
     }
     Ok(Outcome { finish, tokens, prefilled: rest.len(), prefill_time, decode_time, trailing_text })
+}
+
+/// What [`generate_cached`] did: the generation, and how many prompt tokens came from the cache.
+#[derive(Clone, Debug)]
+pub struct CachedOutcome {
+    pub outcome: Outcome,
+    pub cached_tokens: usize,
+}
+
+/// [`generate`] through a prefix cache, for multi-turn work: resumes from the longest snapshot that
+/// is a prefix of `prompt`; prefills the first `history` prompt tokens (the conversation a later
+/// turn will share; 0 for none) and snapshots there; generates; and snapshots the end state (the
+/// prompt and every generated token but the last, which was never run through). The outcome's
+/// prefill figures include the history. `on_start(cached_tokens)` runs before any model work and
+/// may cancel (then `Ok(None)`).
+#[allow(clippy::too_many_arguments)]
+pub fn generate_cached<B: Backend>(
+    backend: &mut B,
+    cache: &mut PrefixCache<B::State>,
+    prompt: &[u32],
+    history: usize,
+    tokenizer: &Tokenizer,
+    spec: &GenSpec,
+    on_start: impl FnOnce(usize) -> Flow,
+    on_step: impl FnMut(Step<'_>) -> Flow,
+) -> Result<Option<CachedOutcome>, GenError> {
+    let (cached, mut state) = match cache.lookup(prompt) {
+        Some((n, s)) => (n, s),
+        None => (0, backend.new_state()),
+    };
+    if on_start(cached) == Flow::Cancel {
+        return Ok(None);
+    }
+    let t = Instant::now();
+    let mut history_run = 0;
+    if history > cached && history < prompt.len() {
+        history_run = history - cached;
+        prefill(backend, &mut state, &prompt[cached..history])?;
+        let bytes = backend.state_bytes(&state);
+        cache.insert(prompt[..history].to_vec(), state.clone(), bytes);
+    }
+    let history_time = t.elapsed();
+    let mut outcome = generate(backend, &mut state, prompt, tokenizer, spec, on_step)?;
+    outcome.prefilled += history_run;
+    outcome.prefill_time += history_time;
+    if let Some((_, kept)) = outcome.tokens.split_last() {
+        let mut tokens = prompt.to_vec();
+        tokens.extend_from_slice(kept);
+        let bytes = backend.state_bytes(&state);
+        cache.insert(tokens, state, bytes);
+    }
+    Ok(Some(CachedOutcome { outcome, cached_tokens: cached }))
 }

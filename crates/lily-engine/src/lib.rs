@@ -10,6 +10,6 @@ pub mod score;
 
 pub use cache::PrefixCache;
 pub use chat::{ChatModel, ChatModelError};
-pub use generate::{generate, Flow, FinishReason, GenError, GenSpec, Outcome, Step};
+pub use generate::{generate, generate_cached, CachedOutcome, Flow, FinishReason, GenError, GenSpec, Outcome, Step};
 pub use open::{open, BackendKind, EngineError, LoadedModel};
 pub use score::{score, ScoreResult};

@@ -230,13 +230,17 @@ fn prepare_chat(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
         }
         _ => String::new(),
     };
-    let prompt = app.tokenizer.encode(&format!("{text}{forced}")).map_err(|e| ApiError::internal(e.to_string()))?;
-    let history = match history_text {
+    // The history is encoded once; the rest (from `<|im_start|>assistant`) is appended to it.
+    let tok_err = |e: lily_tokenizer::TokenizerError| ApiError::internal(e.to_string());
+    let (prompt, history) = match history_text {
         Some(h) => {
-            let ids = app.tokenizer.encode(&h).map_err(|e| ApiError::internal(e.to_string()))?;
-            if prompt.starts_with(&ids) { ids.len() } else { 0 }
+            let ids = app.tokenizer.encode(&h).map_err(tok_err)?;
+            let rest = format!("{}{forced}", &text[h.len()..]);
+            let prompt = app.tokenizer.encode_after(&h, &ids, &rest).map_err(tok_err)?;
+            let history = if prompt.starts_with(&ids) { ids.len() } else { 0 };
+            (prompt, history)
         }
-        None => 0,
+        None => (app.tokenizer.encode(&format!("{text}{forced}")).map_err(tok_err)?, 0),
     };
     let spec = gen_spec(app, &req.common, prompt.len(), "messages")?;
     let cfg = ParserConfig { reasoning: thinking, tools, id_seed: None };

@@ -8,8 +8,7 @@ use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
 
-use lily_engine::generate::prefill;
-use lily_engine::{generate, FinishReason, Flow, GenSpec, PrefixCache};
+use lily_engine::{generate_cached, FinishReason, Flow, GenSpec, PrefixCache};
 use lily_model::Backend;
 use lily_tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
@@ -139,31 +138,17 @@ where
 
 fn run<B: Backend>(backend: &mut B, tokenizer: &Tokenizer, cache: &mut PrefixCache<B::State>, st: &Stats, job: Job) {
     let Job { prompt, history, spec, events, cancel, .. } = job;
-    let fail = |e: String| {
-        let _ = events.send(Event::Failed(JobError::Engine(e)));
-    };
-    let (cached, mut state) = match cache.lookup(&prompt) {
-        Some((n, s)) => (n, s),
-        None => (0, backend.new_state()),
-    };
     st.jobs.fetch_add(1, Ordering::Relaxed);
-    st.prompt_tokens.fetch_add(prompt.len() as u64, Ordering::Relaxed);
-    st.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
-    st.prefilled_tokens.fetch_add((prompt.len() - cached) as u64, Ordering::Relaxed);
-    if events.send(Event::Started { prompt_tokens: prompt.len(), cached_tokens: cached }).is_err() {
-        return;
-    }
-    let t = Instant::now();
-    if history > cached && history < prompt.len() {
-        if let Err(e) = prefill(backend, &mut state, &prompt[cached..history]) {
-            return fail(e.to_string());
+    let started = |cached: usize| {
+        st.prompt_tokens.fetch_add(prompt.len() as u64, Ordering::Relaxed);
+        st.cached_tokens.fetch_add(cached as u64, Ordering::Relaxed);
+        st.prefilled_tokens.fetch_add((prompt.len() - cached) as u64, Ordering::Relaxed);
+        match events.send(Event::Started { prompt_tokens: prompt.len(), cached_tokens: cached }) {
+            Ok(()) => Flow::Continue,
+            Err(_) => Flow::Cancel,
         }
-        let bytes = backend.state_bytes(&state);
-        cache.insert(prompt[..history].to_vec(), state.clone(), bytes);
-    }
-    let history_time = t.elapsed();
-    let history_run = history.saturating_sub(cached).min(prompt.len());
-    let outcome = generate(backend, &mut state, &prompt, tokenizer, &spec, |step| {
+    };
+    let on_step = |step: lily_engine::Step<'_>| {
         let sent = events.send(Event::Token {
             id: step.token,
             text: step.text.to_string(),
@@ -175,22 +160,18 @@ fn run<B: Backend>(backend: &mut B, tokenizer: &Tokenizer, cache: &mut PrefixCac
         } else {
             Flow::Continue
         }
-    });
-    let outcome = match outcome {
-        Ok(o) => o,
-        Err(e) => return fail(e.to_string()),
     };
-    let prefill_s = (outcome.prefill_time + history_time).as_secs_f64().max(1e-9);
-    st.last_prefill_tok_s.store((((outcome.prefilled + history_run) as f64) / prefill_s).to_bits(), Ordering::Relaxed);
+    let outcome = match generate_cached(backend, cache, &prompt, history, tokenizer, &spec, started, on_step) {
+        Ok(Some(o)) => o.outcome,
+        Ok(None) => return,
+        Err(e) => {
+            let _ = events.send(Event::Failed(JobError::Engine(e.to_string())));
+            return;
+        }
+    };
+    st.last_prefill_tok_s.store(outcome.prefill_tok_s().to_bits(), Ordering::Relaxed);
     st.last_decode_tok_s.store(outcome.decode_tok_s().to_bits(), Ordering::Relaxed);
     st.completion_tokens.fetch_add(outcome.tokens.len() as u64, Ordering::Relaxed);
-    // The state holds the prompt and every generated token but the last (never run through).
-    if !outcome.tokens.is_empty() {
-        let mut tokens = prompt;
-        tokens.extend_from_slice(&outcome.tokens[..outcome.tokens.len() - 1]);
-        let bytes = backend.state_bytes(&state);
-        cache.insert(tokens, state, bytes);
-    }
     if !outcome.trailing_text.is_empty() {
         let _ = events.send(Event::Tail(outcome.trailing_text));
     }

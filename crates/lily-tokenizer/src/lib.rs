@@ -216,6 +216,21 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// The ids of `prefix + rest`, given `prefix`'s ids, without encoding the prefix again when
+    /// `rest` begins with an added token (`<|im_start|>`, ...): the tokenizer splits the text at added
+    /// tokens before anything else, so the ids then simply concatenate. Otherwise the whole text is
+    /// encoded. (A chat prompt is its history followed by `<|im_start|>assistant…`.)
+    pub fn encode_after(&self, prefix: &str, prefix_ids: &[u32], rest: &str) -> Result<Vec<u32>, TokenizerError> {
+        let rest_ids = self.encode(rest)?;
+        let starts_at_added = rest_ids.first().and_then(|id| self.inner.get_added_tokens_decoder().get(id).map(|t| rest.starts_with(&t.content)));
+        if starts_at_added == Some(true) {
+            let mut ids = prefix_ids.to_vec();
+            ids.extend_from_slice(&rest_ids);
+            return Ok(ids);
+        }
+        self.encode(&format!("{prefix}{rest}"))
+    }
+
     /// Decodes ids to text (invalid UTF-8 becomes U+FFFD, as in Hugging Face). With
     /// `skip_special`, special tokens (`is_special`) are dropped; `<think>`, `<tool_call>` etc.
     /// stay. An id the tokenizer does not know is an error.

@@ -376,3 +376,14 @@ fn tokenizer_is_send_and_sync() {
     assert_send_sync::<Tokenizer>();
     assert_send_sync::<StreamDecoder<'static>>();
 }
+
+#[test]
+fn encode_after_equals_encoding_the_whole_text() {
+    let tok = tok();
+    let history = "<|im_start|>system\nDu bist hilfreich. 你好<|im_end|>\n<|im_start|>user\nCafé 🦀<|im_end|>\n";
+    let ids = tok.encode(history).unwrap();
+    for rest in ["<|im_start|>assistant\n<think>\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n<function=f>\n", "plain text after", " é"] {
+        let whole = tok.encode(&format!("{history}{rest}")).unwrap();
+        assert_eq!(tok.encode_after(history, &ids, rest).unwrap(), whole, "{rest:?}");
+    }
+}

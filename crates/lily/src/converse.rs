@@ -6,7 +6,7 @@ use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Result;
-use lily_engine::{generate, ChatModel, Flow, GenSpec, LoadedModel, Outcome, PrefixCache};
+use lily_engine::{generate_cached, ChatModel, Flow, GenSpec, LoadedModel, Outcome, PrefixCache};
 use lily_parser::{Event, OutputParser, ParsedMessage, ParserConfig};
 use lily_sampler::SamplingParams;
 use serde_json::{json, Map, Value};
@@ -79,7 +79,8 @@ pub fn dim(on: bool, s: &str) -> String {
 
 /// One rendered turn: the prompt's history (what a later turn will share) and the full prompt.
 pub struct Prompt {
-    pub history: Vec<u32>,
+    /// Prompt tokens that are conversation history (a prefix of `full`; 0 if none).
+    pub history: usize,
     pub full: Vec<u32>,
     pub thinking: bool,
 }
@@ -87,11 +88,12 @@ pub struct Prompt {
 pub fn render(m: &ChatModel, messages: &[Value], kwargs: &Map<String, Value>) -> Result<Prompt> {
     let full_text = m.template.render(messages, None, true, kwargs)?;
     let history_text = m.template.render(messages, None, false, kwargs)?;
-    let full = m.tokenizer.encode(&full_text)?;
-    let mut history = m.tokenizer.encode(&history_text)?;
-    if !full.starts_with(&history) || history.len() >= full.len() {
-        history.clear();
-    }
+    let ids = m.tokenizer.encode(&history_text)?;
+    let full = match full_text.strip_prefix(history_text.as_str()) {
+        Some(rest) => m.tokenizer.encode_after(&history_text, &ids, rest)?,
+        None => m.tokenizer.encode(&full_text)?,
+    };
+    let history = if full.starts_with(&ids) && ids.len() < full.len() { ids.len() } else { 0 };
     let thinking = full_text.trim_end().ends_with("<think>");
     Ok(Prompt { history, full, thinking })
 }
@@ -106,19 +108,6 @@ pub fn answer(
 ) -> Result<(ParsedMessage, Outcome, usize)> {
     let tty_err = std::io::stderr().is_terminal();
     let LoadedModel::Cpu(backend) = &mut m.model;
-    let (cached, mut state) = match cache.lookup(&prompt.full) {
-        Some((n, s)) => (n, s),
-        None => (0, lily_model::Backend::new_state(backend)),
-    };
-    let t = std::time::Instant::now();
-    let mut history_run = 0;
-    if prompt.history.len() > cached {
-        history_run = prompt.history.len() - cached;
-        lily_engine::generate::prefill(backend, &mut state, &prompt.history[cached..])?;
-        let bytes = lily_model::Backend::state_bytes(backend, &state);
-        cache.insert(prompt.history.clone(), state.clone(), bytes);
-    }
-    let history_time = t.elapsed();
     let mut parser = OutputParser::new(ParserConfig { reasoning: prompt.thinking, tools: Vec::new(), id_seed: None });
     let mut out = std::io::stdout();
     let mut err = std::io::stderr();
@@ -145,7 +134,7 @@ pub fn answer(
             }
         }
     };
-    let outcome = generate(backend, &mut state, &prompt.full, &m.tokenizer, spec, |step| {
+    let done = generate_cached(backend, cache, &prompt.full, prompt.history, &m.tokenizer, spec, |_| Flow::Continue, |step| {
         show(parser.push(step.text));
         if stop.load(Ordering::Relaxed) {
             Flow::Cancel
@@ -153,17 +142,11 @@ pub fn answer(
             Flow::Continue
         }
     })?;
-    let mut outcome = outcome;
-    outcome.prefilled += history_run;
-    outcome.prefill_time += history_time;
+    let Some(done) = done else { anyhow::bail!("generation was cancelled before it started") };
+    let (outcome, cached) = (done.outcome, done.cached_tokens);
     show(parser.push(&outcome.trailing_text));
     let (events, message) = parser.finish();
     show(events);
-    // The state now holds the prompt and every generated token but the last.
-    let mut tokens = prompt.full.clone();
-    tokens.extend_from_slice(&outcome.tokens[..outcome.tokens.len().saturating_sub(1)]);
-    let bytes = lily_model::Backend::state_bytes(backend, &state);
-    cache.insert(tokens, state, bytes);
     Ok((message, outcome, cached))
 }
 
