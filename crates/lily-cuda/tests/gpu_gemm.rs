@@ -1,0 +1,610 @@
+//! CPU-vs-GPU tests of the prefill GEMM family (`ops::gemm`: plain, SwiGLU, grouped, grouped SwiGLU),
+//! plus its timing table (`bench_gemm`, ignored by default).
+//!
+//! The kernels round X to bf16 and each dequantised weight (`scale * q + bias` in f32) to bf16, then
+//! accumulate the exact products in f32 on the tensor cores. The reference does the same roundings and
+//! sums in f64, so the only difference left is f32 accumulation (over K/16 sequential mma steps, each
+//! adding an exactly-formed sum of 16 products): about 2^-24 · √(K/16) · |partial sums| in practice,
+//! ~1e-7 of the largest output, and bounded by (K/16) · 2^-23 ≈ 1.5e-5 (K = 2048) times the ratio of
+//! the partial sums to the largest output. TOL = 2e-5 leaves room for that; a wrong code, group, row,
+//! column or token shows up as > 1e-2. Against `lily_cpu::linear::matmul` (f32 x and weights, no
+//! bf16 rounding) the difference is the bf16 rounding itself, ~1e-3, bounded loosely by CPU_TOL.
+//!
+//! Every output is poisoned with NaN first (with spare elements past the end that must stay NaN), and
+//! x carries NaN rows past the tokens a kernel may read.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{device, Rng};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+use lily_cuda::ops::gemm::{self, Tile};
+use lily_cuda::ops::util;
+use lily_cuda::weights::{upload_matrix, DeviceMatrix, Uploader};
+use lily_cuda::Device;
+use lily_model::affine::{quantize_bf16, AffineParams};
+use lily_model::buf::{Buf, FloatBuf};
+use lily_model::weights::{Matrix, Storage};
+
+/// GPU vs the f64 reference of the same bf16-rounded operands, relative to the largest output.
+const TOL: f64 = 2e-5;
+/// GPU vs lily-cpu's f32 matmul (unrounded operands), relative to the largest output.
+const CPU_TOL: f64 = 1e-2;
+/// Spare output elements past the end, which must stay NaN.
+const SPARE: usize = 37;
+
+// ---------------------------------------------------------------------------------------------------
+// Helpers
+
+/// A weight format: bits (16 = dense bf16) and group size (0 for dense).
+#[derive(Clone, Copy, Debug)]
+struct Fmt {
+    bits: u32,
+    gs: usize,
+}
+
+impl std::fmt::Display for Fmt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.bits == 16 {
+            write!(f, "bf16")
+        } else {
+            write!(f, "q{} g{}", self.bits, self.gs)
+        }
+    }
+}
+
+const FORMATS: [Fmt; 4] = [Fmt { bits: 4, gs: 64 }, Fmt { bits: 8, gs: 32 }, Fmt { bits: 8, gs: 128 }, Fmt { bits: 16, gs: 0 }];
+
+/// A stack of `count` random `[rows, cols]` matrices: quantised with MLX's algorithm (bf16 scales and
+/// biases), or dense bf16. Rows have different offsets and spreads so that scales and biases matter.
+fn matrix(rng: &mut Rng, f: Fmt, count: usize, rows: usize, cols: usize) -> Matrix {
+    let mut w = Vec::with_capacity(count * rows * cols);
+    for _ in 0..count * rows {
+        let amp = 0.05 + rng.uniform();
+        let off = rng.range(-0.3, 0.3) as f64;
+        w.extend((0..cols).map(|_| bf16::from_f32((off + amp * rng.range(-1.0, 1.0) as f64) as f32)));
+    }
+    let storage = if f.bits == 16 {
+        Storage::Dense(FloatBuf::Bf16(Buf::owned(w)))
+    } else {
+        let p = AffineParams::new(f.bits, f.gs);
+        let q = quantize_bf16(&w, cols, p);
+        Storage::Affine {
+            params: p,
+            packed: Buf::owned(q.packed),
+            scales: FloatBuf::Bf16(Buf::owned(q.scales)),
+            biases: FloatBuf::Bf16(Buf::owned(q.biases)),
+        }
+    };
+    Matrix { count, rows, cols, storage }
+}
+
+fn bf16r(v: f32) -> f32 {
+    bf16::from_f32(v).to_f32()
+}
+
+/// Matrix `m` as the GPU sees it: `scale * q + bias` in f32 (lily-cpu's dequantisation), rounded to
+/// bf16. `[rows * cols]`.
+fn weights_bf16(w: &Matrix, m: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; w.rows * w.cols];
+    for (r, row) in out.chunks_exact_mut(w.cols).enumerate() {
+        lily_cpu::linear::dequantize_row(w, m, r, row);
+        row.iter_mut().for_each(|v| *v = bf16r(*v));
+    }
+    out
+}
+
+/// `W x` in f64 for one bf16-rounded x row.
+fn dot_rows(wq: &[f32], cols: usize, xr: &[f32]) -> Vec<f64> {
+    wq.chunks_exact(cols).map(|row| row.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum()).collect()
+}
+
+fn silu64(g: f64) -> f64 {
+    g / (1.0 + (-g).exp())
+}
+
+/// max |got - want| / max |want|, after checking every element is finite.
+fn rel_err(got: &[f32], want: &[f64], what: &str) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        panic!("{what}: element {i} of {} not written (or not finite): {}", got.len(), got[i]);
+    }
+    let scale = want.iter().fold(0.0f64, |a, b| a.max(b.abs())).max(1e-30);
+    got.iter().zip(want).fold(0.0f64, |a, (g, w)| a.max((*g as f64 - w).abs())) / scale
+}
+
+fn check(got: &[f32], want: &[f64], tol: f64, what: &str) -> f64 {
+    let e = rel_err(got, want, what);
+    assert!(e <= tol, "{what}: relative max error {e:.3e} > {tol:.0e}");
+    e
+}
+
+/// A device buffer of `n` NaNs.
+fn poisoned(dev: &Device, n: usize) -> CudaSlice<f32> {
+    let mut y = dev.zeros::<f32>(n).unwrap();
+    util::fill(dev, &mut y, f32::NAN).unwrap();
+    y
+}
+
+/// Downloads the first `n` outputs and checks that the spare elements after them are still NaN.
+fn download_checked(dev: &Device, y: &CudaSlice<f32>, n: usize, what: &str) -> Vec<f32> {
+    let all = dev.download(y).unwrap();
+    assert!(all[n..].iter().all(|v| v.is_nan()), "{what}: wrote past the end of y");
+    all[..n].to_vec()
+}
+
+/// `t` random x rows of `cols`, followed by `extra` rows of NaN (which no kernel may read); the
+/// device copy, the host rows, and the rows rounded to bf16.
+fn inputs(dev: &Device, rng: &mut Rng, t: usize, cols: usize, extra: usize) -> (CudaSlice<f32>, Vec<f32>, Vec<f32>) {
+    let x = rng.normals(t * cols, 1.0);
+    let mut padded = x.clone();
+    padded.extend(std::iter::repeat_n(f32::NAN, extra * cols));
+    let xr: Vec<f32> = x.iter().map(|v| bf16r(*v)).collect();
+    (dev.upload(&padded).unwrap(), x, xr)
+}
+
+/// Compares a [t, rows] output with the f64 reference and with lily-cpu's result; returns
+/// (error vs reference, error vs lily-cpu).
+fn compare(got: &[f32], want: &[f64], cpu: &[f32], what: &str) -> (f64, f64) {
+    let e = check(got, want, TOL, what);
+    let cpu64: Vec<f64> = cpu.iter().map(|v| *v as f64).collect();
+    let ec = check(got, &cpu64, CPU_TOL, &format!("{what} (vs lily-cpu f32)"));
+    (e, ec)
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Plain and SwiGLU
+
+/// (rows, cols, t): odd token counts, rows not a multiple of the tile, short and long K, and some real
+/// shapes of the 35B model (router, q/k/v-like, o-like, down).
+const SHAPES: &[(usize, usize, usize)] = &[
+    (200, 64, 1),
+    (33, 96, 3),
+    (130, 128, 17),
+    (200, 256, 130),
+    (33, 2048, 17),
+    (200, 2048, 130),
+    (32, 2048, 65),
+    (1024, 2048, 130),
+    (2048, 512, 70),
+    (256, 4096, 33),
+];
+
+#[test]
+fn gemm_matches_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(101);
+    let (mut worst, mut worst_cpu) = (0.0f64, 0.0f64);
+    for f in FORMATS {
+        for &(rows, cols, t) in SHAPES {
+            if f.gs != 0 && cols % f.gs != 0 {
+                continue;
+            }
+            let count = if rows * cols <= 200 * 256 { 3 } else { 1 };
+            let m = count - 1;
+            let w = matrix(&mut rng, f, count, rows, cols);
+            let dw = upload_matrix(&dev, &w).unwrap();
+            let (xd, x, xr) = inputs(&dev, &mut rng, t, cols, 2);
+            let wq = weights_bf16(&w, m);
+            let want: Vec<f64> = xr.chunks_exact(cols).flat_map(|xt| dot_rows(&wq, cols, xt)).collect();
+            let mut cpu = vec![0.0f32; t * rows];
+            lily_cpu::linear::matmul(&w, m, &x, &mut cpu);
+            for tile in [Tile::Auto, Tile::M64, Tile::M32] {
+                let mut y = poisoned(&dev, t * rows + SPARE);
+                gemm::gemm_tiled(&dev, &dw, m, &xd, t, &mut y, tile).unwrap();
+                let what = format!("gemm {f} [{count}x{rows}x{cols}] m={m} t={t} {tile:?}");
+                let got = download_checked(&dev, &y, t * rows, &what);
+                let (e, ec) = compare(&got, &want, &cpu, &what);
+                worst = worst.max(e);
+                worst_cpu = worst_cpu.max(ec);
+            }
+        }
+    }
+    println!("gemm: worst relative error {worst:.2e} vs the bf16-operand f64 reference (tolerance {TOL:.0e}), {worst_cpu:.2e} vs lily-cpu f32 (tolerance {CPU_TOL:.0e})");
+}
+
+#[test]
+fn swiglu_gemm_matches_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(102);
+    let (mut worst, mut worst_cpu) = (0.0f64, 0.0f64);
+    // (rows, cols, t): 64 output rows per block here, so 70 and 33 leave partial tiles; (512, 2048) is the
+    // shared expert's gate/up.
+    let shapes: &[(usize, usize, usize)] = &[(70, 64, 1), (33, 96, 3), (130, 256, 17), (200, 2048, 130), (512, 2048, 65)];
+    for f in FORMATS {
+        for &(rows, cols, t) in shapes {
+            if f.gs != 0 && cols % f.gs != 0 {
+                continue;
+            }
+            let count = 2;
+            let m = 1;
+            let (g, u) = (matrix(&mut rng, f, count, rows, cols), matrix(&mut rng, f, count, rows, cols));
+            let (dg, du) = (upload_matrix(&dev, &g).unwrap(), upload_matrix(&dev, &u).unwrap());
+            let (xd, x, xr) = inputs(&dev, &mut rng, t, cols, 2);
+            let (gq, uq) = (weights_bf16(&g, m), weights_bf16(&u, m));
+            let want: Vec<f64> = xr
+                .chunks_exact(cols)
+                .flat_map(|xt| {
+                    let (a, b) = (dot_rows(&gq, cols, xt), dot_rows(&uq, cols, xt));
+                    a.iter().zip(&b).map(|(a, b)| silu64(*a) * b).collect::<Vec<_>>()
+                })
+                .collect();
+            let (mut cg, mut cu) = (vec![0.0f32; t * rows], vec![0.0f32; t * rows]);
+            lily_cpu::linear::matmul(&g, m, &x, &mut cg);
+            lily_cpu::linear::matmul(&u, m, &x, &mut cu);
+            let cpu: Vec<f32> = cg.iter().zip(&cu).map(|(a, b)| (silu64(*a as f64) * *b as f64) as f32).collect();
+            for tile in [Tile::Auto, Tile::M64, Tile::M32] {
+                let mut y = poisoned(&dev, t * rows + SPARE);
+                gemm::swiglu_gemm_tiled(&dev, &dg, &du, m, &xd, t, &mut y, tile).unwrap();
+                let what = format!("swiglu_gemm {f} [{count}x{rows}x{cols}] m={m} t={t} {tile:?}");
+                let got = download_checked(&dev, &y, t * rows, &what);
+                let (e, ec) = compare(&got, &want, &cpu, &what);
+                worst = worst.max(e);
+                worst_cpu = worst_cpu.max(ec);
+            }
+        }
+    }
+    println!(
+        "swiglu_gemm: worst relative error {worst:.2e} (tolerance {TOL:.0e}), {worst_cpu:.2e} vs lily-cpu f32 (tolerance {CPU_TOL:.0e})"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Grouped
+
+/// Per-expert slot counts → offsets (E + 1).
+fn offsets_of(counts: &[usize]) -> Vec<u32> {
+    let mut o = vec![0u32];
+    for c in counts {
+        o.push(o.last().unwrap() + *c as u32);
+    }
+    o
+}
+
+/// One grouped case: `counts` slots per expert, with a random gather (`gather_rows` = Some(x rows)) or
+/// none; checks `grouped_gemm` (or `grouped_swiglu_gemm` when `swiglu`) slot by slot against the plain
+/// reference, with both tiles. Returns (worst error vs reference, worst vs lily-cpu).
+#[allow(clippy::too_many_arguments)]
+fn grouped_case(
+    dev: &Device,
+    rng: &mut Rng,
+    f: Fmt,
+    rows: usize,
+    cols: usize,
+    counts: &[usize],
+    gather_rows: Option<usize>,
+    swiglu: bool,
+) -> (f64, f64) {
+    let e_count = counts.len();
+    let n: usize = counts.iter().sum();
+    let off = offsets_of(counts);
+    let g = matrix(rng, f, e_count, rows, cols);
+    let u = if swiglu { Some(matrix(rng, f, e_count, rows, cols)) } else { None };
+    let dg = upload_matrix(dev, &g).unwrap();
+    let du = u.as_ref().map(|u| upload_matrix(dev, u).unwrap());
+    let x_rows = gather_rows.unwrap_or(n);
+    // With a gather, x holds exactly x_rows rows (the kernel must not read past them); without, two NaN
+    // rows follow the n rows it may read.
+    let (xd, x, xr) = inputs(dev, rng, x_rows, cols, if gather_rows.is_some() { 0 } else { 2 });
+    let src: Vec<u32> = match gather_rows {
+        Some(xr_n) => (0..n).map(|_| rng.below(xr_n) as u32).collect(),
+        None => (0..n as u32).collect(),
+    };
+    let src_d = dev.upload(&src).unwrap();
+    let off_d = dev.upload(&off).unwrap();
+
+    let mut want = vec![0.0f64; n * rows];
+    let mut cpu = vec![0.0f32; n * rows];
+    for e in 0..e_count {
+        let (a, b) = (off[e] as usize, off[e + 1] as usize);
+        if a == b {
+            continue;
+        }
+        let gq = weights_bf16(&g, e);
+        let uq = u.as_ref().map(|u| weights_bf16(u, e));
+        // lily-cpu on the gathered rows of this expert.
+        let xe: Vec<f32> = (a..b).flat_map(|i| x[src[i] as usize * cols..(src[i] as usize + 1) * cols].to_vec()).collect();
+        let mut cg = vec![0.0f32; (b - a) * rows];
+        lily_cpu::linear::matmul(&g, e, &xe, &mut cg);
+        let cu = u.as_ref().map(|u| {
+            let mut v = vec![0.0f32; (b - a) * rows];
+            lily_cpu::linear::matmul(u, e, &xe, &mut v);
+            v
+        });
+        for i in a..b {
+            let s = src[i] as usize;
+            let xt = &xr[s * cols..(s + 1) * cols];
+            let gv = dot_rows(&gq, cols, xt);
+            let out = &mut want[i * rows..(i + 1) * rows];
+            match &uq {
+                Some(uq) => {
+                    let uv = dot_rows(uq, cols, xt);
+                    out.iter_mut().zip(gv.iter().zip(&uv)).for_each(|(o, (a, b))| *o = silu64(*a) * b);
+                }
+                None => out.copy_from_slice(&gv),
+            }
+            let c = &mut cpu[i * rows..(i + 1) * rows];
+            let k = (i - a) * rows;
+            match &cu {
+                Some(cu) => c.iter_mut().enumerate().for_each(|(j, o)| *o = (silu64(cg[k + j] as f64) * cu[k + j] as f64) as f32),
+                None => c.copy_from_slice(&cg[k..k + rows]),
+            }
+        }
+    }
+
+    let (mut worst, mut worst_cpu) = (0.0f64, 0.0f64);
+    for tile in [Tile::Auto, Tile::M64, Tile::M32] {
+        let mut y = poisoned(dev, n * rows + SPARE);
+        let gather = gather_rows.map(|_| &src_d);
+        match &du {
+            Some(du) => gemm::grouped_swiglu_gemm_tiled(dev, &dg, du, &off_d, gather, &xd, n, &mut y, tile).unwrap(),
+            None => gemm::grouped_gemm_tiled(dev, &dg, &off_d, gather, &xd, n, &mut y, tile).unwrap(),
+        }
+        let what = format!(
+            "grouped{} {f} E={e_count} [{rows}x{cols}] n={n} gather={:?} {tile:?}",
+            if swiglu { " swiglu" } else { "" },
+            gather_rows
+        );
+        let got = download_checked(dev, &y, n * rows, &what);
+        let (e, ec) = compare(&got, &want, &cpu, &what);
+        worst = worst.max(e);
+        worst_cpu = worst_cpu.max(ec);
+    }
+    (worst, worst_cpu)
+}
+
+/// Expert sizes: empty experts, single slots, and experts of more than two tiles (> 128 slots).
+const COUNTS: &[usize] = &[0, 1, 150, 0, 37, 64, 1, 0, 200, 5, 0, 0, 33];
+
+/// Random routing of `n` slots over `e` experts (many empty when n is small).
+fn random_counts(rng: &mut Rng, e: usize, n: usize) -> Vec<usize> {
+    let mut c = vec![0usize; e];
+    for _ in 0..n {
+        // Skewed: a few popular experts.
+        let k = if rng.uniform() < 0.3 { rng.below(e.min(8)) } else { rng.below(e) };
+        c[k] += 1;
+    }
+    c
+}
+
+fn grouped_suite(swiglu: bool) {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(if swiglu { 202 } else { 201 });
+    let (mut worst, mut worst_cpu) = (0.0f64, 0.0f64);
+    let mut note = |r: (f64, f64)| {
+        worst = worst.max(r.0);
+        worst_cpu = worst_cpu.max(r.1);
+    };
+    for f in FORMATS {
+        let cols = match f.gs {
+            0 | 32 => 96,
+            64 => 128,
+            _ => 256,
+        };
+        for gather in [None, Some(100)] {
+            note(grouped_case(&dev, &mut rng, f, 70, cols, COUNTS, gather, swiglu));
+        }
+    }
+    // MoE-like: 256 experts with skewed random routing (gate/up-like K = 2048, and down-like K = 512),
+    // gathering from 100 token rows (repeated rows); and the 512-expert maximum with tiny matrices.
+    let f = Fmt { bits: 4, gs: 64 };
+    let counts = random_counts(&mut rng, 256, 800);
+    note(grouped_case(&dev, &mut rng, f, 40, 2048, &counts, Some(100), swiglu));
+    let counts = random_counts(&mut rng, 256, 800);
+    note(grouped_case(&dev, &mut rng, f, 136, 512, &counts, None, swiglu));
+    let counts = random_counts(&mut rng, 512, 1500);
+    note(grouped_case(&dev, &mut rng, Fmt { bits: 8, gs: 32 }, 8, 64, &counts, Some(300), swiglu));
+    // Every slot in the last expert, and a single expert.
+    let mut last = vec![0usize; 9];
+    last[8] = 131;
+    note(grouped_case(&dev, &mut rng, f, 33, 128, &last, None, swiglu));
+    note(grouped_case(&dev, &mut rng, f, 33, 128, &[77], Some(20), swiglu));
+    let what = if swiglu { "grouped_swiglu_gemm" } else { "grouped_gemm" };
+    println!("{what}: worst relative error {worst:.2e} (tolerance {TOL:.0e}), {worst_cpu:.2e} vs lily-cpu f32 (tolerance {CPU_TOL:.0e})");
+}
+
+#[test]
+fn grouped_gemm_matches_reference() {
+    grouped_suite(false);
+}
+
+#[test]
+fn grouped_swiglu_gemm_matches_reference() {
+    grouped_suite(true);
+}
+
+#[test]
+fn grouped_gather_past_x_gives_nan_rows_only() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(203);
+    let f = Fmt { bits: 4, gs: 64 };
+    let (rows, cols) = (50, 128);
+    let counts = [3usize, 0, 4];
+    let n = 7;
+    let w = matrix(&mut rng, f, 3, rows, cols);
+    let dw = upload_matrix(&dev, &w).unwrap();
+    let (xd, _, xr) = inputs(&dev, &mut rng, 5, cols, 0);
+    let src: Vec<u32> = vec![0, 4, 5, 2, 1, 99, 3]; // slots 2 and 5 read past the 5 rows of x
+    let src_d = dev.upload(&src).unwrap();
+    let off_d = dev.upload(&offsets_of(&counts)).unwrap();
+    let mut y = poisoned(&dev, n * rows);
+    util::fill(&dev, &mut y, 0.5).unwrap();
+    gemm::grouped_gemm(&dev, &dw, &off_d, Some(&src_d), &xd, n, &mut y).unwrap();
+    let got = dev.download(&y).unwrap();
+    let expert = [0usize, 0, 0, 2, 2, 2, 2];
+    for i in 0..n {
+        let row = &got[i * rows..(i + 1) * rows];
+        if src[i] >= 5 {
+            assert!(row.iter().all(|v| v.is_nan()), "slot {i} reads row {} of 5: must be NaN", src[i]);
+        } else {
+            let s = src[i] as usize;
+            let want = dot_rows(&weights_bf16(&w, expert[i]), cols, &xr[s * cols..(s + 1) * cols]);
+            check(row, &want, TOL, &format!("slot {i} next to bad gathers"));
+        }
+    }
+}
+
+#[test]
+fn gemm_rejects_bad_shapes_and_does_nothing_for_zero_tokens() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(204);
+    let q4 = Fmt { bits: 4, gs: 64 };
+    let w = upload_matrix(&dev, &matrix(&mut rng, q4, 2, 40, 128)).unwrap();
+    let x = dev.upload(&rng.normals(3 * 128, 1.0)).unwrap();
+    let mut y = poisoned(&dev, 3 * 40);
+    // Matrix past the stack; x or y too short.
+    assert!(gemm::gemm(&dev, &w, 2, &x, 3, &mut y).is_err());
+    assert!(gemm::gemm(&dev, &w, 0, &x, 4, &mut y).is_err());
+    let mut y_short = poisoned(&dev, 3 * 40 - 1);
+    assert!(gemm::gemm(&dev, &w, 0, &x, 3, &mut y_short).is_err());
+    // cols not a multiple of 32 (dense, so the upload accepts it).
+    let d48 = upload_matrix(&dev, &matrix(&mut rng, Fmt { bits: 16, gs: 0 }, 1, 8, 48)).unwrap();
+    let x48 = dev.upload(&rng.normals(48, 1.0)).unwrap();
+    let mut y8 = poisoned(&dev, 8);
+    assert!(gemm::gemm(&dev, &d48, 0, &x48, 1, &mut y8).is_err());
+    // Gate and up of different formats.
+    let u32g = upload_matrix(&dev, &matrix(&mut rng, Fmt { bits: 4, gs: 32 }, 2, 40, 128)).unwrap();
+    assert!(gemm::swiglu_gemm(&dev, &w, &u32g, 0, &x, 3, &mut y).is_err());
+    // Grouped: offsets shorter than E + 1; more than 512 experts.
+    let off_short = dev.upload(&[0u32, 3]).unwrap();
+    assert!(gemm::grouped_gemm(&dev, &w, &off_short, None, &x, 3, &mut y).is_err());
+    let many = upload_matrix(&dev, &matrix(&mut rng, Fmt { bits: 16, gs: 0 }, 513, 1, 32)).unwrap();
+    let off_many = dev.upload(&vec![0u32; 514]).unwrap();
+    let x32 = dev.upload(&rng.normals(32, 1.0)).unwrap();
+    let mut y1 = poisoned(&dev, 1);
+    assert!(gemm::grouped_gemm(&dev, &many, &off_many, None, &x32, 0, &mut y1).is_err());
+    // Zero tokens: Ok, nothing written.
+    gemm::gemm(&dev, &w, 1, &x, 0, &mut y).unwrap();
+    gemm::swiglu_gemm(&dev, &w, &w, 1, &x, 0, &mut y).unwrap();
+    let off0 = dev.upload(&[0u32, 0, 0]).unwrap();
+    gemm::grouped_gemm(&dev, &w, &off0, None, &x, 0, &mut y).unwrap();
+    gemm::grouped_swiglu_gemm(&dev, &w, &w, &off0, None, &x, 0, &mut y).unwrap();
+    assert!(dev.download(&y).unwrap().iter().all(|v| v.is_nan()), "t = 0 wrote something");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Timing table (run with `--ignored bench_gemm`)
+
+/// Random `count` × `[rows, cols]` affine matrices from random bytes (benchmarks need realistic,
+/// non-zero bytes, not a quantiser).
+fn bench_affine(up: &mut Uploader, rng: &mut Rng, count: usize, rows: usize, cols: usize, bits: u32, gs: usize) -> DeviceMatrix {
+    let n = count * rows * cols;
+    let packed: Vec<u32> = (0..n * bits as usize / 32).map(|_| rng.next_u64() as u32).collect();
+    let scales: Vec<bf16> = (0..n / gs).map(|_| bf16::from_f32(0.002 + 0.01 * rng.uniform() as f32)).collect();
+    let biases: Vec<bf16> = (0..n / gs).map(|_| bf16::from_f32(-0.05 * rng.uniform() as f32)).collect();
+    up.upload_matrix(&Matrix {
+        count,
+        rows,
+        cols,
+        storage: Storage::Affine {
+            params: AffineParams::new(bits, gs),
+            packed: Buf::owned(packed),
+            scales: FloatBuf::Bf16(Buf::owned(scales)),
+            biases: FloatBuf::Bf16(Buf::owned(biases)),
+        },
+    })
+    .unwrap()
+}
+
+/// Median seconds of `op` over 20 timed runs (CUDA events around each), after 3 warm-up runs.
+fn time_op(dev: &Device, mut op: impl FnMut()) -> f64 {
+    use cudarc::driver::sys::CUevent_flags;
+    for _ in 0..3 {
+        op();
+    }
+    dev.synchronize().unwrap();
+    let ctx = dev.context();
+    const REPS: usize = 20;
+    let ev: Vec<_> = (0..2 * REPS).map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap()).collect();
+    util::spin(dev, 5_000_000).unwrap(); // the host queues the runs meanwhile
+    for r in 0..REPS {
+        ev[2 * r].record(dev.stream()).unwrap();
+        op();
+        ev[2 * r + 1].record(dev.stream()).unwrap();
+    }
+    dev.synchronize().unwrap();
+    let mut t: Vec<f64> = (0..REPS).map(|r| ev[2 * r].elapsed_ms(&ev[2 * r + 1]).unwrap() as f64 * 1e-3).collect();
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    t[REPS / 2]
+}
+
+fn report(what: &str, flops: f64, t: f64) {
+    println!("{what:<58} {:>10.1} us {:>8.1} TFLOP/s", t * 1e6, flops / t / 1e12);
+}
+
+#[test]
+#[ignore = "timing; run on the GPU machine"]
+fn bench_gemm() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(7);
+    let mut up = Uploader::new(&dev).unwrap();
+    // Plain: (rows, cols, bits, gs, name).
+    let plain: &[(usize, usize, u32, usize, &str)] = &[
+        (8192, 2048, 4, 64, "attn/GDN in"),
+        (4096, 2048, 4, 64, "attn/GDN in"),
+        (32, 2048, 4, 64, "GDN gates"),
+        (32, 2048, 8, 64, "GDN gates 8-bit"),
+        (2048, 4096, 4, 64, "attn/GDN out"),
+        (1024, 2048, 4, 64, "k/v"),
+        (2048, 512, 4, 64, "shared expert down"),
+        (256, 2048, 8, 64, "router"),
+        (248320, 2048, 4, 64, "lm_head"),
+    ];
+    let max_t = 4096;
+    let x = dev.upload(&rng.normals(max_t * 8 * 2048, 1.0)).unwrap();
+    let mut y = dev.zeros::<f32>(max_t * 248320).unwrap();
+    println!("{:<58} {:>13} {:>16}", "shape", "median", "rate");
+    for &(rows, cols, bits, gs, name) in plain {
+        let w = bench_affine(&mut up, &mut rng, 1, rows, cols, bits, gs);
+        for t in [512usize, 4096] {
+            for tile in [Tile::Auto, Tile::M64, Tile::M32] {
+                let s = time_op(&dev, || gemm::gemm_tiled(&dev, &w, 0, &x, t, &mut y, tile).unwrap());
+                report(&format!("gemm q{bits} g{gs} [{rows}x{cols}] t={t} {tile:?} ({name})"), 2.0 * (t * rows * cols) as f64, s);
+            }
+        }
+    }
+    // Shared expert gate/up: SwiGLU [512, 2048].
+    {
+        let (g, u) = (bench_affine(&mut up, &mut rng, 1, 512, 2048, 4, 64), bench_affine(&mut up, &mut rng, 1, 512, 2048, 4, 64));
+        for t in [512usize, 4096] {
+            for tile in [Tile::Auto, Tile::M64, Tile::M32] {
+                let s = time_op(&dev, || gemm::swiglu_gemm_tiled(&dev, &g, &u, 0, &x, t, &mut y, tile).unwrap());
+                report(&format!("swiglu q4 g64 [512x2048] t={t} {tile:?} (shared expert)"), 4.0 * (t * 512 * 2048) as f64, s);
+            }
+        }
+    }
+    // MoE: 256 experts, n = 8 t slots with random routing; gate/up fused (gathering token rows), down.
+    {
+        let e = 256;
+        let (g, u) = (bench_affine(&mut up, &mut rng, e, 512, 2048, 4, 64), bench_affine(&mut up, &mut rng, e, 512, 2048, 4, 64));
+        let d = bench_affine(&mut up, &mut rng, e, 2048, 512, 4, 64);
+        for t in [512usize, 4096] {
+            let n = 8 * t;
+            // Each token picks 8 distinct experts; slots sorted by expert.
+            let mut pairs: Vec<(u32, u32)> = Vec::with_capacity(n);
+            for tok in 0..t {
+                let mut chosen: Vec<u32> = Vec::new();
+                while chosen.len() < 8 {
+                    let k = rng.below(e) as u32;
+                    if !chosen.contains(&k) {
+                        chosen.push(k);
+                    }
+                }
+                pairs.extend(chosen.into_iter().map(|k| (k, tok as u32)));
+            }
+            pairs.sort();
+            let mut counts = vec![0usize; e];
+            pairs.iter().for_each(|(k, _)| counts[*k as usize] += 1);
+            let off = dev.upload(&offsets_of(&counts)).unwrap();
+            let src = dev.upload(&pairs.iter().map(|p| p.1).collect::<Vec<u32>>()).unwrap();
+            let mut h = dev.zeros::<f32>(n * 512).unwrap();
+            for tile in [Tile::Auto, Tile::M64, Tile::M32] {
+                let s = time_op(&dev, || gemm::grouped_swiglu_gemm_tiled(&dev, &g, &u, &off, Some(&src), &x, n, &mut h, tile).unwrap());
+                report(&format!("grouped swiglu q4 E=256 [512x2048] n={n} {tile:?}"), 4.0 * (n * 512 * 2048) as f64, s);
+                let s = time_op(&dev, || gemm::grouped_gemm_tiled(&dev, &d, &off, None, &h, n, &mut y, tile).unwrap());
+                report(&format!("grouped q4 E=256 [2048x512] n={n} {tile:?} (down)"), 2.0 * (n * 2048 * 512) as f64, s);
+            }
+        }
+    }
+}
