@@ -23,6 +23,7 @@ struct AttnDecodeParams {
     float* part_ml;   // [nh, splits, 2]  (m, l)
     float* part_acc;  // [nh, splits, hd]
     float* out;       // [nh, hd]
+    const int* n_dev; // when not null, n is read from here and chunk/splits follow from it (CUDA-graph decode)
     int n;
     int nh;
     int kvh;
@@ -35,6 +36,21 @@ struct AttnDecodeParams {
 
 #define ATTN_WARPS 4
 #define ATTN_MAXG 8
+#define ATTN_MIN_CHUNK 32   // = ops::attention::MIN_CHUNK
+#define ATTN_MAX_SPLITS 256 // = ops::attention::MAX_SPLITS
+
+// n, chunk and splits of this call: the host's, or (n from the device) the same rule as
+// ops::attention::splits_for, so every split is non-empty.
+struct AttnSplit {
+    int n, chunk, splits;
+};
+__device__ __forceinline__ AttnSplit attn_split_of(const AttnDecodeParams& p) {
+    if (!p.n_dev) return AttnSplit{p.n, p.chunk, p.splits};
+    const int n = *p.n_dev;
+    const int target = max(1, min((n + ATTN_MIN_CHUNK - 1) / ATTN_MIN_CHUNK, ATTN_MAX_SPLITS));
+    const int chunk = max(1, (n + target - 1) / target);
+    return AttnSplit{n, chunk, max(1, (n + chunk - 1) / chunk)};
+}
 
 // Dim held in slot i of a lane (the same map for q, K, V and the accumulator).
 template <int NPL>
@@ -68,13 +84,15 @@ __device__ __forceinline__ void attn_split(const AttnDecodeParams& p) {
     constexpr int HD = NPL * 32;
     __shared__ float red_acc[ATTN_WARPS][ATTN_MAXG][HD];
     __shared__ float red_m[ATTN_WARPS][ATTN_MAXG], red_l[ATTN_WARPS][ATTN_MAXG];
+    const AttnSplit sp = attn_split_of(p);
     const int s = blockIdx.x, kv = blockIdx.y;
+    if (s >= sp.splits) return;  // device n: the grid covers the most splits
     const int group = p.nh / p.kvh;
     const int g0 = blockIdx.z * ATTN_MAXG;
     const int ng = min(ATTN_MAXG, group - g0);
     const int h0 = kv * group + g0;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int begin = s * p.chunk, end = min(p.n, begin + p.chunk);
+    const int begin = s * sp.chunk, end = min(sp.n, begin + sp.chunk);
     const long long stride = (long long)p.kvh * HD;
     const float* kb = p.k + (long long)kv * HD;
     const float* vb = p.v + (long long)kv * HD;
@@ -175,7 +193,7 @@ __device__ __forceinline__ void attn_split(const AttnDecodeParams& p) {
             L += f * red_l[w][g];
             a += f * red_acc[w][g][d];
         }
-        const long long idx = (long long)(h0 + g) * p.splits + s;
+        const long long idx = (long long)(h0 + g) * sp.splits + s;
         p.part_acc[idx * HD + d] = a;
         if (d == 0) {
             p.part_ml[2 * idx] = M;
@@ -191,13 +209,14 @@ extern "C" __global__ void __launch_bounds__(128) attn_decode_split_d256(const A
 
 extern "C" __global__ void __launch_bounds__(256) attn_decode_combine(const AttnDecodeParams p) {
     const int h = blockIdx.x;
-    const float* ml = p.part_ml + (long long)h * p.splits * 2;
-    const float* acc = p.part_acc + (long long)h * p.splits * p.hd;
+    const int splits = attn_split_of(p).splits;
+    const float* ml = p.part_ml + (long long)h * splits * 2;
+    const float* acc = p.part_acc + (long long)h * splits * p.hd;
     float M = -INFINITY;
-    for (int s = 0; s < p.splits; ++s) M = fmaxf(M, ml[2 * s]);
+    for (int s = 0; s < splits; ++s) M = fmaxf(M, ml[2 * s]);
     for (int d = threadIdx.x; d < p.hd; d += blockDim.x) {
         float L = 0.0f, a = 0.0f;
-        for (int s = 0; s < p.splits; ++s) {
+        for (int s = 0; s < splits; ++s) {
             const float f = expf(ml[2 * s] - M);
             L += f * ml[2 * s + 1];
             a += f * acc[(long long)s * p.hd + d];

@@ -24,6 +24,7 @@ struct AttnDecodeParams {
     part_ml: u64,
     part_acc: u64,
     out: u64,
+    n_dev: u64,
     n: i32,
     nh: i32,
     kvh: i32,
@@ -88,6 +89,59 @@ where
     O: DevicePtrMut<f32>,
     S: DevicePtrMut<f32>,
 {
+    decode_impl(dev, q, k_cache, v_cache, n, 0, nh, kvh, hd, out, scratch)
+}
+
+/// [`decode`] with n read on the device from `n_dev[0]` when the kernels run (so a captured CUDA graph
+/// replays at each step's length); `n_max` bounds it (the caches must hold `n_max` rows). The grid
+/// covers [`MAX_SPLITS`] splits; those past the device n's split count exit at once.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_device_n<Q, K, V, O, S>(
+    dev: &Device,
+    q: &Q,
+    k_cache: &K,
+    v_cache: &V,
+    n_dev: &cudarc::driver::CudaView<'_, i32>,
+    n_max: usize,
+    nh: usize,
+    kvh: usize,
+    hd: usize,
+    out: &mut O,
+    scratch: &mut S,
+) -> Result<()>
+where
+    Q: DevicePtr<f32>,
+    K: DevicePtr<f32>,
+    V: DevicePtr<f32>,
+    O: DevicePtrMut<f32>,
+    S: DevicePtrMut<f32>,
+{
+    let nd = addr(dev, n_dev, 1, "attention decode n_dev")?;
+    decode_impl(dev, q, k_cache, v_cache, n_max, nd, nh, kvh, hd, out, scratch)
+}
+
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::manual_is_multiple_of)]
+fn decode_impl<Q, K, V, O, S>(
+    dev: &Device,
+    q: &Q,
+    k_cache: &K,
+    v_cache: &V,
+    n: usize,
+    n_dev: u64,
+    nh: usize,
+    kvh: usize,
+    hd: usize,
+    out: &mut O,
+    scratch: &mut S,
+) -> Result<()>
+where
+    Q: DevicePtr<f32>,
+    K: DevicePtr<f32>,
+    V: DevicePtr<f32>,
+    O: DevicePtrMut<f32>,
+    S: DevicePtrMut<f32>,
+{
     let name = match hd {
         32 => "attn_decode_split_d32",
         64 => "attn_decode_split_d64",
@@ -108,6 +162,7 @@ where
         part_ml: s,
         part_acc: s + (nh * MAX_SPLITS * 2 * 4) as u64,
         out: addr_mut(dev, out, nh * hd, "attention decode out")?,
+        n_dev,
         n: n as i32,
         nh: nh as i32,
         kvh: kvh as i32,
@@ -122,7 +177,7 @@ where
     }
     let group = nh / kvh;
     let cfg = LaunchConfig {
-        grid_dim: (splits as u32, kvh as u32, group.div_ceil(MAX_GROUP_PER_BLOCK) as u32),
+        grid_dim: (if n_dev != 0 { MAX_SPLITS } else { splits } as u32, kvh as u32, group.div_ceil(MAX_GROUP_PER_BLOCK) as u32),
         block_dim: (32 * WARPS, 1, 1),
         shared_mem_bytes: 0,
     };

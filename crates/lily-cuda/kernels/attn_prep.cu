@@ -1,0 +1,120 @@
+// Per-token preparation of gated full attention, the part of lily_cpu::attention::forward between the
+// projections and the softmax: for T tokens at positions pos0..pos0+T,
+//   q    = RMSNorm(query part of qg) · q_norm, then partial NeoX RoPE  -> q_out [T, nh, hd]
+//   gate = gate part of qg (when gated)                                 -> gate_out [T, nh, hd]
+//   k    = RMSNorm(k) · k_norm, then partial NeoX RoPE                  -> k_cache row pos0+t
+//   v                                                                   -> v_cache row pos0+t
+// qg is [T, nh, hd·(1+gated)] with each head's row [query(hd) | gate(hd)]; k, v are [T, kvh, hd]; the
+// caches are [capacity, kvh, hd] (position-major, as lily_cpu::attention::KvCache).
+// RoPE rotates pairs (i, i + rot/2), i < rot/2, by angle (pos0+t)·theta^(-2i/rot); the angle, its cos and
+// sin are computed in f64 and cast to f32, as the CPU does. Products are rounded separately (no FMA
+// contraction) so each rotated element is computed exactly as lily_cpu::attention::rope does.
+//
+//   attn_prep:  grid (T, nh + kvh), one block per (token, head) row of hd elements, one thread per element.
+//   attn_gate:  o[i] *= sigmoid(gate[i]) (decode applies it after the split-KV decode kernel).
+
+#include <stdint.h>
+
+struct AttnPrepParams {
+    const float* qg;      // [T, nh, hd·(1+gated)]
+    const float* k;       // [T, kvh, hd]
+    const float* v;       // [T, kvh, hd]
+    const float* q_norm;  // [hd]
+    const float* k_norm;  // [hd]
+    float* q_out;         // [T, nh, hd]
+    float* gate_out;      // [T, nh, hd], or null when not gated
+    float* k_cache;       // [capacity, kvh, hd]
+    float* v_cache;       // [capacity, kvh, hd]
+    double theta;
+    int t;
+    int nh;
+    int kvh;
+    int hd;
+    int rot;
+    int pos0;
+    int gated;
+    float eps;
+    const int* pos_dev;   // when not null, pos0 is read from here (CUDA-graph decode: the position lives on the device)
+};
+
+struct AttnGateParams {
+    float* o;           // [n]
+    const float* gate;  // [n]
+    long long n;
+};
+
+#define PREP_MAX_HD 1024
+
+__device__ __forceinline__ float prep_block_sum(float v) {
+    __shared__ float part[32];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+    if (lane == 0) part[warp] = v;
+    __syncthreads();
+    v = lane < nw ? part[lane] : 0.0f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;  // every thread holds the total
+}
+
+extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPrepParams p) {
+    __shared__ float row[PREP_MAX_HD];
+    const int t = blockIdx.x;
+    const int head = blockIdx.y;
+    const int d = threadIdx.x;
+    const int hd = p.hd;
+    const int pos0 = p.pos_dev ? *p.pos_dev : p.pos0;
+    const bool is_q = head < p.nh;
+    const bool live = d < hd;
+
+    const float* src;
+    const float* w;
+    float* dst;
+    if (is_q) {
+        const long long per_head = p.gated ? 2LL * hd : (long long)hd;
+        src = p.qg + ((long long)t * p.nh + head) * per_head;
+        w = p.q_norm;
+        dst = p.q_out + ((long long)t * p.nh + head) * hd;
+        if (p.gated && live) p.gate_out[((long long)t * p.nh + head) * hd + d] = src[hd + d];
+    } else {
+        const int kv = head - p.nh;
+        const long long in_off = ((long long)t * p.kvh + kv) * hd;
+        const long long cache_off = ((long long)(pos0 + t) * p.kvh + kv) * hd;
+        src = p.k + in_off;
+        w = p.k_norm;
+        dst = p.k_cache + cache_off;
+        if (live) p.v_cache[cache_off + d] = p.v[in_off + d];
+    }
+
+    // RMSNorm: y = x · (1 / sqrt(mean(x²) + eps)) · w, rounded as (x · inv) · w like the CPU.
+    const float x = live ? src[d] : 0.0f;
+    const float ss = prep_block_sum(x * x);
+    const float inv = 1.0f / sqrtf(ss / (float)hd + p.eps);
+    const float y = live ? __fmul_rn(__fmul_rn(x, inv), w[d]) : 0.0f;
+    if (live) row[d] = y;
+    __syncthreads();
+    if (!live) return;
+
+    const int half = p.rot / 2;
+    float out = y;
+    if (d < p.rot) {
+        const int i = d < half ? d : d - half;
+        const double inv_freq = pow(p.theta, -(double)(2 * i) / (double)p.rot);
+        const double ang = (double)(pos0 + t) * inv_freq;
+        double sd, cd;
+        sincos(ang, &sd, &cd);
+        const float c = (float)cd, s = (float)sd;
+        const float a = row[i], b = row[i + half];
+        // h[i] = a·cos − b·sin; h[i + half] = b·cos + a·sin
+        out = d < half ? __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)) : __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+    }
+    dst[d] = out;
+}
+
+extern "C" __global__ void __launch_bounds__(256) attn_gate(const AttnGateParams p) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < p.n; i += (long long)gridDim.x * blockDim.x) {
+        const float g = p.gate[i];
+        p.o[i] = p.o[i] * (1.0f / (1.0f + expf(-g)));
+    }
+}

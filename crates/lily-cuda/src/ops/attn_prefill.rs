@@ -1,0 +1,169 @@
+//! Causal prefill attention over an f32 KV cache (`kernels/attn_prefill.cu`): the softmax part of
+//! `lily_cpu::attention::forward` for T new tokens at positions `pos0..pos0+T` whose K/V rows are already
+//! in the cache (written by `ops::attn_prep::prep`). Query (t, h) attends to positions `0..=pos0+t` of KV
+//! head h / (nh/kvh), scores `(q·k)/√hd`, softmax in f32, `o = Σ p·v`, and with a gate
+//! `o ← o · sigmoid(gate)` (fused).
+//!
+//! Flash-attention style in f32 (SIMT, no tensor cores, so results match the CPU to f32 rounding): one
+//! block per (tile of 64 (token, head) rows of one GQA group, KV head), so each K/V tile of 64 positions
+//! is loaded into shared memory once for all the group's heads and 64/G tokens; online softmax; no split
+//! over the KV length. The head-dim-256 variant needs 211 KiB of dynamic shared memory ([`configure`]
+//! raises the limit at device open).
+
+use cudarc::driver::sys::CUfunction_attribute;
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+
+use super::{addr, addr_mut, launch};
+use crate::{CudaError, Device, Result};
+
+/// Must match `struct AttnPrefillParams` in `kernels/attn_prefill.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct AttnPrefillParams {
+    q: u64,
+    k: u64,
+    v: u64,
+    gate: u64,
+    out: u64,
+    t: i32,
+    nh: i32,
+    kvh: i32,
+    pos0: i32,
+    ntiles: i32,
+    scale: f32,
+}
+// SAFETY: plain old data with the kernel's layout.
+unsafe impl DeviceRepr for AttnPrefillParams {}
+
+/// (head dim, kernel) for each supported head dim.
+const VARIANTS: [(usize, &str); 4] = [
+    (32, "attn_prefill_d32"),
+    (64, "attn_prefill_d64"),
+    (128, "attn_prefill_d128"),
+    (256, "attn_prefill_d256"),
+];
+
+pub(crate) const KERNELS: &[&str] = &[
+    "attn_prefill_d32",
+    "attn_prefill_d64",
+    "attn_prefill_d128",
+    "attn_prefill_d256",
+];
+
+/// Query rows ((token, head) pairs of one GQA group) per block.
+pub const ROWS_PER_BLOCK: usize = 64;
+/// KV positions per shared-memory tile.
+pub const KV_TILE: usize = 64;
+const THREADS: u32 = 256;
+
+/// Dynamic shared memory of the head-dim-`hd` kernel: Q [64][hd+4], K [64][hd+4], V [64][hd], S [64][68].
+pub fn smem_bytes(hd: usize) -> usize {
+    4 * (ROWS_PER_BLOCK * (hd + 4)
+        + KV_TILE * (hd + 4)
+        + KV_TILE * hd
+        + ROWS_PER_BLOCK * (KV_TILE + 4))
+}
+
+/// One-time function attributes (called by `Device::open`): lets each variant use the dynamic shared
+/// memory it needs (above the default 48 KiB). A variant that does not fit this GPU is left as is;
+/// [`prefill`] then refuses it.
+pub(crate) fn configure(dev: &Device) -> Result<()> {
+    for (hd, name) in VARIANTS {
+        let need = smem_bytes(hd);
+        if need <= dev.max_smem_optin() as usize {
+            dev.function(name)?.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                need as i32,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Causal attention of the T = `t` queries `q` [T, nh, hd] (positions `pos0..pos0+t`, normed and
+/// rotated, their K/V already in the caches) over cache rows `0..pos0+t`: `out` [T, nh, hd], with
+/// `out[t, h] = Σ_{p ≤ pos0+t} softmax_p(q[t, h]·k[p, h/(nh/kvh)] / √hd) · v[p, h/(nh/kvh)]`, times
+/// `sigmoid(gate[t, h])` elementwise when `gate` [T, nh, hd] is given. Caches: [capacity ≥ pos0+t, kvh,
+/// hd]; rows past pos0+t are never read. hd ∈ {32, 64, 128, 256}; nh a multiple of kvh; all buffers
+/// 16-byte aligned (any `CudaSlice`, or a view at a multiple of 4 elements).
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.85
+pub fn prefill<Q, K, V, G, O>(
+    dev: &Device,
+    q: &Q,
+    k_cache: &K,
+    v_cache: &V,
+    gate: Option<&G>,
+    nh: usize,
+    kvh: usize,
+    hd: usize,
+    pos0: usize,
+    t: usize,
+    out: &mut O,
+) -> Result<()>
+where
+    Q: DevicePtr<f32>,
+    K: DevicePtr<f32>,
+    V: DevicePtr<f32>,
+    G: DevicePtr<f32>,
+    O: DevicePtrMut<f32>,
+{
+    let bad = |why: &str| {
+        Err(CudaError::Shape(format!(
+            "attention prefill: {why} (nh {nh}, kvh {kvh}, hd {hd}, pos0 {pos0}, t {t})"
+        )))
+    };
+    let Some(&(_, name)) = VARIANTS.iter().find(|(d, _)| *d == hd) else {
+        return bad("head dim must be 32, 64, 128 or 256");
+    };
+    if t == 0 || nh == 0 || kvh == 0 || nh % kvh != 0 {
+        return bad("t, nh, kvh must be > 0 and nh a multiple of kvh");
+    }
+    let group = nh / kvh;
+    let rows = t.checked_mul(group).filter(|r| *r <= i32::MAX as usize);
+    let end = pos0.checked_add(t).filter(|e| *e <= i32::MAX as usize);
+    let (Some(rows), Some(end)) = (rows, end) else {
+        return bad("too many tokens or positions");
+    };
+    let ntiles = rows.div_ceil(ROWS_PER_BLOCK);
+    if ntiles
+        .checked_mul(kvh)
+        .is_none_or(|b| b > i32::MAX as usize)
+    {
+        return bad("too many blocks");
+    }
+    let smem = smem_bytes(hd);
+    if smem > dev.max_smem_optin() as usize {
+        return bad(&format!(
+            "needs {smem} B of shared memory, this GPU allows {}",
+            dev.max_smem_optin()
+        ));
+    }
+    let n = t * nh * hd;
+    let cache = end * kvh * hd;
+    let p = AttnPrefillParams {
+        q: addr(dev, q, n, "attention prefill q")?,
+        k: addr(dev, k_cache, cache, "attention prefill k_cache")?,
+        v: addr(dev, v_cache, cache, "attention prefill v_cache")?,
+        gate: match gate {
+            Some(g) => addr(dev, g, n, "attention prefill gate")?,
+            None => 0,
+        },
+        out: addr_mut(dev, out, n, "attention prefill out")?,
+        t: t as i32,
+        nh: nh as i32,
+        kvh: kvh as i32,
+        pos0: pos0 as i32,
+        ntiles: ntiles as i32,
+        scale: 1.0 / (hd as f32).sqrt(),
+    };
+    if [p.q, p.k, p.v, p.gate, p.out].iter().any(|a| a % 16 != 0) {
+        return bad("q, caches, gate and out must be 16-byte aligned");
+    }
+    let cfg = LaunchConfig {
+        grid_dim: ((ntiles * kvh) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    launch(dev, name, cfg, &p)
+}

@@ -1,0 +1,279 @@
+//! Per-token preparation of gated full attention (`kernels/attn_prep.cu`): the part of
+//! `lily_cpu::attention::forward` between the q/k/v projections and the softmax, for T tokens at
+//! positions `pos0..pos0+T` (T = 1 in decode): per-head RMSNorm of q and k with the folded weights,
+//! partial NeoX RoPE on the first `rot` dims (angles computed in f64 from `pos0` in the kernel, as
+//! `lily_cpu::attention::rope`; no table), the gate split out of q_proj's output, and K/V appended to the
+//! caches. Also [`apply_gate`], the sigmoid output gate decode applies after `ops::attention::decode`.
+//!
+//! Layouts: `qg` [T, nh, hd·(1+gated)] (each head's row `[query(hd) | gate(hd)]` when gated), `k`, `v`
+//! [T, kvh, hd]; `q_out`, `gate_out` [T, nh, hd]; the caches [capacity, kvh, hd] (position-major, as
+//! `lily_cpu::attention::KvCache` and `ops::attention`).
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+
+use super::{addr, addr_mut, launch};
+use crate::{CudaError, Device, Result};
+
+/// The shape of one full-attention layer (from `lily_model::ModelConfig`: num_attention_heads,
+/// num_key_value_heads, head_dim, rotary_dim, rope_theta, rms_norm_eps, attn_output_gate).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttnDims {
+    /// Query heads.
+    pub nh: usize,
+    /// KV heads (nh is a multiple).
+    pub kvh: usize,
+    /// Head dim.
+    pub hd: usize,
+    /// Rotated dims (even, ≤ hd): pairs (i, i + rot/2).
+    pub rot: usize,
+    pub theta: f64,
+    pub eps: f32,
+    /// q_proj's rows hold `[query | gate]` per head.
+    pub gated: bool,
+}
+
+/// Must match `struct AttnPrepParams` in `kernels/attn_prep.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct AttnPrepParams {
+    qg: u64,
+    k: u64,
+    v: u64,
+    q_norm: u64,
+    k_norm: u64,
+    q_out: u64,
+    gate_out: u64,
+    k_cache: u64,
+    v_cache: u64,
+    theta: f64,
+    t: i32,
+    nh: i32,
+    kvh: i32,
+    hd: i32,
+    rot: i32,
+    pos0: i32,
+    gated: i32,
+    eps: f32,
+    pos_dev: u64,
+}
+// SAFETY: plain old data with the kernel's layout.
+unsafe impl DeviceRepr for AttnPrepParams {}
+
+/// Must match `struct AttnGateParams` in `kernels/attn_prep.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct AttnGateParams {
+    o: u64,
+    gate: u64,
+    n: i64,
+}
+// SAFETY: plain old data with the kernel's layout.
+unsafe impl DeviceRepr for AttnGateParams {}
+
+pub(crate) const KERNELS: &[&str] = &["attn_prep", "attn_gate"];
+
+/// Largest head dim of [`prep`] (one thread per element).
+pub const MAX_HEAD_DIM: usize = 1024;
+
+/// For T tokens at positions `pos0..pos0+t`, from the projections `qg` [T, nh·hd·(1+gated)], `k` and `v`
+/// [T, kvh·hd]: writes `q_out` [T, nh, hd] (RMSNorm·q_norm, then RoPE), `gate_out` [T, nh, hd] (the gate
+/// halves of `qg`; required iff `dims.gated`), and rows `pos0..pos0+t` of `k_cache` (RMSNorm·k_norm, then
+/// RoPE) and `v_cache` (v as is); the caches are [capacity ≥ pos0+t, kvh, hd] and their other rows are
+/// untouched. `q_norm`, `k_norm`: [hd], the folded weights. hd ≤ [`MAX_HEAD_DIM`], rot even and ≤ hd.
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.85
+pub fn prep<QG, K, V, QN, KN, QO, GO, KC, VC>(
+    dev: &Device,
+    qg: &QG,
+    k: &K,
+    v: &V,
+    q_norm: &QN,
+    k_norm: &KN,
+    dims: AttnDims,
+    pos0: usize,
+    t: usize,
+    q_out: &mut QO,
+    gate_out: Option<&mut GO>,
+    k_cache: &mut KC,
+    v_cache: &mut VC,
+) -> Result<()>
+where
+    QG: DevicePtr<f32>,
+    K: DevicePtr<f32>,
+    V: DevicePtr<f32>,
+    QN: DevicePtr<f32>,
+    KN: DevicePtr<f32>,
+    QO: DevicePtrMut<f32>,
+    GO: DevicePtrMut<f32>,
+    KC: DevicePtrMut<f32>,
+    VC: DevicePtrMut<f32>,
+{
+    prep_impl(dev, qg, k, v, q_norm, k_norm, dims, pos0, 0, t, q_out, gate_out, k_cache, v_cache)
+}
+
+/// [`prep`] with the position read on the device from `pos_dev[0]` when the kernel runs (so a captured
+/// CUDA graph replays at each step's position). `pos_max` bounds that position: the caches must hold
+/// `pos_max + t` rows.
+#[allow(clippy::too_many_arguments)]
+pub fn prep_device_pos<QG, K, V, QN, KN, QO, GO, KC, VC>(
+    dev: &Device,
+    qg: &QG,
+    k: &K,
+    v: &V,
+    q_norm: &QN,
+    k_norm: &KN,
+    dims: AttnDims,
+    pos_dev: &cudarc::driver::CudaView<'_, i32>,
+    pos_max: usize,
+    t: usize,
+    q_out: &mut QO,
+    gate_out: Option<&mut GO>,
+    k_cache: &mut KC,
+    v_cache: &mut VC,
+) -> Result<()>
+where
+    QG: DevicePtr<f32>,
+    K: DevicePtr<f32>,
+    V: DevicePtr<f32>,
+    QN: DevicePtr<f32>,
+    KN: DevicePtr<f32>,
+    QO: DevicePtrMut<f32>,
+    GO: DevicePtrMut<f32>,
+    KC: DevicePtrMut<f32>,
+    VC: DevicePtrMut<f32>,
+{
+    let pd = addr(dev, pos_dev, 1, "attention prep pos_dev")?;
+    prep_impl(dev, qg, k, v, q_norm, k_norm, dims, pos_max, pd, t, q_out, gate_out, k_cache, v_cache)
+}
+
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::manual_is_multiple_of)]
+fn prep_impl<QG, K, V, QN, KN, QO, GO, KC, VC>(
+    dev: &Device,
+    qg: &QG,
+    k: &K,
+    v: &V,
+    q_norm: &QN,
+    k_norm: &KN,
+    dims: AttnDims,
+    pos0: usize,
+    pos_dev: u64,
+    t: usize,
+    q_out: &mut QO,
+    gate_out: Option<&mut GO>,
+    k_cache: &mut KC,
+    v_cache: &mut VC,
+) -> Result<()>
+where
+    QG: DevicePtr<f32>,
+    K: DevicePtr<f32>,
+    V: DevicePtr<f32>,
+    QN: DevicePtr<f32>,
+    KN: DevicePtr<f32>,
+    QO: DevicePtrMut<f32>,
+    GO: DevicePtrMut<f32>,
+    KC: DevicePtrMut<f32>,
+    VC: DevicePtrMut<f32>,
+{
+    let AttnDims {
+        nh,
+        kvh,
+        hd,
+        rot,
+        theta,
+        eps,
+        gated,
+    } = dims;
+    let bad = |why: &str| {
+        Err(CudaError::Shape(format!(
+            "attention prep: {why} (nh {nh}, kvh {kvh}, hd {hd}, rot {rot}, gated {gated}, pos0 {pos0}, t {t})"
+        )))
+    };
+    if t == 0 || nh == 0 || kvh == 0 || hd == 0 {
+        return bad("empty shape");
+    }
+    if hd > MAX_HEAD_DIM || rot > hd || rot % 2 != 0 {
+        return bad("head dim must be ≤ 1024, rot even and ≤ hd");
+    }
+    if nh + kvh > 65535 || t > i32::MAX as usize {
+        return bad("too many heads or tokens for one launch");
+    }
+    if gated != gate_out.is_some() {
+        return bad("gate_out must be given exactly when gated");
+    }
+    let end = pos0.checked_add(t).filter(|e| *e <= i32::MAX as usize);
+    let Some(end) = end else {
+        return bad("positions overflow i32");
+    };
+    if !(theta.is_finite() && theta > 0.0 && eps.is_finite()) {
+        return bad("theta must be finite and > 0, eps finite");
+    }
+    let per_head = if gated { 2 * hd } else { hd };
+    let gate_addr = match gate_out {
+        Some(g) => addr_mut(dev, g, t * nh * hd, "attention prep gate_out")?,
+        None => 0,
+    };
+    let p = AttnPrepParams {
+        qg: addr(dev, qg, t * nh * per_head, "attention prep qg")?,
+        k: addr(dev, k, t * kvh * hd, "attention prep k")?,
+        v: addr(dev, v, t * kvh * hd, "attention prep v")?,
+        q_norm: addr(dev, q_norm, hd, "attention prep q_norm")?,
+        k_norm: addr(dev, k_norm, hd, "attention prep k_norm")?,
+        q_out: addr_mut(dev, q_out, t * nh * hd, "attention prep q_out")?,
+        gate_out: gate_addr,
+        k_cache: addr_mut(
+            dev,
+            k_cache,
+            end * kvh * hd,
+            "attention prep k_cache (capacity)",
+        )?,
+        v_cache: addr_mut(
+            dev,
+            v_cache,
+            end * kvh * hd,
+            "attention prep v_cache (capacity)",
+        )?,
+        theta,
+        t: t as i32,
+        nh: nh as i32,
+        kvh: kvh as i32,
+        hd: hd as i32,
+        rot: rot as i32,
+        pos0: pos0 as i32,
+        gated: gated as i32,
+        eps,
+        pos_dev,
+    };
+    let threads = hd.div_ceil(32) as u32 * 32;
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, (nh + kvh) as u32, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch(dev, "attn_prep", cfg, &p)
+}
+
+/// `o[i] ← o[i] · sigmoid(gate[i])` for `i < n` (`o`, `gate`: [T·nh·hd]); decode applies it after
+/// `ops::attention::decode` ([`crate::ops::attn_prefill::prefill`] fuses it).
+pub fn apply_gate<O: DevicePtrMut<f32>, G: DevicePtr<f32>>(
+    dev: &Device,
+    o: &mut O,
+    gate: &G,
+    n: usize,
+) -> Result<()> {
+    if n == 0 {
+        return Ok(());
+    }
+    let p = AttnGateParams {
+        o: addr_mut(dev, o, n, "apply_gate o")?,
+        gate: addr(dev, gate, n, "apply_gate gate")?,
+        n: n as i64,
+    };
+    let blocks = n.div_ceil(256).min(dev.sm_count() as usize * 8) as u32;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch(dev, "attn_gate", cfg, &p)
+}
