@@ -1,0 +1,205 @@
+//! MoE dispatch and combine on the device (`kernels/moe_dispatch.cu`), around the grouped expert GEMM,
+//! with no host round trip: [`plan`] turns the router's choice `idx` [T, k] into per-expert slot ranges
+//! (`offsets`), the token of each sorted slot (`rows`) and the sorted slot of each (token, j)
+//! (`slot_of`); [`combine`] sums the expert outputs back per token with the routing weights, plus the
+//! sigmoid-gated shared expert, in the order and rounding of `lily_cpu::moe::forward` (bit-identical
+//! to it given the same expert outputs).
+
+use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+
+use super::{addr, addr_mut, launch};
+use crate::{CudaError, Device, Result};
+
+/// The most experts (one scan thread per expert).
+pub const MAX_E: usize = 512;
+/// The most experts per token.
+pub const MAX_K: usize = 32;
+/// Slots per ranking block; must match `CHUNK` in the kernel.
+const CHUNK: usize = 1024;
+/// Threads per plan block; must match `PLAN_THREADS` in the kernel.
+const PLAN_THREADS: usize = 256;
+/// Threads per combine block; must match `COMBINE_THREADS` in the kernel.
+const COMBINE_THREADS: usize = 128;
+
+/// Must match `struct MoePlanParams` in `kernels/moe_dispatch.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct MoePlanParams {
+    idx: u64,
+    hist: u64,
+    offsets: u64,
+    rows: u64,
+    slot_of: u64,
+    n: i32,
+    e: i32,
+    k: i32,
+    nb: i32,
+}
+// SAFETY: plain old data with the kernel's layout.
+unsafe impl DeviceRepr for MoePlanParams {}
+
+/// Must match `struct MoeCombineParams` in `kernels/moe_dispatch.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct MoeCombineParams {
+    y: u64,
+    idx: u64,
+    slot_of: u64,
+    w: u64,
+    shared: u64,
+    gate_logit: u64,
+    out: u64,
+    t: i32,
+    k: i32,
+    h: i32,
+    n: i32,
+}
+// SAFETY: plain old data with the kernel's layout.
+unsafe impl DeviceRepr for MoeCombineParams {}
+
+pub(crate) const KERNELS: &[&str] = &["moe_plan_rank", "moe_plan_scan", "moe_plan_scatter", "moe_combine_f32", "moe_combine_f32_v4"];
+
+/// The u32 scratch [`plan`] needs for `t` tokens, `k` experts each, of `e`: one count per expert
+/// for each block of 1024 slots, `ceil(t·k / 1024) · e` (at least `e`).
+pub fn plan_scratch_len(t: usize, k: usize, e: usize) -> usize {
+    (t * k).div_ceil(CHUNK).max(1) * e
+}
+
+fn check_sizes(what: &str, t: usize, k: usize, e: usize) -> Result<()> {
+    if k == 0 || k > MAX_K || e == 0 || e > MAX_E || k > e || t.saturating_mul(k) > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("{what}: T = {t}, E = {e}, k = {k} (E ≤ {MAX_E}, 1 ≤ k ≤ min(E, {MAX_K}))")));
+    }
+    Ok(())
+}
+
+/// The dispatch plan for the router's choice `idx` [t, k] (expert ids < e; distinct per token, as the
+/// router gives them), on the device, three launches, no synchronisation:
+/// - `offsets` [e + 1]: sorted slots `offsets[x] .. offsets[x+1]` belong to expert x; `offsets[0] = 0`,
+///   `offsets[e] = t·k`;
+/// - `rows` [t·k]: the token each sorted slot reads;
+/// - `slot_of` [t·k]: the sorted slot of (token, j), i.e. `rows[slot_of[t·k + j]] == t`, inside
+///   expert `idx[t·k + j]`'s range.
+///
+/// Within an expert's range the slots ascend in (token, j), so the plan is deterministic.
+/// `scratch` holds at least [`plan_scratch_len`]`(t, k, e)` u32. An id ≥ e (which the router never
+/// writes) gets no slot: its `slot_of` is `u32::MAX` and `offsets[e]` falls short of t·k. With t = 0
+/// only `offsets` is written (all zeros).
+#[allow(clippy::too_many_arguments)]
+pub fn plan<I, S, O, R, L>(
+    dev: &Device,
+    idx: &I,
+    t: usize,
+    k: usize,
+    e: usize,
+    scratch: &mut S,
+    offsets: &mut O,
+    rows: &mut R,
+    slot_of: &mut L,
+) -> Result<()>
+where
+    I: DevicePtr<u32>,
+    S: DevicePtrMut<u32>,
+    O: DevicePtrMut<u32>,
+    R: DevicePtrMut<u32>,
+    L: DevicePtrMut<u32>,
+{
+    check_sizes("moe plan", t, k, e)?;
+    let n = t * k;
+    let nb = n.div_ceil(CHUNK);
+    let p = MoePlanParams {
+        idx: addr(dev, idx, n, "moe plan idx")?,
+        hist: addr_mut(dev, scratch, plan_scratch_len(t, k, e), "moe plan scratch")?,
+        offsets: addr_mut(dev, offsets, e + 1, "moe plan offsets")?,
+        rows: addr_mut(dev, rows, n, "moe plan rows")?,
+        slot_of: addr_mut(dev, slot_of, n, "moe plan slot_of")?,
+        n: n as i32,
+        e: e as i32,
+        k: k as i32,
+        nb: nb as i32,
+    };
+    let blocks =
+        |b: usize, threads: usize| LaunchConfig { grid_dim: (b as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 };
+    if nb > 0 {
+        launch(dev, "moe_plan_rank", blocks(nb, PLAN_THREADS), &p)?;
+    }
+    launch(dev, "moe_plan_scan", blocks(1, MAX_E), &p)?;
+    if n > 0 {
+        launch(dev, "moe_plan_scatter", blocks(n.div_ceil(PLAN_THREADS), PLAN_THREADS), &p)?;
+    }
+    Ok(())
+}
+
+/// `out[t, :] = Σ_j w[t, j] · y[slot(t, j), :]  (+ sigmoid(gate_logit[t]) · shared[t, :])`.
+///
+/// - `y` [t·k, h]: the expert outputs in sorted-slot order;
+/// - `idx` [t, k]: the router's expert ids, which fix the summation order: the k terms of a token
+///   are added in ascending expert id (ties by j), then the shared term, each product and sum rounded
+///   in f32 (no FMA), starting from 0, as `lily_cpu::moe::forward` accumulates; the sigmoid is
+///   `lily_cpu::norm::sigmoid` with glibc's `expf` ported exactly;
+/// - `slot_of` [t, k] from [`plan`], or None for the identity (slot t·k + j: the decode path, where
+///   the indexed GEMV writes slot j of token t there); a slot ≥ t·k (an id [`plan`] gave no slot)
+///   contributes NaN;
+/// - `w` [t, k]: the routing weights;
+/// - `shared`: the shared expert's output [t, h] and its gate logit [t], or None;
+/// - `out` [t, h].
+///
+/// Needs 1 ≤ k ≤ [`MAX_K`]; t = 0 or h = 0 does nothing.
+#[allow(clippy::too_many_arguments)]
+pub fn combine<Y, I, L, W, S, G, O>(
+    dev: &Device,
+    y: &Y,
+    idx: &I,
+    slot_of: Option<&L>,
+    w: &W,
+    shared: Option<(&S, &G)>,
+    t: usize,
+    k: usize,
+    h: usize,
+    out: &mut O,
+) -> Result<()>
+where
+    Y: DevicePtr<f32>,
+    I: DevicePtr<u32>,
+    L: DevicePtr<u32>,
+    W: DevicePtr<f32>,
+    S: DevicePtr<f32>,
+    G: DevicePtr<f32>,
+    O: DevicePtrMut<f32>,
+{
+    let n = t.saturating_mul(k);
+    if k == 0 || k > MAX_K || n > i32::MAX as usize || h > 65535 * COMBINE_THREADS {
+        return Err(CudaError::Shape(format!(
+            "moe combine: T = {t}, k = {k}, H = {h} (1 ≤ k ≤ {MAX_K}, T·k < 2^31, H ≤ {})",
+            65535 * COMBINE_THREADS
+        )));
+    }
+    if t == 0 || h == 0 {
+        return Ok(());
+    }
+    let mut p = MoeCombineParams {
+        y: addr(dev, y, n * h, "moe combine y")?,
+        idx: addr(dev, idx, n, "moe combine idx")?,
+        w: addr(dev, w, n, "moe combine w")?,
+        out: addr_mut(dev, out, t * h, "moe combine out")?,
+        t: t as i32,
+        k: k as i32,
+        h: h as i32,
+        n: n as i32,
+        ..Default::default()
+    };
+    if let Some(s) = slot_of {
+        p.slot_of = addr(dev, s, n, "moe combine slot_of")?;
+    }
+    if let Some((s, g)) = shared {
+        p.shared = addr(dev, s, t * h, "moe combine shared")?;
+        p.gate_logit = addr(dev, g, t, "moe combine gate_logit")?;
+    }
+    let aligned = [p.y, p.shared, p.out].iter().all(|a| a.is_multiple_of(16));
+    let (name, nv) = if h.is_multiple_of(4) && aligned { ("moe_combine_f32_v4", h / 4) } else { ("moe_combine_f32", h) };
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, nv.div_ceil(COMBINE_THREADS) as u32, 1),
+        block_dim: (COMBINE_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch(dev, name, cfg, &p)
+}
