@@ -1,0 +1,455 @@
+// Gated DeltaNet delta rule for prefill, chunk by chunk (the WY / UT form of HF
+// `torch_chunk_gated_delta_rule` and fla-org's `chunk_gated_delta_rule`), f32 throughout (no tensor
+// cores). Same inputs, state and output as gdn_recurrent_* in gdn.cu and lily_cpu::gdn, and the same
+// numbers to f32 rounding.
+// Layouts: qkv [T, C] after gdn_conv_qk, C = 2·Hk·Dk + Hv·Dv ordered q | k | v (head-major, q already
+// l2-normed and scaled by 1/√Dk, k l2-normed); g, beta [T, Hv]; state [Hv, Dk, Dv] (S[h][i_k][j_v]);
+// out [T, Hv, Dv]; value head j reads key head j / (Hv/Hk). Dk, Dv ≤ 128 (any value: slices are
+// zero-padded).
+//
+// Per value head and chunk of n ≤ 64 tokens (local indices i, j), Γ_i = Σ_{s≤i} g_s:
+//   A = strictly_lower(β_i (k_i·k_j) e^{Γ_i−Γ_j}),  X = (I + A)⁻¹ (forward substitution),
+//   W = X (β e^Γ ⊙ K),  U = X (β ⊙ V),  P = lower_incl_diag((q_i·k_j) e^{Γ_i−Γ_j});
+// then, sequentially over chunks, with S the state before the chunk:
+//   V' = U − W S;  O = (e^Γ ⊙ Q) S + P V';  S ← e^{Γ_{n−1}} S + (e^{Γ_{n−1}−Γ} ⊙ K)ᵀ V'.
+// Γ is summed in f64 so that e^{Γ_i−Γ_j} keeps its digits when Γ is large (strong decay); every
+// exponent is ≤ 0 where it is used, so nothing overflows.
+//
+// Entry points:
+//   gdn_chunk_prep: grid (chunks, Hv), 256 threads, 36 KB static shared memory, 3 blocks per SM. One
+//     block per (chunk, value head): writes W, U, P and the decay vectors (e^Γ, e^{Γ_last−Γ}) to the
+//     scratch. All chunks at once.
+//   gdn_chunk_state_t{TW}: grid (⌈Dv/TW⌉, Hv), 16·TW threads (TW = 16: 256 threads, 2 blocks per SM;
+//     TW = 32: 512 threads, 1 block per SM). One block per (value head, tile of TW state columns): the
+//     state tile S [Dk, TW] stays in shared memory for all chunks; per chunk it forms V', writes O and
+//     updates S. Columns of S never mix, so the tiles are independent. The global loads of the next
+//     piece of work are in flight (registers) while the current one is computed.
+// Scratch, per (chunk c, value head j), block b = c·Hv + j, NC = ⌈T/64⌉ chunks:
+//   W [NC·Hv, 64, Dk] | U [NC·Hv, 64, Dv] | P [NC·Hv, 64, 64] | E [NC·Hv, 2, 64]
+// (rows ≥ n of the last chunk are written as zeros and never read).
+
+#define GDC_CH 64    // tokens per chunk
+#define GDC_MAXD 128 // largest Dk and Dv
+
+struct GdnChunkPrepParams {
+    const float* qkv;   // [T, C]
+    const float* g;     // [T, Hv]
+    const float* beta;  // [T, Hv]
+    float* w;           // [NC·Hv, 64, Dk]
+    float* u;           // [NC·Hv, 64, Dv]
+    float* p;           // [NC·Hv, 64, 64]
+    float* e;           // [NC·Hv, 2, 64]: e^{Γ_i}, then e^{Γ_{n-1}−Γ_i} (zeros for i ≥ n)
+    int t_len;
+    int hk;
+    int hv;
+    int dk;
+    int dv;
+    int pad_;
+};
+
+struct GdnChunkStateParams {
+    const float* qkv;  // [T, C]
+    const float* w;    // scratch, as written by gdn_chunk_prep
+    const float* u;
+    const float* p;
+    const float* e;
+    float* state;  // [Hv, Dk, Dv], in place
+    float* out;    // [T, Hv, Dv]
+    int t_len;
+    int hk;
+    int hv;
+    int dk;
+    int dv;
+    int pad_;
+};
+
+extern "C" __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const GdnChunkPrepParams p) {
+    constexpr int KS = 33;  // row stride of the staged K and Q slices [64][32] (conflict-free columns)
+    constexpr int XS = 72;  // row stride of X [64][64] (≡ 8 mod 32: see the two loops that read it)
+    constexpr int AS = 65;  // row stride of A [64][64]
+    __shared__ double gam[GDC_CH];                     // Γ_i (f64)
+    __shared__ float bet[GDC_CH];                      // β_i (0 past n)
+    __shared__ float egs[GDC_CH];                      // e^{Γ_i}
+    __shared__ __align__(16) float buf[GDC_CH * XS];   // K|Q slices [64][KS] each, then X [64][XS]
+    __shared__ __align__(16) float abuf[GDC_CH * AS];  // A [64][AS], then the right-hand side R [64][32]
+
+    const int tid = threadIdx.x;
+    const int chunk = blockIdx.x, j = blockIdx.y;
+    const int t0 = chunk * GDC_CH;
+    const int n = min(GDC_CH, p.t_len - t0);
+    const int kh = j / (p.hv / p.hk);
+    const int dk = p.dk, dv = p.dv;
+    const long long kd = (long long)p.hk * dk;
+    const long long C = 2 * kd + (long long)p.hv * dv;
+    const long long blk = (long long)chunk * p.hv + j;
+    const float* qkv = p.qkv + (long long)t0 * C;  // row r of the chunk at qkv + r·C
+
+    // 1. Gates: β, Γ (f64 prefix sum), e^Γ and e^{Γ_last−Γ}.
+    if (tid < GDC_CH) bet[tid] = tid < n ? p.beta[(long long)(t0 + tid) * p.hv + j] : 0.0f;
+    if (tid == 0) {
+        double acc = 0.0;
+        for (int i = 0; i < GDC_CH; ++i) {
+            if (i < n) acc += (double)p.g[(long long)(t0 + i) * p.hv + j];
+            gam[i] = acc;
+        }
+    }
+    __syncthreads();
+    if (tid < GDC_CH) {
+        const bool in = tid < n;
+        const float eg = in ? expf((float)gam[tid]) : 0.0f;
+        const float ek = in ? expf((float)(gam[n - 1] - gam[tid])) : 0.0f;
+        egs[tid] = eg;
+        p.e[blk * 2 * GDC_CH + tid] = eg;
+        p.e[blk * 2 * GDC_CH + GDC_CH + tid] = ek;
+    }
+
+    // 2. K Kᵀ and Q Kᵀ over Dk slices of 32: thread (ti, tj) owns rows ti + 16a and columns tj + 16b
+    //    (a, b < 4) of both 64×64 products.
+    {
+        float* ks = buf;
+        float* qs = buf + GDC_CH * KS;
+        const int ti = tid >> 4, tj = tid & 15;
+        float kk[4][4], qk[4][4];
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) kk[a][b] = qk[a][b] = 0.0f;
+        for (int s = 0; s < dk; s += 32) {
+            __syncthreads();  // the previous slice's reads are done
+            for (int idx = tid; idx < GDC_CH * 32; idx += 256) {
+                const int r = idx >> 5, d = idx & 31;
+                float kv = 0.0f, qv = 0.0f;
+                if (r < n && s + d < dk) {
+                    const float* q = qkv + (long long)r * C + (long long)kh * dk + s + d;
+                    qv = q[0];
+                    kv = q[kd];
+                }
+                ks[r * KS + d] = kv;
+                qs[r * KS + d] = qv;
+            }
+            __syncthreads();
+#pragma unroll 4
+            for (int d = 0; d < 32; ++d) {
+                float kr[4], qr[4], kc[4];
+#pragma unroll
+                for (int a = 0; a < 4; ++a) {
+                    kr[a] = ks[(ti + 16 * a) * KS + d];
+                    qr[a] = qs[(ti + 16 * a) * KS + d];
+                    kc[a] = ks[(tj + 16 * a) * KS + d];
+                }
+#pragma unroll
+                for (int a = 0; a < 4; ++a)
+#pragma unroll
+                    for (int b = 0; b < 4; ++b) {
+                        kk[a][b] = fmaf(kr[a], kc[b], kk[a][b]);
+                        qk[a][b] = fmaf(qr[a], kc[b], qk[a][b]);
+                    }
+            }
+        }
+        // A (shared memory) and P (scratch), decayed; zero outside the triangles and past n.
+        float* pp = p.p + blk * GDC_CH * GDC_CH;
+#pragma unroll
+        for (int a = 0; a < 4; ++a)
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const int r = ti + 16 * a, c = tj + 16 * b;
+                float av = 0.0f, pv = 0.0f;
+                if (r < n && c <= r) {
+                    const float dec = expf((float)(gam[r] - gam[c]));
+                    pv = qk[a][b] * dec;
+                    if (c < r) av = kk[a][b] * (bet[r] * dec);
+                }
+                abuf[r * AS + c] = av;
+                pp[r * GDC_CH + c] = pv;
+            }
+    }
+    __syncthreads();  // A complete; the K/Q slices are no longer read
+
+    // 3. X = (I + A)⁻¹, row by row: X_i = e_i − Σ_{j<i} A_ij X_j. Thread (col, part) sums the terms
+    //    j ≡ part (mod 4) of column col; the four parts of a column are adjacent lanes. X[j][col] for the
+    //    8 columns × 4 parts of a warp hits 32 distinct banks with XS ≡ 8 (mod 32).
+    float* X = buf;
+    {
+        const int col = tid >> 2, part = tid & 3;
+        if (part == 0) X[col] = col == 0 ? 1.0f : 0.0f;
+        __syncthreads();
+        for (int i = 1; i < GDC_CH; ++i) {
+            float sum = 0.0f;
+            if (i < n)
+                for (int jj = part; jj < i; jj += 4) sum = fmaf(abuf[i * AS + jj], X[jj * XS + col], sum);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            if (part == 0) X[i * XS + col] = (i == col ? 1.0f : 0.0f) - sum;
+            __syncthreads();
+        }
+    }
+
+    // 4. W = X (β e^Γ ⊙ K) and U = X (β ⊙ V), by column slices of 32 of the right-hand side R [64][32]
+    //    (staged in abuf: A is no longer read). Warp w owns rows 8w..8w+7: lane owns rows r0 and r0 + 4
+    //    and 4 columns; X is lower triangular, so the sum stops at row 8w + 7 (and at n).
+    {
+        float* R = abuf;
+        const int warp = tid >> 5, lane = tid & 31;
+        const int r0 = 8 * warp + (lane >> 3), r1 = r0 + 4, c4 = 4 * (lane & 7);
+        const int jend = min(8 * warp + 8, n);
+        for (int pass = 0; pass < 2; ++pass) {
+            const int width = pass == 0 ? dk : dv;
+            const long long src = pass == 0 ? kd + (long long)kh * dk : 2 * kd + (long long)j * dv;
+            float* dst = pass == 0 ? p.w + blk * GDC_CH * dk : p.u + blk * GDC_CH * dv;
+            for (int s = 0; s < width; s += 32) {
+                __syncthreads();  // the previous slice's reads are done
+                for (int idx = tid; idx < GDC_CH * 32; idx += 256) {
+                    const int r = idx >> 5, d = idx & 31;
+                    float x = 0.0f;
+                    if (r < n && s + d < width) {
+                        const float scale = pass == 0 ? bet[r] * egs[r] : bet[r];
+                        x = qkv[(long long)r * C + src + s + d] * scale;
+                    }
+                    R[r * 32 + d] = x;
+                }
+                __syncthreads();
+                float acc0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, acc1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+                for (int jj = 0; jj < jend; ++jj) {
+                    const float4 rv = *reinterpret_cast<const float4*>(&R[jj * 32 + c4]);
+                    const float x0 = X[r0 * XS + jj], x1 = X[r1 * XS + jj];
+                    acc0[0] = fmaf(x0, rv.x, acc0[0]);
+                    acc0[1] = fmaf(x0, rv.y, acc0[1]);
+                    acc0[2] = fmaf(x0, rv.z, acc0[2]);
+                    acc0[3] = fmaf(x0, rv.w, acc0[3]);
+                    acc1[0] = fmaf(x1, rv.x, acc1[0]);
+                    acc1[1] = fmaf(x1, rv.y, acc1[1]);
+                    acc1[2] = fmaf(x1, rv.z, acc1[2]);
+                    acc1[3] = fmaf(x1, rv.w, acc1[3]);
+                }
+#pragma unroll
+                for (int b = 0; b < 4; ++b) {
+                    const int col = s + c4 + b;
+                    if (col < width) {
+                        dst[(long long)r0 * width + col] = acc0[b];
+                        dst[(long long)r1 * width + col] = acc1[b];
+                    }
+                }
+            }
+        }
+    }
+}
+
+// The sequential pass over chunks for one (value head, tile of TW state columns); 16·TW threads.
+// Each chunk is processed as a sequence of "pieces", each 4096 floats staged in shared memory (stg):
+//   A_s (s < ⌈Dk/32⌉): W and e^Γ⊙Q, columns 32s..32s+31 ([2][64][KS]); accumulate W S and (e^Γ⊙Q) S;
+//                      after the last one, V' = U − W S into vp;
+//   P:                 the intra-chunk attention [64][PS]; O = (e^Γ⊙Q) S + P V' is written out;
+//   D_s (s < ⌈Dk/64⌉): e^{Γ_last−Γ}⊙K, columns 64s..64s+63 ([64][PS]); S rows 64s.. ← e^{Γ_last} S + Kᵀ V'.
+// The global loads of the next piece (of the next chunk after the last D) are issued into registers
+// before the current piece is computed, so their latency hides behind the arithmetic.
+// A_s, P: thread (row, cg) owns token row `row` and tile columns 4cg..4cg+3; D_s: thread (dd, cg)
+// owns state row 64s + dd and the same 4 columns.
+template <int TW>
+__device__ __forceinline__ void gdn_chunk_state(const GdnChunkStateParams& p) {
+    constexpr int NT = 16 * TW;   // threads
+    constexpr int CG = TW / 4;    // column groups of 4 (float4)
+    constexpr int RPW = 32 / CG;  // token rows per warp
+    constexpr int KS = 33;        // row stride of the staged W and Q slices [64][32]
+    constexpr int PS = 65;        // row stride of the staged P and K slices [64][64]
+    constexpr int PIECE = 2 * GDC_CH * 32;  // floats per piece (= GDC_CH * GDC_CH)
+    constexpr int PER = PIECE / NT;         // of which each thread loads
+    static_assert(PIECE % NT == 0 && 2 * KS >= PS, "piece layout");
+    __shared__ __align__(16) float ss[GDC_MAXD * TW];    // S [Dk rounded up to 32][TW]
+    __shared__ __align__(16) float vp[GDC_CH * TW];      // V' [64][TW]
+    __shared__ __align__(16) float stg[2 * GDC_CH * KS];  // the current piece
+    __shared__ float egs[GDC_CH], eks[GDC_CH];            // e^{Γ_i}, e^{Γ_last−Γ_i} of the chunk
+
+    const int tid = threadIdx.x;
+    const int j = blockIdx.y, c0 = blockIdx.x * TW;
+    const int kh = j / (p.hv / p.hk);
+    const int dk = p.dk, dv = p.dv, dk_ = p.dk;
+    const int dk32 = (dk + 31) & ~31;
+    const int na = dk32 / 32, nd = (dk32 + 63) / 64, npieces = na + 1 + nd;
+    const long long kd = (long long)p.hk * dk;
+    const long long C_ = 2 * kd + (long long)p.hv * dv;
+    const long long qoff = (long long)kh * dk, koff = kd + (long long)kh * dk;
+    float* S = p.state + (long long)j * dk * dv;
+    const int row = tid / CG, c4 = 4 * (tid % CG);
+    const int warp = tid >> 5;
+    const int nc = (p.t_len + GDC_CH - 1) / GDC_CH;
+
+    // Piece layouts, element k (< PER) of thread tid, idx = tid + k·NT:
+    //   A (W|Q [2][64][32]): half = k / (PER/2), row ra + k%(PER/2)·(NT/32), column da (ra = tid/32, da = tid%32);
+    //   P, D ([64][64]):     row rp + k·(NT/64), column dp (rp = tid/64, dp = tid%64).
+    // Every per-k offset is then a compile-time constant times a runtime stride.
+    constexpr int HALF = PER / 2, RSA = NT / 32, RSP = NT / 64;
+    const int ra = tid >> 5, da = tid & 31, rp = tid >> 6, dp = tid & 63;
+    float pre[PER];                    // the next piece
+    float upre[4];                     // U[row, tile columns c4..c4+3] of the next chunk
+    float epre0 = 0.0f, epre1 = 0.0f;  // its e^Γ, e^{Γ_last−Γ} (threads < 64)
+
+    // Issue the loads of piece `pc` of chunk `chunk` (and, for piece 0, the chunk's U and decays).
+    auto load = [&](int chunk, int pc) {
+        // Hide C and Dk from loop-invariant code motion: otherwise the compiler keeps every per-k offset
+        // of every piece kind live across the chunk loop (hundreds of registers).
+        long long C = C_;
+        int dk = dk_;
+#ifdef __CUDA_ARCH__
+        asm volatile("" : "+l"(C), "+r"(dk));
+#endif
+        const int t0 = chunk * GDC_CH;
+        const int n = min(GDC_CH, p.t_len - t0);
+        const long long blk = (long long)chunk * p.hv + j;
+        if (pc == 0) {
+            const float* u = p.u + (blk * GDC_CH + row) * dv + c0 + c4;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) upre[b] = (row < n && c0 + c4 + b < dv) ? u[b] : 0.0f;
+            if (tid < GDC_CH) {
+                epre0 = p.e[blk * 2 * GDC_CH + tid];
+                epre1 = p.e[blk * 2 * GDC_CH + GDC_CH + tid];
+            }
+        }
+        if (pc < na) {
+            const int s = 32 * pc;
+            const bool col_in = s + da < dk;
+            const float* w = p.w + (blk * GDC_CH + ra) * dk + s + da;
+            const float* q = p.qkv + (long long)(t0 + ra) * C + qoff + s + da;
+#pragma unroll
+            for (int k = 0; k < HALF; ++k) {
+                const bool in = col_in && ra + k * RSA < n;
+                pre[k] = in ? w[(long long)(k * RSA) * dk] : 0.0f;
+                pre[HALF + k] = in ? q[(long long)(k * RSA) * C] : 0.0f;
+            }
+        } else if (pc == na) {
+            const float* pp = p.p + blk * GDC_CH * GDC_CH + tid;
+#pragma unroll
+            for (int k = 0; k < PER; ++k) {
+                const int r = rp + k * RSP;
+                pre[k] = (r < n && dp <= r) ? pp[k * NT] : 0.0f;
+            }
+        } else {
+            const int s = 64 * (pc - na - 1);
+            const bool col_in = s + dp < dk;
+            const float* kp = p.qkv + (long long)(t0 + rp) * C + koff + s + dp;
+#pragma unroll
+            for (int k = 0; k < PER; ++k)
+                pre[k] = (col_in && rp + k * RSP < n) ? kp[(long long)(k * RSP) * C] : 0.0f;
+        }
+    };
+
+    for (int idx = tid; idx < dk32 * TW; idx += NT) {
+        const int d = idx / TW, c = idx % TW;
+        ss[idx] = (d < dk && c0 + c < dv) ? S[(long long)d * dv + c0 + c] : 0.0f;
+    }
+    if (nc > 0) load(0, 0);
+
+    for (int chunk = 0; chunk < nc; ++chunk) {
+        const int t0 = chunk * GDC_CH;
+        const int n = min(GDC_CH, p.t_len - t0);
+        __syncthreads();  // the previous chunk is done with egs/eks
+        if (tid < GDC_CH) {
+            egs[tid] = epre0;
+            eks[tid] = epre1;
+        }
+        const float4 ucur = make_float4(upre[0], upre[1], upre[2], upre[3]);
+        float av[4] = {0.0f, 0.0f, 0.0f, 0.0f}, ao[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+
+        for (int pc = 0; pc < npieces; ++pc) {
+            __syncthreads();  // stg is no longer read; egs/eks are visible
+            // Stage the piece: Q scaled by e^Γ, K by e^{Γ_last−Γ} (0 past n, as the loaded values).
+            if (pc < na) {
+#pragma unroll
+                for (int k = 0; k < HALF; ++k) {
+                    const int r = ra + k * RSA;
+                    stg[r * KS + da] = pre[k];
+                    stg[GDC_CH * KS + r * KS + da] = pre[HALF + k] * egs[r];
+                }
+            } else {
+                const bool scale = pc > na;
+#pragma unroll
+                for (int k = 0; k < PER; ++k) {
+                    const int r = rp + k * RSP;
+                    stg[r * PS + dp] = scale ? pre[k] * eks[r] : pre[k];
+                }
+            }
+            __syncthreads();
+            if (pc + 1 < npieces) {
+                load(chunk, pc + 1);
+            } else if (chunk + 1 < nc) {
+                load(chunk + 1, 0);
+            }
+
+            if (pc < na) {
+                // A: av += (W S)[row, tile], ao += (e^Γ⊙Q) S [row, tile] over this slice of Dk.
+                const int s = 32 * pc;
+                const float* ws = stg;
+                const float* qs = stg + GDC_CH * KS;
+#pragma unroll 8
+                for (int d = 0; d < 32; ++d) {
+                    const float4 sv = *reinterpret_cast<const float4*>(&ss[(s + d) * TW + c4]);
+                    const float wr = ws[row * KS + d], qr = qs[row * KS + d];
+                    av[0] = fmaf(wr, sv.x, av[0]);
+                    av[1] = fmaf(wr, sv.y, av[1]);
+                    av[2] = fmaf(wr, sv.z, av[2]);
+                    av[3] = fmaf(wr, sv.w, av[3]);
+                    ao[0] = fmaf(qr, sv.x, ao[0]);
+                    ao[1] = fmaf(qr, sv.y, ao[1]);
+                    ao[2] = fmaf(qr, sv.z, ao[2]);
+                    ao[3] = fmaf(qr, sv.w, ao[3]);
+                }
+                if (pc == na - 1) {
+                    // B: V' = U − W S (zero past n and past Dv: U and W S are zero there).
+                    const float4 v = row < n ? make_float4(ucur.x - av[0], ucur.y - av[1], ucur.z - av[2], ucur.w - av[3])
+                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    *reinterpret_cast<float4*>(&vp[row * TW + c4]) = v;
+                }
+            } else if (pc == na) {
+                // C: O = ao + P V' (P lower triangular: the sum stops at the warp's last row).
+                const int jend = min(n, (warp + 1) * RPW);
+                for (int jj = 0; jj < jend; ++jj) {
+                    const float pr = stg[row * PS + jj];
+                    const float4 v = *reinterpret_cast<const float4*>(&vp[jj * TW + c4]);
+                    ao[0] = fmaf(pr, v.x, ao[0]);
+                    ao[1] = fmaf(pr, v.y, ao[1]);
+                    ao[2] = fmaf(pr, v.z, ao[2]);
+                    ao[3] = fmaf(pr, v.w, ao[3]);
+                }
+                if (row < n) {
+                    float* o = p.out + ((long long)(t0 + row) * p.hv + j) * dv;
+#pragma unroll
+                    for (int b = 0; b < 4; ++b)
+                        if (c0 + c4 + b < dv) o[c0 + c4 + b] = ao[b];
+                }
+            } else {
+                // D: S ← e^{Γ_last} S + (e^{Γ_last−Γ}⊙K)ᵀ V' on state rows s..s+63.
+                const int s = 64 * (pc - na - 1), dd = tid / CG;
+                const float elast = egs[n - 1];
+                if (s + dd < dk32) {
+                    float4* sp = reinterpret_cast<float4*>(&ss[(s + dd) * TW + c4]);
+                    float4 a = *sp;
+                    a.x *= elast;
+                    a.y *= elast;
+                    a.z *= elast;
+                    a.w *= elast;
+                    for (int r = 0; r < n; ++r) {
+                        const float kr = stg[r * PS + dd];
+                        const float4 v = *reinterpret_cast<const float4*>(&vp[r * TW + c4]);
+                        a.x = fmaf(kr, v.x, a.x);
+                        a.y = fmaf(kr, v.y, a.y);
+                        a.z = fmaf(kr, v.z, a.z);
+                        a.w = fmaf(kr, v.w, a.w);
+                    }
+                    *sp = a;
+                }
+            }
+        }
+    }
+
+    __syncthreads();
+    for (int idx = tid; idx < dk * TW; idx += NT) {
+        const int d = idx / TW, c = idx % TW;
+        if (c0 + c < dv) S[(long long)d * dv + c0 + c] = ss[idx];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_state_t16(const GdnChunkStateParams p) {
+    gdn_chunk_state<16>(p);
+}
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_t32(const GdnChunkStateParams p) {
+    gdn_chunk_state<32>(p);
+}

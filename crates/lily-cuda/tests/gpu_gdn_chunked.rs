@@ -1,0 +1,314 @@
+//! CPU-vs-GPU tests of the chunked gated delta rule for prefill (`kernels/gdn_chunked.cu`,
+//! `ops::gdn_chunked`), plus a timing against the recurrent kernel (`bench_gdn_chunked`, ignored).
+//!
+//! Each test skips (prints "no GPU, skipped") without a GPU. Inputs are fresh pseudo-random values as
+//! the layer sees them: q, k through `lily_cpu::gdn::normalize_qk` (L2-normed per head, q scaled by
+//! 1/√Dk), v normal, g and β through `lily_cpu::gdn::gates` with per-head gate parameters giving strong
+//! (g ≈ −5), moderate and near-zero (|g| ≈ 1e-3) decays, a random nonzero initial state. The outputs,
+//! the scratch included, are poisoned with NaN first. The GPU chunked output and final state are
+//! compared with (a) the GPU recurrent kernel and (b) `lily_cpu::gdn::delta_rule_recurrent` (the
+//! definition) and `delta_rule_chunked`, at a relative max error (max |Δ| / max |want|) of 1e-4: the
+//! forms sum in different orders in f32, which costs ~1e-6 (the worst is printed); a wrong decay,
+//! chunk boundary or index costs ≥ 1e-2.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::{device, Rng};
+use cudarc::driver::CudaSlice;
+use lily_cpu::gdn as cpu;
+use lily_cuda::ops::gdn::{self, GdnDims};
+use lily_cuda::ops::gdn_chunked::{self as chunked, scratch_len};
+use lily_cuda::ops::util;
+use lily_cuda::Device;
+
+/// max |got − want| / max |want|, after checking every element was written (no NaN).
+fn rel_err(got: &[f32], want: &[f32], what: &str) -> f64 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = got.iter().position(|v| !v.is_finite()) {
+        panic!("{what}: element {i} of {} not written (or not finite): {}", got.len(), got[i]);
+    }
+    let scale = want.iter().fold(0.0f64, |a, b| a.max(b.abs() as f64)).max(1e-30);
+    got.iter().zip(want).fold(0.0f64, |a, (g, w)| a.max((*g as f64 - *w as f64).abs())) / scale
+}
+
+const TOL: f64 = 1e-4;
+
+fn check(got: &[f32], want: &[f32], tol: f64, what: &str) -> f64 {
+    let e = rel_err(got, want, what);
+    assert!(e <= tol, "{what}: relative max error {e:.3e} > {tol:.0e}");
+    e
+}
+
+fn poisoned(dev: &Device, n: usize) -> CudaSlice<f32> {
+    let mut y = dev.zeros::<f32>(n.max(1)).unwrap();
+    util::fill(dev, &mut y, f32::NAN).unwrap();
+    y
+}
+
+fn dims(hk: usize, hv: usize, dk: usize, dv: usize) -> GdnDims {
+    GdnDims { num_k_heads: hk, num_v_heads: hv, head_k_dim: dk, head_v_dim: dv, conv_kernel: 4 }
+}
+
+/// Qwen3.6-35B-A3B: Hk 16, Hv 32, Dk = Dv = 128.
+const REAL: GdnDims = GdnDims { num_k_heads: 16, num_v_heads: 32, head_k_dim: 128, head_v_dim: 128, conv_kernel: 4 };
+
+/// softplus⁻¹(y) = ln(eʸ − 1).
+fn inv_softplus(y: f64) -> f32 {
+    y.exp_m1().ln() as f32
+}
+
+/// The rule's inputs for T tokens: (qkv [T, C], g [T, Hv], beta [T, Hv], state [Hv, Dk, Dv]).
+/// Gate parameters by head h % 3 (with a ~ N(0, 1) per token): strong decay A = U(4, 12),
+/// softplus(dt_bias) = U(0.3, 1) (g ≈ −5, from −0.5 to −40); moderate A = U(0.5, 2), softplus(dt_bias)
+/// = U(0.01, 0.1); near zero A = U(0.05, 0.2), softplus(dt_bias) = U(1e-3, 1e-2) (|g| ≈ 1e-3).
+/// β = sigmoid(N(0, 2)).
+fn inputs(rng: &mut Rng, d: &GdnDims, t: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let hv = d.num_v_heads;
+    let mut qkv = rng.normals(t * d.conv_dim(), 1.0);
+    cpu::normalize_qk(&mut qkv, d);
+    let (mut a_log, mut dt_bias) = (Vec::new(), Vec::new());
+    for h in 0..hv {
+        let ((alo, ahi), (slo, shi)) = match h % 3 {
+            0 => ((4.0, 12.0), (0.3, 1.0)),
+            1 => ((0.5, 2.0), (0.01, 0.1)),
+            _ => ((0.05, 0.2), (1e-3, 1e-2)),
+        };
+        a_log.push((rng.range(alo, ahi) as f64).ln() as f32);
+        dt_bias.push(inv_softplus(rng.range(slo, shi) as f64));
+    }
+    let a = rng.normals(t * hv, 1.0);
+    let b = rng.normals(t * hv, 2.0);
+    let (mut g, mut beta) = (vec![f32::NAN; t * hv], vec![f32::NAN; t * hv]);
+    cpu::gates(&a, &b, &a_log, &dt_bias, &mut g, &mut beta);
+    let state = rng.normals(d.state_len(), 0.5);
+    (qkv, g, beta, state)
+}
+
+/// Runs the GPU chunked rule (state tile `tile`, or the default with None) from `state0`: (out, state).
+#[allow(clippy::too_many_arguments)]
+fn gpu_chunked(
+    dev: &Device,
+    d: &GdnDims,
+    t: usize,
+    qkv: &CudaSlice<f32>,
+    g: &CudaSlice<f32>,
+    beta: &CudaSlice<f32>,
+    state0: &[f32],
+    tile: Option<usize>,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut state = dev.upload(state0).unwrap();
+    let mut out = poisoned(dev, t * d.value_dim());
+    let mut scratch = poisoned(dev, scratch_len(d, t));
+    match tile {
+        None => chunked::delta_rule_chunked(dev, d, t, qkv, g, beta, &mut state, &mut out, &mut scratch),
+        Some(w) => chunked::delta_rule_chunked_with(dev, d, t, qkv, g, beta, &mut state, &mut out, &mut scratch, w),
+    }
+    .unwrap();
+    (dev.download(&out).unwrap(), dev.download(&state).unwrap())
+}
+
+/// One case: the GPU chunked rule (default tile, and both tiles) vs the CPU recurrent and chunked rules
+/// and the GPU recurrent kernel. Returns the worst error.
+fn check_case(dev: &Device, d: &GdnDims, t: usize, seed: u64) -> f64 {
+    let mut rng = Rng::new(seed);
+    let (qkv, g, beta, state0) = inputs(&mut rng, d, t);
+    let what = format!("Hk {} Hv {} Dk {} Dv {} T={t}", d.num_k_heads, d.num_v_heads, d.head_k_dim, d.head_v_dim);
+
+    let mut s_rec = state0.clone();
+    let mut o_rec = vec![f32::NAN; t * d.value_dim()];
+    cpu::delta_rule_recurrent(&qkv, &g, &beta, &mut s_rec, d, &mut o_rec);
+    let mut s_chk = state0.clone();
+    let mut o_chk = vec![f32::NAN; t * d.value_dim()];
+    cpu::delta_rule_chunked(&qkv, &g, &beta, &mut s_chk, d, &mut o_chk);
+
+    let (qkv_d, g_d, beta_d) = (dev.upload(&qkv).unwrap(), dev.upload(&g).unwrap(), dev.upload(&beta).unwrap());
+    let mut s_gr = dev.upload(&state0).unwrap();
+    let mut o_gr = poisoned(dev, t * d.value_dim());
+    gdn::delta_rule_recurrent(dev, d, t, &qkv_d, &g_d, &beta_d, &mut s_gr, &mut o_gr).unwrap();
+    let (o_gr, s_gr) = (dev.download(&o_gr).unwrap(), dev.download(&s_gr).unwrap());
+
+    let (o, s) = gpu_chunked(dev, d, t, &qkv_d, &g_d, &beta_d, &state0, None);
+    let errs = [
+        check(&o, &o_rec, TOL, &format!("{what}: out vs CPU recurrent")),
+        check(&s, &s_rec, TOL, &format!("{what}: state vs CPU recurrent")),
+        check(&o, &o_chk, TOL, &format!("{what}: out vs CPU chunked")),
+        check(&s, &s_chk, TOL, &format!("{what}: state vs CPU chunked")),
+        check(&o, &o_gr, TOL, &format!("{what}: out vs GPU recurrent")),
+        check(&s, &s_gr, TOL, &format!("{what}: state vs GPU recurrent")),
+    ];
+    // Both state tile widths: the same numbers (the same sums in the same order).
+    let mut e_tiles = 0.0f64;
+    for tile in [16, 32] {
+        let (ot, st) = gpu_chunked(dev, d, t, &qkv_d, &g_d, &beta_d, &state0, Some(tile));
+        e_tiles = e_tiles.max(check(&ot, &o, 1e-6, &format!("{what}: out, tile {tile} vs default")));
+        e_tiles = e_tiles.max(check(&st, &s, 1e-6, &format!("{what}: state, tile {tile} vs default")));
+    }
+    let (gmin, gmax) = g.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+    println!(
+        "{what}: vs CPU recurrent out {:.1e} state {:.1e} | vs CPU chunked {:.1e} {:.1e} | vs GPU recurrent \
+         {:.1e} {:.1e} | tiles {e_tiles:.1e} (g in [{gmin:.2e}, {gmax:.2e}])",
+        errs[0], errs[1], errs[2], errs[3], errs[4], errs[5]
+    );
+    errs.iter().fold(0.0, |a, &b| a.max(b))
+}
+
+const TS: [usize; 6] = [1, 5, 64, 65, 200, 1000];
+
+#[test]
+fn gdn_chunked_real_shape_matches() {
+    let Some(dev) = device() else { return };
+    let mut worst = 0.0f64;
+    for (i, &t) in TS.iter().enumerate() {
+        worst = worst.max(check_case(&dev, &REAL, t, 500 + i as u64));
+    }
+    println!("worst relative error, 35B shape: {worst:.2e}");
+}
+
+#[test]
+fn gdn_chunked_small_shapes_match() {
+    let Some(dev) = device() else { return };
+    // The issue's small shapes, the tiny fixtures' (tiny-a 2/4 heads D 32, tiny-b 4/8 Dk 16 Dv 32,
+    // tiny-c 1/1 D 64), and odd ones: Dk, Dv not multiples of 16 or 32 (zero-padded slices, partial
+    // column tiles), Dk ≠ Dv both ways, Hv/Hk = 1, 2, 3.
+    let cases = [
+        dims(2, 4, 32, 32),
+        dims(1, 1, 64, 64),
+        dims(4, 8, 16, 32),
+        dims(3, 3, 24, 40),
+        dims(1, 3, 48, 80),
+        dims(2, 2, 128, 16),
+        dims(1, 2, 16, 128),
+        dims(1, 1, 7, 5),
+    ];
+    let mut worst = 0.0f64;
+    for (i, d) in cases.iter().enumerate() {
+        for (k, &t) in TS.iter().enumerate() {
+            worst = worst.max(check_case(&dev, d, t, 1000 + 10 * i as u64 + k as u64));
+        }
+    }
+    println!("worst relative error, small shapes: {worst:.2e}");
+}
+
+#[test]
+fn gdn_chunked_split_calls_equal_whole() {
+    // 200 tokens in one CPU call = 64 + 1 + 135 tokens in three GPU chunked calls carrying the state.
+    let Some(dev) = device() else { return };
+    let (d, t) = (dims(2, 4, 32, 32), 200);
+    let mut rng = Rng::new(77);
+    let (qkv, g, beta, state0) = inputs(&mut rng, &d, t);
+    let mut s_want = state0.clone();
+    let mut o_want = vec![f32::NAN; t * d.value_dim()];
+    cpu::delta_rule_recurrent(&qkv, &g, &beta, &mut s_want, &d, &mut o_want);
+    let (c, hv) = (d.conv_dim(), d.num_v_heads);
+    let mut state = dev.upload(&state0).unwrap();
+    let mut scratch = poisoned(&dev, scratch_len(&d, 135));
+    let mut o_all = Vec::new();
+    for (lo, hi) in [(0, 64), (64, 65), (65, 200)] {
+        let n = hi - lo;
+        let q = dev.upload(&qkv[lo * c..hi * c]).unwrap();
+        let gg = dev.upload(&g[lo * hv..hi * hv]).unwrap();
+        let bb = dev.upload(&beta[lo * hv..hi * hv]).unwrap();
+        let mut o = poisoned(&dev, n * d.value_dim());
+        chunked::delta_rule_chunked(&dev, &d, n, &q, &gg, &bb, &mut state, &mut o, &mut scratch).unwrap();
+        o_all.extend(dev.download(&o).unwrap());
+    }
+    let e_o = check(&o_all, &o_want, TOL, "split: out");
+    let e_s = check(&dev.download(&state).unwrap(), &s_want, TOL, "split: state");
+    println!("split 64+1+135 (GPU chunked) vs CPU recurrent whole: out {e_o:.1e} state {e_s:.1e}");
+}
+
+#[test]
+fn gdn_chunked_rejects_bad_shapes() {
+    let Some(dev) = device() else { return };
+    let t = 3;
+    let run = |d: &GdnDims, scratch_n: usize, tile: usize| {
+        let qkv = dev.zeros::<f32>(t * d.conv_dim()).unwrap();
+        let (g, beta) = (dev.zeros::<f32>(t * d.num_v_heads).unwrap(), dev.zeros::<f32>(t * d.num_v_heads).unwrap());
+        let mut state = dev.zeros::<f32>(d.state_len()).unwrap();
+        let mut o = dev.zeros::<f32>(t * d.value_dim()).unwrap();
+        let mut scratch = dev.zeros::<f32>(scratch_n.max(1)).unwrap();
+        chunked::delta_rule_chunked_with(&dev, d, t, &qkv, &g, &beta, &mut state, &mut o, &mut scratch, tile)
+    };
+    let ok = dims(2, 4, 32, 32);
+    run(&ok, scratch_len(&ok, t), 16).unwrap();
+    run(&ok, scratch_len(&ok, t), 32).unwrap();
+    let err = |r: lily_cuda::Result<()>, what: &str| match r {
+        Err(lily_cuda::CudaError::Shape(m)) => println!("{what}: {m}"),
+        other => panic!("{what}: expected a Shape error, got {other:?}"),
+    };
+    err(run(&ok, scratch_len(&ok, t) - 1, 16), "scratch one short");
+    err(run(&ok, scratch_len(&ok, t), 8), "tile 8");
+    err(run(&dims(1, 1, 144, 32), scratch_len(&dims(1, 1, 144, 32), t), 16), "Dk 144");
+    err(run(&dims(1, 1, 32, 256), scratch_len(&dims(1, 1, 32, 256), t), 16), "Dv 256");
+    err(run(&dims(3, 4, 32, 32), scratch_len(&dims(3, 4, 32, 32), t), 16), "Hv not a multiple of Hk");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Timing (run with `--ignored bench_gdn_chunked --nocapture`)
+
+/// Median per-launch time in seconds of `op()`: `reps` batches of `batch` launches queued behind a GPU
+/// spin, each batch between two CUDA events (as in gpu_gdn.rs); also max/min batch.
+fn time_op(dev: &Device, reps: usize, batch: usize, mut op: impl FnMut()) -> (f64, f64) {
+    use cudarc::driver::sys::CUevent_flags;
+    for _ in 0..2 {
+        op();
+    }
+    dev.synchronize().unwrap();
+    let ctx = dev.context();
+    let events: Vec<_> = (0..2 * reps).map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap()).collect();
+    util::spin(dev, 30_000_000).unwrap();
+    for r in 0..reps {
+        events[2 * r].record(dev.stream()).unwrap();
+        for _ in 0..batch {
+            op();
+        }
+        events[2 * r + 1].record(dev.stream()).unwrap();
+    }
+    dev.synchronize().unwrap();
+    let mut t: Vec<f64> =
+        (0..reps).map(|r| events[2 * r].elapsed_ms(&events[2 * r + 1]).unwrap() as f64 * 1e-3 / batch as f64).collect();
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (t[reps / 2], t[reps - 1] / t[0])
+}
+
+#[test]
+#[ignore = "timing; run on the GPU machine"]
+fn bench_gdn_chunked() {
+    let Some(dev) = device() else { return };
+    let d = REAL;
+    println!("GDN delta rule, Hk 16 Hv 32 Dk=Dv=128, one layer (µs per call = per layer)");
+    for t in [512usize, 2048, 4096] {
+        let mut rng = Rng::new(t as u64);
+        let (qkv, g, beta, state0) = inputs(&mut rng, &d, t);
+        let (qkv, g, beta) = (dev.upload(&qkv).unwrap(), dev.upload(&g).unwrap(), dev.upload(&beta).unwrap());
+        let mut state = dev.upload(&state0).unwrap();
+        let mut out = dev.zeros::<f32>(t * d.value_dim()).unwrap();
+        let mut scratch = dev.zeros::<f32>(scratch_len(&d, t)).unwrap();
+        let (reps, batch) = (7, 3);
+        let (tr, sr) = time_op(&dev, reps, batch, || {
+            gdn::delta_rule_recurrent(&dev, &d, t, &qkv, &g, &beta, &mut state, &mut out).unwrap();
+        });
+        let mut line = format!("  T={t:5}: recurrent {:9.1} µs (spread {sr:.2})", tr * 1e6);
+        for tile in [16usize, 32] {
+            let (tc, sc) = time_op(&dev, reps, batch, || {
+                chunked::delta_rule_chunked_with(
+                    &dev,
+                    &d,
+                    t,
+                    &qkv,
+                    &g,
+                    &beta,
+                    &mut state,
+                    &mut out,
+                    &mut scratch,
+                    tile,
+                )
+                .unwrap();
+            });
+            line += &format!(" | chunked t{tile} {:8.1} µs (×{:.1}, spread {sc:.2})", tc * 1e6, tr / tc);
+        }
+        println!("{line}; scratch {:.0} MB", scratch_len(&d, t) as f64 * 4e-6);
+        assert!(dev.download(&out).unwrap().iter().all(|v| v.is_finite()));
+    }
+}
