@@ -55,10 +55,12 @@
 
 pub mod ops;
 mod params;
+mod pick;
 pub mod rng;
 mod sampler;
 mod stop;
 
 pub use params::{Defaults, Resolved, SamplerError, SamplingParams, GREEDY_EPS, MAX_TOP_LOGPROBS};
+pub use pick::{pick_on_cpu, DevicePick, LogitEdit};
 pub use sampler::{Sampled, Sampler};
 pub use stop::{Finish, StopChecker, StopReason, StopStep};

@@ -76,6 +76,26 @@ impl Sampler {
         self.seed
     }
 
+    pub(crate) fn wants_logprobs(&self) -> bool {
+        self.logprobs
+    }
+    pub(crate) fn seen_ids(&self) -> impl Iterator<Item = &u32> {
+        self.seen.iter()
+    }
+    pub(crate) fn counts_map(&self) -> &HashMap<u32, u32> {
+        &self.counts
+    }
+    pub(crate) fn bias(&self) -> &[(u32, f32)] {
+        &self.bias
+    }
+    pub(crate) fn vocab(&self) -> usize {
+        self.vocab
+    }
+    /// The next random number (what `sample` draws for a non-greedy step).
+    pub(crate) fn next_u(&mut self) -> f64 {
+        self.rng.next_f64()
+    }
+
     fn rep_on(&self) -> bool {
         self.params.repetition_penalty != 1.0
     }
