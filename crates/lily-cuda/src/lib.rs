@@ -111,6 +111,8 @@ mod device;
 #[cfg(feature = "cuda")]
 pub use device::{Device, KernelSource};
 #[cfg(feature = "cuda")]
+pub mod model;
+#[cfg(feature = "cuda")]
 pub mod ops;
 #[cfg(feature = "cuda")]
 pub mod weights;

@@ -204,6 +204,107 @@ impl<'d> Uploader<'d> {
         Ok(DeviceMatrix { count: m.count, rows: m.rows, cols: m.cols, storage })
     }
 
+    /// Whether [`Uploader::upload_concat`] takes these parts.
+    pub fn can_concat(parts: &[&Matrix], rows_concat: bool) -> bool {
+        let Some(first) = parts.first() else { return false };
+        parts.iter().all(|m| {
+            let fmt = match (&m.storage, &first.storage) {
+                (Storage::Affine { params: a, .. }, Storage::Affine { params: b, .. }) => a == b,
+                (Storage::Dense(_), Storage::Dense(_)) => true,
+                _ => false,
+            };
+            fmt && m.cols == first.cols && if rows_concat { m.count == 1 } else { m.rows == first.rows }
+        })
+    }
+
+    /// Uploads several matrices as one. Stacked (`rows_concat = false`): the parts' stacks one after
+    /// the other (every part has the same rows; counts add up). `rows_concat = true`: one matrix whose
+    /// rows are the parts' rows in order (every part a single matrix). Both are a plain concatenation of
+    /// the stored data. Every part must have the same cols and the same storage format.
+    pub fn upload_concat(&mut self, parts: &[&Matrix], rows_concat: bool) -> Result<DeviceMatrix> {
+        let first = parts.first().ok_or_else(|| CudaError::Shape("upload_concat of no matrices".into()))?;
+        let same_format = |m: &Matrix| match (&m.storage, &first.storage) {
+            (Storage::Affine { params: a, .. }, Storage::Affine { params: b, .. }) => a == b,
+            (Storage::Dense(_), Storage::Dense(_)) => true,
+            _ => false,
+        };
+        for m in parts {
+            let shape_ok = m.cols == first.cols && if rows_concat { m.count == 1 } else { m.rows == first.rows };
+            if !shape_ok || !same_format(m) {
+                return Err(CudaError::Shape(format!(
+                    "upload_concat: [{}, {}, {}] does not go with [{}, {}, {}] (same cols, format and {})",
+                    m.count,
+                    m.rows,
+                    m.cols,
+                    first.count,
+                    first.rows,
+                    first.cols,
+                    if rows_concat { "single matrices" } else { "rows" }
+                )));
+            }
+        }
+        let (count, rows) = if rows_concat {
+            (1, parts.iter().map(|m| m.rows).sum())
+        } else {
+            (parts.iter().map(|m| m.count).sum(), first.rows)
+        };
+        let storage = match &first.storage {
+            Storage::Affine { params, .. } => {
+                let pick = |m: &Matrix| match &m.storage {
+                    Storage::Affine { packed, scales, biases, .. } => (packed.clone(), scales.clone(), biases.clone()),
+                    Storage::Dense(_) => unreachable!("formats checked above"),
+                };
+                let all: Vec<_> = parts.iter().map(|m| pick(m)).collect();
+                let packed: Vec<&[u32]> = all.iter().map(|p| &p.0[..]).collect();
+                let scales: Vec<&FloatBuf> = all.iter().map(|p| &p.1).collect();
+                let biases: Vec<&FloatBuf> = all.iter().map(|p| &p.2).collect();
+                let n_words: usize = packed.iter().map(|p| p.len()).sum();
+                DeviceStorage::Affine {
+                    params: *params,
+                    packed: self.stage(n_words, |start, dst| concat_fill(&packed, start, dst))?,
+                    scales: self.upload_bf16_concat(&scales, SCALE_PAD)?,
+                    biases: self.upload_bf16_concat(&biases, SCALE_PAD)?,
+                }
+            }
+            Storage::Dense(_) => {
+                let data: Vec<&FloatBuf> = parts
+                    .iter()
+                    .map(|m| match &m.storage {
+                        Storage::Dense(d) => d,
+                        Storage::Affine { .. } => unreachable!("formats checked above"),
+                    })
+                    .collect();
+                DeviceStorage::Dense { data: self.upload_bf16_concat(&data, 0)? }
+            }
+        };
+        Ok(DeviceMatrix { count, rows, cols: first.cols, storage })
+    }
+
+    /// The concatenation of `srcs` as bf16, `pad` zeros after.
+    fn upload_bf16_concat(&mut self, srcs: &[&FloatBuf], pad: usize) -> Result<CudaSlice<bf16>> {
+        let n: usize = srcs.iter().map(|b| b.len()).sum();
+        self.stage(n + pad, |start, dst| {
+            let (mut off, mut w) = (0usize, 0usize);
+            for src in srcs {
+                let len = src.len();
+                let at = start + w;
+                if w < dst.len() && at < off + len {
+                    let s = at - off;
+                    let k = (len - s).min(dst.len() - w);
+                    let out = &mut dst[w..w + k];
+                    match src {
+                        FloatBuf::Bf16(b) => out.copy_from_slice(&b[s..s + k]),
+                        FloatBuf::F16(b) => out.iter_mut().zip(&b[s..s + k]).for_each(|(d, x)| *d = bf16::from_f32(x.to_f32())),
+                        FloatBuf::F32(b) => out.iter_mut().zip(&b[s..s + k]).for_each(|(d, x)| *d = bf16::from_f32(*x)),
+                    }
+                    w += k;
+                }
+                off += len;
+            }
+            dst[w..].fill(bf16::ZERO);
+        })
+    }
+
     /// Waits for every copy issued so far.
     pub fn finish(self) -> Result<()> {
         for e in &self.done {
@@ -219,6 +320,21 @@ impl Drop for Uploader<'_> {
         for e in &self.done {
             let _ = e.synchronize();
         }
+    }
+}
+
+/// Copies elements `start..start + dst.len()` of the concatenation of `parts` into `dst`.
+fn concat_fill<T: Copy>(parts: &[&[T]], start: usize, dst: &mut [T]) {
+    let (mut off, mut w) = (0usize, 0usize);
+    for p in parts {
+        let at = start + w;
+        if w < dst.len() && at < off + p.len() {
+            let s = at - off;
+            let k = (p.len() - s).min(dst.len() - w);
+            dst[w..w + k].copy_from_slice(&p[s..s + k]);
+            w += k;
+        }
+        off += p.len();
     }
 }
 

@@ -4,12 +4,12 @@
 
 use std::path::{Path, PathBuf};
 
-use lily_model::LoadOptions;
 use lily_sampler::Defaults;
 use lily_template::ChatTemplate;
 use lily_tokenizer::Tokenizer;
 
-use crate::open::{open, BackendKind, EngineError, LoadedModel};
+use crate::open::{open, BackendKind, EngineError, LoadedModel, OpenOptions};
+use lily_model::Backend;
 
 pub struct ChatModel {
     pub dir: PathBuf,
@@ -36,7 +36,7 @@ pub enum ChatModelError {
 }
 
 impl ChatModel {
-    pub fn open(dir: &Path, kind: BackendKind, opts: &LoadOptions) -> Result<Self, ChatModelError> {
+    pub fn open(dir: &Path, kind: BackendKind, opts: &OpenOptions) -> Result<Self, ChatModelError> {
         let model = open(dir, kind, opts)?;
         let tokenizer = Tokenizer::from_dir(dir)?;
         let template = ChatTemplate::from_dir(dir)?;
@@ -58,7 +58,7 @@ impl ChatModel {
 
     /// The built-in demo model: a small random model of the real architecture with the real
     /// tokenizer (`lily synth --config qwen3.6-tiny`), written once into the cache directory.
-    pub fn open_demo(kind: BackendKind) -> Result<Self, ChatModelError> {
+    pub fn open_demo(kind: BackendKind, opts: &OpenOptions) -> Result<Self, ChatModelError> {
         let dir = demo_dir();
         if !dir.join("config.json").exists() {
             let tmp = dir.with_extension("partial");
@@ -68,7 +68,7 @@ impl ChatModel {
             lily_model::synth::synthesize(&opts, &indicatif::ProgressBar::hidden()).map_err(EngineError::from)?;
             std::fs::rename(&tmp, &dir).map_err(|e| ChatModelError::File { path: dir.clone(), msg: e.to_string() })?;
         }
-        let mut m = Self::open(&dir, kind, &LoadOptions::default())?;
+        let mut m = Self::open(&dir, kind, opts)?;
         m.demo = true;
         Ok(m)
     }

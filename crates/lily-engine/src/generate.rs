@@ -7,11 +7,9 @@ use std::time::{Duration, Instant};
 use lily_model::{Backend, BackendError, Logits};
 
 use crate::cache::PrefixCache;
-use lily_sampler::{Defaults, Finish, Sampler, SamplerError, SamplingParams, StopChecker};
+use lily_sampler::{Defaults, Finish, Sampled, Sampler, SamplerError, SamplingParams, StopChecker};
 use lily_tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 
-/// Prompt tokens per prefill forward call.
-pub const PREFILL_CHUNK: usize = 512;
 
 /// What to generate.
 #[derive(Clone, Debug, Default)]
@@ -99,7 +97,7 @@ pub enum GenError {
 
 /// Runs `tokens` into `state` without asking for logits (a prompt's history, before a snapshot).
 pub fn prefill<B: Backend>(backend: &mut B, state: &mut B::State, tokens: &[u32]) -> Result<(), BackendError> {
-    for chunk in tokens.chunks(PREFILL_CHUNK) {
+    for chunk in tokens.chunks(backend.prefill_chunk().max(1)) {
         backend.forward(state, chunk, Logits::None)?;
     }
     Ok(())
@@ -127,14 +125,36 @@ pub fn generate<B: Backend>(
     let mut stop = StopChecker::new(spec.stop_strings.clone(), spec.stop_ids.clone(), spec.max_tokens);
     let mut detok = StreamDecoder::new(tokenizer, spec.skip_special);
 
+    // A backend that picks on the device returns only the chosen id (unless the request wants
+    // log-probabilities: then the host needs the logits).
+    let on_device = backend.picks_on_device();
+    let mut picked: Option<Sampled> = None;
+    // Runs `tokens`, leaving either the picked token or the last row's logits.
+    let advance = |backend: &mut B, state: &mut B::State, sampler: &mut Sampler, tokens: &[u32], logits: &mut Vec<f32>, picked: &mut Option<Sampled>| -> Result<(), BackendError> {
+        if on_device {
+            if let Some(pick) = sampler.device_pick() {
+                let token = backend.forward_pick(state, tokens, &pick)?;
+                sampler.record(token);
+                *picked = Some(Sampled { token, logprob: None, top_logprobs: Vec::new() });
+                return Ok(());
+            }
+        }
+        *logits = backend.forward(state, tokens, Logits::Last)?;
+        Ok(())
+    };
+
     // Prefill: every chunk but the last without logits.
     let t0 = Instant::now();
     let rest = &prompt[held..];
-    let n_chunks = rest.len().div_ceil(PREFILL_CHUNK);
+    let chunk_len = backend.prefill_chunk().max(1);
+    let n_chunks = rest.len().div_ceil(chunk_len);
     let mut logits = Vec::new();
-    for (i, chunk) in rest.chunks(PREFILL_CHUNK).enumerate() {
-        let want = if i + 1 == n_chunks { Logits::Last } else { Logits::None };
-        logits = backend.forward(state, chunk, want)?;
+    for (i, chunk) in rest.chunks(chunk_len).enumerate() {
+        if i + 1 == n_chunks && spec.max_tokens != Some(0) {
+            advance(backend, state, &mut sampler, chunk, &mut logits, &mut picked)?;
+        } else {
+            backend.forward(state, chunk, Logits::None)?;
+        }
     }
     let prefill_time = t0.elapsed();
 
@@ -144,7 +164,10 @@ pub fn generate<B: Backend>(
         FinishReason::Length
     } else {
         loop {
-            let s = sampler.sample(&mut logits);
+            let s = match picked.take() {
+                Some(s) => s,
+                None => sampler.sample(&mut logits),
+            };
             tokens.push(s.token);
             let piece = detok.push(s.token)?;
             let step = stop.push(s.token, &piece);
@@ -157,7 +180,7 @@ pub fn generate<B: Backend>(
             if flow == Flow::Cancel {
                 break FinishReason::Cancelled;
             }
-            logits = backend.forward(state, &[s.token], Logits::Last)?;
+            advance(backend, state, &mut sampler, &[s.token], &mut logits, &mut picked)?;
         }
     };
     let decode_time = t1.elapsed();

@@ -2,6 +2,7 @@
 //! state, independent of which backend it is: teacher-forced scoring ([`score`]), and generation
 //! ([`generate`]: chunked prefill, then sampling, stop conditions and streaming detokenisation).
 
+pub mod bench;
 pub mod cache;
 pub mod chat;
 pub mod generate;
@@ -11,5 +12,5 @@ pub mod score;
 pub use cache::PrefixCache;
 pub use chat::{ChatModel, ChatModelError};
 pub use generate::{generate, generate_cached, CachedOutcome, Flow, FinishReason, GenError, GenSpec, Outcome, Step};
-pub use open::{open, BackendKind, EngineError, LoadedModel};
+pub use open::{open, BackendKind, EngineError, LoadedModel, LoadedState, OpenOptions};
 pub use score::{score, ScoreResult};

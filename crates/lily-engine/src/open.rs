@@ -1,11 +1,12 @@
 //! Opening a model: picks the backend (CUDA when built in and a GPU is there, else the CPU), loads
-//! the checkpoint, and explains what went wrong in words a user can act on.
+//! the checkpoint, and explains what went wrong in words a user can act on. [`LoadedModel`] is itself
+//! a [`Backend`] (it forwards to the one it holds), so the server and the CLI are written once.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use lily_cpu::CpuModel;
-use lily_model::{LoadOptions, ModelWeights};
+use lily_model::{Backend, BackendError, DevicePick, LoadOptions, Logits, ModelConfig, ModelWeights};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
@@ -37,33 +38,184 @@ pub enum EngineError {
     NoCuda(String),
 }
 
+/// How to open a checkpoint.
+#[derive(Clone, Debug, Default)]
+pub struct OpenOptions {
+    pub load: LoadOptions,
+    /// CUDA: load kernels from `<dir>/<stem>.sm_90a.cubin` where present (the GPU-machine dev loop).
+    pub kernel_dir: Option<PathBuf>,
+    /// CUDA: the most tokens one forward pass runs at once (0: the default, 2048).
+    pub max_chunk: usize,
+    /// Show a progress bar and the memory report on stderr while loading onto a GPU.
+    pub progress: bool,
+}
+
 /// A model opened on one backend.
 pub enum LoadedModel {
     Cpu(CpuModel),
+    #[cfg(feature = "cuda")]
+    Cuda(Box<lily_cuda::model::CudaModel>),
+}
+
+/// A session's state on whichever backend holds the model.
+#[derive(Clone)]
+pub enum LoadedState {
+    Cpu(lily_cpu::State),
+    #[cfg(feature = "cuda")]
+    Cuda(lily_cuda::model::CudaState),
 }
 
 impl LoadedModel {
     pub fn backend_name(&self) -> &'static str {
         match self {
             LoadedModel::Cpu(_) => "cpu",
-        }
-    }
-    pub fn config(&self) -> &lily_model::ModelConfig {
-        match self {
-            LoadedModel::Cpu(m) => &m.weights().config,
+            #[cfg(feature = "cuda")]
+            LoadedModel::Cuda(_) => "cuda",
         }
     }
 }
 
-/// Loads `dir` on the backend `kind` asks for.
-pub fn open(dir: &Path, kind: BackendKind, opts: &LoadOptions) -> Result<LoadedModel, EngineError> {
-    match kind {
-        BackendKind::Cuda => Err(EngineError::NoCuda(
-            "the CUDA backend's kernels are not written yet in this version; use --backend cpu".into(),
-        )),
-        BackendKind::Auto | BackendKind::Cpu => {
-            let w = ModelWeights::load(dir, opts)?;
-            Ok(LoadedModel::Cpu(CpuModel::new(Arc::new(w))))
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn wrong_state() -> BackendError {
+    BackendError::BadState("the state belongs to another backend".into())
+}
+
+impl Backend for LoadedModel {
+    type State = LoadedState;
+
+    fn name(&self) -> &'static str {
+        self.backend_name()
+    }
+    fn config(&self) -> &ModelConfig {
+        match self {
+            LoadedModel::Cpu(m) => m.config(),
+            #[cfg(feature = "cuda")]
+            LoadedModel::Cuda(m) => m.config(),
         }
     }
+    fn new_state(&self) -> LoadedState {
+        match self {
+            LoadedModel::Cpu(m) => LoadedState::Cpu(m.new_state()),
+            #[cfg(feature = "cuda")]
+            LoadedModel::Cuda(m) => LoadedState::Cuda(m.new_state()),
+        }
+    }
+    fn state_len(&self, state: &LoadedState) -> usize {
+        match (self, state) {
+            (LoadedModel::Cpu(m), LoadedState::Cpu(s)) => m.state_len(s),
+            #[cfg(feature = "cuda")]
+            (LoadedModel::Cuda(m), LoadedState::Cuda(s)) => m.state_len(s),
+            #[cfg(feature = "cuda")]
+            _ => 0,
+        }
+    }
+    fn state_bytes(&self, state: &LoadedState) -> usize {
+        match (self, state) {
+            (LoadedModel::Cpu(m), LoadedState::Cpu(s)) => m.state_bytes(s),
+            #[cfg(feature = "cuda")]
+            (LoadedModel::Cuda(m), LoadedState::Cuda(s)) => m.state_bytes(s),
+            #[cfg(feature = "cuda")]
+            _ => 0,
+        }
+    }
+    fn prefill_chunk(&self) -> usize {
+        match self {
+            LoadedModel::Cpu(m) => m.prefill_chunk(),
+            #[cfg(feature = "cuda")]
+            LoadedModel::Cuda(m) => m.prefill_chunk(),
+        }
+    }
+    fn forward(&mut self, state: &mut LoadedState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>, BackendError> {
+        match (self, state) {
+            (LoadedModel::Cpu(m), LoadedState::Cpu(s)) => m.forward(s, tokens, logits),
+            #[cfg(feature = "cuda")]
+            (LoadedModel::Cuda(m), LoadedState::Cuda(s)) => m.forward(s, tokens, logits),
+            #[cfg(feature = "cuda")]
+            _ => Err(wrong_state()),
+        }
+    }
+    fn picks_on_device(&self) -> bool {
+        match self {
+            LoadedModel::Cpu(m) => m.picks_on_device(),
+            #[cfg(feature = "cuda")]
+            LoadedModel::Cuda(m) => m.picks_on_device(),
+        }
+    }
+    fn forward_pick(&mut self, state: &mut LoadedState, tokens: &[u32], pick: &DevicePick) -> Result<u32, BackendError> {
+        match (self, state) {
+            (LoadedModel::Cpu(m), LoadedState::Cpu(s)) => m.forward_pick(s, tokens, pick),
+            #[cfg(feature = "cuda")]
+            (LoadedModel::Cuda(m), LoadedState::Cuda(s)) => m.forward_pick(s, tokens, pick),
+            #[cfg(feature = "cuda")]
+            _ => Err(wrong_state()),
+        }
+    }
+}
+
+/// Whether `kind` resolves to CUDA here: `Cuda` always (and fails later if it cannot), `Auto` when
+/// this build has CUDA and GPU 0 answers.
+fn wants_cuda(kind: BackendKind) -> bool {
+    match kind {
+        BackendKind::Cpu => false,
+        BackendKind::Cuda => true,
+        #[cfg(feature = "cuda")]
+        BackendKind::Auto => lily_cuda::probe(0).is_ok(),
+        #[cfg(not(feature = "cuda"))]
+        BackendKind::Auto => false,
+    }
+}
+
+/// Loads `dir` on the backend `kind` asks for.
+pub fn open(dir: &Path, kind: BackendKind, opts: &OpenOptions) -> Result<LoadedModel, EngineError> {
+    if wants_cuda(kind) {
+        return open_cuda(dir, opts);
+    }
+    let w = ModelWeights::load(dir, &opts.load)?;
+    Ok(LoadedModel::Cpu(CpuModel::new(Arc::new(w))))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(_dir: &Path, _opts: &OpenOptions) -> Result<LoadedModel, EngineError> {
+    Err(EngineError::NoCuda("this build of lily has no CUDA support (build with `--features cuda`)".into()))
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(dir: &Path, opts: &OpenOptions) -> Result<LoadedModel, EngineError> {
+    use indicatif::{ProgressBar, ProgressStyle};
+    lily_cuda::probe(0).map_err(|e| EngineError::NoCuda(e.to_string()))?;
+    let w = ModelWeights::load(dir, &opts.load)?;
+    let copts = lily_cuda::model::CudaOptions {
+        ordinal: 0,
+        kernel_dir: opts.kernel_dir.clone(),
+        max_chunk: if opts.max_chunk == 0 { lily_cuda::model::CudaOptions::default().max_chunk } else { opts.max_chunk },
+    };
+    let bar = if opts.progress { ProgressBar::new(0) } else { ProgressBar::hidden() };
+    bar.set_style(
+        ProgressStyle::with_template("uploading weights {bar:30} {bytes}/{total_bytes} {binary_bytes_per_sec} {eta}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut progress = |done: u64, total: u64| {
+        bar.set_length(total);
+        bar.set_position(done);
+    };
+    let m = lily_cuda::model::CudaModel::load(&w, &copts, &mut progress).map_err(|e| EngineError::NoCuda(e.to_string()))?;
+    bar.finish_and_clear();
+    drop(w);
+    if opts.progress {
+        let r = m.report();
+        let gb = |b: usize| b as f64 / 1e9;
+        eprintln!(
+            "{}: weights {:.2} GB uploaded in {:.1} s ({:.1} GB/s); activations {:.2} GB for chunks of {} tokens; \
+             a session holds {:.1} MB + {:.1} KB per token of context",
+            r.device,
+            gb(r.weight_bytes),
+            r.upload_seconds,
+            gb(r.weight_bytes) / r.upload_seconds.max(1e-9),
+            gb(r.activation_bytes),
+            m.max_chunk(),
+            r.state_bytes_fixed as f64 / 1e6,
+            r.state_bytes_per_token as f64 / 1e3,
+        );
+    }
+    Ok(LoadedModel::Cuda(Box::new(m)))
 }

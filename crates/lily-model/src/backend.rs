@@ -3,6 +3,7 @@
 //! session state it defines. The engine never sees tensors, only token ids, states and logits.
 
 use crate::config::ModelConfig;
+pub use lily_sampler::DevicePick;
 
 /// Which logits a forward call returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -43,4 +44,20 @@ pub trait Backend: Send {
     /// Runs `tokens` after what `state` holds, advancing it; returns the logits asked for
     /// (row-major `[rows, vocab_size]` f32).
     fn forward(&mut self, state: &mut Self::State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>, BackendError>;
+
+    /// Prompt tokens per prefill call this backend prefers (the engine chunks prompts by it).
+    fn prefill_chunk(&self) -> usize {
+        512
+    }
+    /// Whether [`Backend::forward_pick`] works: the backend chooses the next token itself, so only
+    /// its id crosses back to the host.
+    fn picks_on_device(&self) -> bool {
+        false
+    }
+    /// Runs `tokens` (at least one) after `state` and chooses the token that follows the last one as
+    /// `pick` says (the same choice `lily_sampler` makes on the host from the logits).
+    fn forward_pick(&mut self, state: &mut Self::State, tokens: &[u32], pick: &DevicePick) -> Result<u32, BackendError> {
+        let _ = (state, tokens, pick);
+        Err(BackendError::Device(format!("the {} backend does not choose tokens on the device", self.name())))
+    }
 }

@@ -6,7 +6,7 @@ use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use anyhow::Result;
-use lily_engine::{generate_cached, ChatModel, Flow, GenSpec, LoadedModel, Outcome, PrefixCache};
+use lily_engine::{generate_cached, ChatModel, Flow, GenSpec, LoadedState, Outcome, PrefixCache};
 use lily_parser::{Event, OutputParser, ParsedMessage, ParserConfig};
 use lily_sampler::SamplingParams;
 use serde_json::{json, Map, Value};
@@ -101,13 +101,13 @@ pub fn render(m: &ChatModel, messages: &[Value], kwargs: &Map<String, Value>) ->
 /// Generates one answer to `prompt`, streaming it; reuses and refills `cache`.
 pub fn answer(
     m: &mut ChatModel,
-    cache: &mut PrefixCache<lily_cpu::State>,
+    cache: &mut PrefixCache<LoadedState>,
     prompt: &Prompt,
     spec: &GenSpec,
     stop: &AtomicBool,
 ) -> Result<(ParsedMessage, Outcome, usize)> {
     let tty_err = std::io::stderr().is_terminal();
-    let LoadedModel::Cpu(backend) = &mut m.model;
+    let backend = &mut m.model;
     let mut parser = OutputParser::new(ParserConfig { reasoning: prompt.thinking, tools: Vec::new(), id_seed: None });
     let mut out = std::io::stdout();
     let mut err = std::io::stderr();

@@ -12,7 +12,8 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use converse::GenArgs;
-use lily_engine::{open, BackendKind, ChatModel, LoadedModel, PrefixCache};
+use lily_model::Backend;
+use lily_engine::{open, BackendKind, ChatModel, OpenOptions, PrefixCache};
 use lily_model::affine::AffineParams;
 use lily_model::weights::HfWeights;
 use lily_model::LoadOptions;
@@ -140,6 +141,28 @@ enum Command {
         #[arg(long)]
         request: PathBuf,
     },
+    /// Prefill and decode throughput over a sweep of lengths: for each length, prefill a fresh
+    /// session with that many random token ids (chunked as serving does), then decode greedily from
+    /// it; medians of --repeats runs after a warm-up. A table on stdout; --json writes the rows.
+    Bench {
+        /// Checkpoint directory (e.g. one written by `lily synth --config qwen3.6-35b-a3b`).
+        #[arg(long)]
+        model: PathBuf,
+        /// Prompt and context lengths, comma-separated (K suffix allowed: 4K = 4096).
+        #[arg(long, value_delimiter = ',', default_value = "256,512,1K,2K,4K,8K,16K,32K,64K,128K", value_parser = parse_length)]
+        lengths: Vec<usize>,
+        /// Tokens generated per decode measurement.
+        #[arg(long, default_value_t = 64)]
+        decode_tokens: usize,
+        /// Timed runs per figure (the median is reported).
+        #[arg(long, default_value_t = 3)]
+        repeats: usize,
+        /// Also write the rows as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        #[command(flatten)]
+        load: LoadArgs,
+    },
     /// Describes a checkpoint: its configuration, format and size.
     Info {
         #[arg(long)]
@@ -158,13 +181,38 @@ struct LoadArgs {
     /// load (to 4 bits, group 64, exactly as mlx_lm.convert would).
     #[arg(long)]
     keep_bf16: bool,
+    /// CUDA: load kernels from DIR/<name>.sm_90a.cubin where such a file exists, instead of the ones
+    /// built into this binary (for trying a kernel rebuilt on the GPU machine).
+    #[arg(long, value_name = "DIR")]
+    kernel_dir: Option<PathBuf>,
+    /// CUDA: the most prompt tokens one forward pass runs at once (bigger is faster, uses more memory).
+    #[arg(long, default_value_t = 2048)]
+    max_chunk: usize,
 }
 
 impl LoadArgs {
-    fn options(&self) -> LoadOptions {
-        LoadOptions {
-            hf: if self.keep_bf16 { HfWeights::KeepBf16 } else { HfWeights::Quantize(AffineParams { bits: 4, group_size: 64 }) },
+    fn options(&self) -> OpenOptions {
+        OpenOptions {
+            load: LoadOptions {
+                hf: if self.keep_bf16 { HfWeights::KeepBf16 } else { HfWeights::Quantize(AffineParams { bits: 4, group_size: 64 }) },
+            },
+            kernel_dir: self.kernel_dir.clone(),
+            max_chunk: self.max_chunk,
+            progress: true,
         }
+    }
+}
+
+/// `4096`, `4K` or `4k` (× 1024).
+fn parse_length(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (num, mul) = match t.strip_suffix(['K', 'k']) {
+        Some(n) => (n, 1024),
+        None => (t, 1),
+    };
+    match num.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n * mul),
+        _ => Err(format!("`{s}` is not a length (e.g. 512 or 4K)")),
     }
 }
 
@@ -191,10 +239,8 @@ fn run(cli: Cli) -> Result<()> {
             if chunk == 0 {
                 bail!("--chunk must be at least 1");
             }
-            let loaded = open(&model, load.backend, &load.options())?;
-            let result = match loaded {
-                LoadedModel::Cpu(mut m) => lily_engine::score(&mut m, &ids, chunk)?,
-            };
+            let mut loaded = open(&model, load.backend, &load.options())?;
+            let result = lily_engine::score(&mut loaded, &ids, chunk)?;
             println!("{}", serde_json::to_string(&result)?);
         }
         Command::Synth { config, out, seed, bits, group_size } => {
@@ -247,8 +293,7 @@ fn run(cli: Cli) -> Result<()> {
                 cache_bytes: cache_mb << 20,
             };
             let demo = m.demo;
-            let LoadedModel::Cpu(backend) = m.model;
-            let served = lily_server::ServedModel { backend, tokenizer: m.tokenizer, template: m.template, defaults: m.defaults, stop_ids: m.stop_ids };
+            let served = lily_server::ServedModel { backend: m.model, tokenizer: m.tokenizer, template: m.template, defaults: m.defaults, stop_ids: m.stop_ids };
             let rt = tokio::runtime::Runtime::new()?;
             rt.block_on(async move {
                 let addr: std::net::SocketAddr = format!("{host}:{port}").parse().with_context(|| format!("`{host}:{port}` is not an address"))?;
@@ -305,9 +350,42 @@ fn run(cli: Cli) -> Result<()> {
                 serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", request.display()))?;
             print!("{}", template.render_request(&body)?);
         }
+        Command::Bench { model, lengths, decode_tokens, repeats, json, load } => {
+            if decode_tokens == 0 {
+                bail!("--decode-tokens must be at least 1");
+            }
+            let mut m = open(&model, load.backend, &load.options())?;
+            let max_pos = m.config().max_position_embeddings;
+            if let Some(&l) = lengths.iter().find(|&&l| l + decode_tokens + 1 > max_pos) {
+                bail!("length {l} + {decode_tokens} decoded tokens exceeds the model's {max_pos} positions");
+            }
+            let spec = lily_engine::bench::BenchSpec { lengths, decode_tokens, repeats, seed: 0 };
+            eprintln!(
+                "lily bench: {} on {} (random token ids: a trained router spreads tokens less evenly), {} repeats, median",
+                model.display(),
+                m.backend_name(),
+                spec.repeats
+            );
+            println!("| length | prefill tok/s | decode tok/s |");
+            println!("|-------:|--------------:|-------------:|");
+            let rows = lily_engine::bench::bench(&mut m, &spec, |r| {
+                println!("| {} | {:.0} | {:.1} |", r.length, r.prefill_tok_s, r.decode_tok_s);
+            })?;
+            if let Some(path) = json {
+                let doc = serde_json::json!({
+                    "engine": "lily",
+                    "version": env!("CARGO_PKG_VERSION"),
+                    "backend": m.backend_name(),
+                    "model": model.display().to_string(),
+                    "repeats": spec.repeats,
+                    "rows": rows,
+                });
+                std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n").with_context(|| format!("writing {}", path.display()))?;
+            }
+        }
         Command::Info { model, load } => {
             let cfg = lily_model::ModelConfig::from_dir(&model)?;
-            let w = lily_model::ModelWeights::load(&model, &load.options())?;
+            let w = lily_model::ModelWeights::load(&model, &load.options().load)?;
             println!("{}", model.display());
             println!("  family       {}", cfg.model_type);
             println!("  format       {:?}", w.source);
@@ -338,7 +416,7 @@ fn open_chat(model: Option<&std::path::Path>, load: &LoadArgs) -> Result<ChatMod
                  the real tokenizer; it talks nonsense) at {}.",
                 lily_engine::chat::demo_dir().display()
             );
-            Ok(ChatModel::open_demo(load.backend)?)
+            Ok(ChatModel::open_demo(load.backend, &load.options())?)
         }
     }
 }

@@ -11,26 +11,40 @@ use crate::{CudaError, Device, Result};
 
 pub mod affine_gemv;
 pub mod attention;
+pub mod attn_prefill;
+pub mod attn_prep;
 pub mod embed;
 pub mod gdn;
+pub mod gdn_chunked;
+pub mod gemm;
+pub mod moe_dispatch;
 pub mod moe_route;
 pub mod rmsnorm;
+pub mod sample;
 pub mod util;
 
 /// Every kernel the ops use, by module (file stem): resolved once when the device opens.
 pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
     ("affine_gemv", affine_gemv::KERNELS),
     ("attention", attention::KERNELS),
+    ("attn_prefill", attn_prefill::KERNELS),
+    ("attn_prep", attn_prep::KERNELS),
     ("embed", embed::KERNELS),
     ("gdn", gdn::KERNELS),
+    ("gdn_chunked", gdn_chunked::KERNELS),
+    ("gemm", gemm::KERNELS),
+    ("moe_dispatch", moe_dispatch::KERNELS),
     ("moe_route", moe_route::KERNELS),
     ("rmsnorm", rmsnorm::KERNELS),
+    ("sample", sample::KERNELS),
     ("util", util::KERNELS),
 ];
 
 /// One-time function attributes (called by `Device::open`).
 pub(crate) fn configure(dev: &Device) -> Result<()> {
-    affine_gemv::configure(dev)
+    affine_gemv::configure(dev)?;
+    gemm::configure(dev)?;
+    attn_prefill::configure(dev)
 }
 
 /// The device address of `s`, which must hold at least `need` elements.

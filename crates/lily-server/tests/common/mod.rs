@@ -291,12 +291,11 @@ pub async fn start_scripted(cfg: ServerConfig, delay: Duration) -> (Server, Arc<
 pub async fn start_cpu(cfg: ServerConfig) -> Server {
     let dir = tiny_model_dir().to_path_buf();
     let m = tokio::task::spawn_blocking(move || {
-        lily_engine::ChatModel::open(&dir, lily_engine::BackendKind::Cpu, &lily_model::LoadOptions::default()).unwrap()
+        lily_engine::ChatModel::open(&dir, lily_engine::BackendKind::Cpu, &lily_engine::OpenOptions::default()).unwrap()
     })
     .await
     .unwrap();
-    let lily_engine::LoadedModel::Cpu(backend) = m.model;
-    let served = ServedModel { backend, tokenizer: m.tokenizer, template: m.template, defaults: m.defaults, stop_ids: m.stop_ids };
+    let served = ServedModel { backend: m.model, tokenizer: m.tokenizer, template: m.template, defaults: m.defaults, stop_ids: m.stop_ids };
     start(served, cfg).await
 }
 

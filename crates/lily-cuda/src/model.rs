@@ -1,0 +1,986 @@
+//! The whole model on one GPU: [`CudaModel`] implements `lily_model::Backend` with the same forward
+//! pass as `lily_cpu::model` (`qwen36-architecture.md` §2), every op on the device:
+//!
+//! ```text
+//! x = embed(ids)                                          [T, H]
+//! for each layer l:
+//!     h = RMSNorm(x (+= previous MLP output), input_norm)  (fused residual add)
+//!     m = GDN_l(h) | GatedAttention_l(h)                   [T, H]
+//!     h = RMSNorm(x += m, post_norm)
+//!     y = MoE_l(h)  (router → top-k → experts → weighted sum + sigmoid-gated shared expert)
+//! logits = RMSNorm(x += y, final_norm) · lm_headᵀ         [T, V] (or the last row only)
+//! ```
+//!
+//! One token (decode) runs GEMVs (the experts as indexed GEMVs over the router's device-side choice);
+//! more (prefill) run tensor-core GEMMs, and the MoE dispatches the T·k (token, expert) slots on the
+//! device (histogram, scan, scatter) into grouped GEMMs. Nothing in a forward call waits for the
+//! device until the logits (or, with [`Backend::forward_pick`], the chosen token id) are read back.
+//!
+//! Memory: weights are uploaded once; [`Activations`] holds every scratch buffer, allocated once at
+//! load for chunks of up to `max_chunk` tokens (longer calls are split); a [`CudaState`] holds the
+//! GDN conv and recurrent states and the f32 KV caches, which grow in steps of [`KV_STEP`] positions
+//! during prefill (a decode step allocates only when it crosses a step, once per 4096 tokens).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use lily_model::weights::{DenseMlpWeights, Mixer, Mlp};
+use lily_model::{Backend, BackendError, DevicePick, GdnDims, LayerKind, Logits, ModelConfig, ModelWeights};
+
+use crate::ops::affine_gemv::{self, Select};
+use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, gemm, moe_dispatch, moe_route, rmsnorm, sample};
+use crate::weights::{DeviceMatrix, Uploader};
+use crate::{CudaError, Device, Result};
+
+/// KV caches grow in steps of this many positions.
+pub const KV_STEP: usize = 4096;
+/// GDN chunks of at least this many tokens use the chunked delta rule; shorter ones step.
+const GDN_CHUNKED_MIN_TOKENS: usize = 64;
+/// Rows of logits computed per GEMM when every position's logits are asked for.
+const LOGIT_ROWS: usize = 128;
+
+/// How to open the model on the GPU.
+#[derive(Clone, Debug)]
+pub struct CudaOptions {
+    pub ordinal: usize,
+    /// Load `<dir>/<stem>.sm_90a.cubin` in place of the embedded kernels where present.
+    pub kernel_dir: Option<PathBuf>,
+    /// The most tokens one forward pass runs at once (longer calls are split).
+    pub max_chunk: usize,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions { ordinal: 0, kernel_dir: None, max_chunk: 2048 }
+    }
+}
+
+/// What loading cost, for the start-up report.
+#[derive(Clone, Debug)]
+pub struct LoadReport {
+    pub device: String,
+    pub weight_bytes: usize,
+    pub activation_bytes: usize,
+    pub upload_seconds: f64,
+    /// Bytes of one session's state per token of context (KV caches), and its fixed part (GDN states).
+    pub state_bytes_per_token: usize,
+    pub state_bytes_fixed: usize,
+}
+
+struct Swiglu {
+    gate: DeviceMatrix, // [I, H]
+    up: DeviceMatrix,   // [I, H]
+    down: DeviceMatrix, // [H, I]
+}
+
+struct GdnLayer {
+    qkv: DeviceMatrix, // [C, H], C = 2·Hk·Dk + Hv·Dv
+    z: DeviceMatrix,   // [Hv·Dv, H]
+    b: DeviceMatrix,   // [Hv, H]
+    a: DeviceMatrix,   // [Hv, H]
+    conv_w: CudaSlice<f32>,  // [C, K]
+    a_log: CudaSlice<f32>,   // [Hv]
+    dt_bias: CudaSlice<f32>, // [Hv]
+    norm: CudaSlice<f32>,    // [Dv]
+    out: DeviceMatrix,       // [H, Hv·Dv]
+    /// Decode: the four input projections as one matrix [C + Hv·Dv + 2·Hv, H] = [qkv | z | b | a]
+    /// (one GEMV instead of four), when they share a storage format.
+    in_fused: Option<DeviceMatrix>,
+}
+
+struct AttnLayer {
+    q: DeviceMatrix, // [nh·hd·(1+gate), H]
+    k: DeviceMatrix, // [kvh·hd, H]
+    v: DeviceMatrix, // [kvh·hd, H]
+    o: DeviceMatrix, // [H, nh·hd]
+    q_norm: CudaSlice<f32>, // [hd]
+    k_norm: CudaSlice<f32>, // [hd]
+    /// Decode: [q | k | v] as one matrix, when they share a storage format.
+    qkv_fused: Option<DeviceMatrix>,
+}
+
+enum DevMixer {
+    Gdn(GdnLayer),
+    Attn(AttnLayer),
+}
+
+enum DevMlp {
+    Moe {
+        router: DeviceMatrix, // [E, H]
+        /// Decode: the router with the shared expert's gate as row E ([E + 1, H]), when they share a format.
+        router_plus: Option<DeviceMatrix>,
+        experts: Swiglu, // E (or E + 1, see Shared::InStack) × ...
+        shared: Shared,
+    },
+    Dense(Swiglu),
+}
+
+/// Where the shared expert lives.
+enum Shared {
+    None,
+    /// Its own matrices, and its gate [1, H].
+    Separate { mlp: Swiglu, gate: DeviceMatrix },
+    /// Matrix E of the expert stacks (same shape and format as the experts), so one decode token runs
+    /// the k routed experts and the shared one as k + 1 slots of one indexed GEMV; its gate [1, H].
+    InStack { gate: DeviceMatrix },
+}
+
+struct DevLayer {
+    input_norm: CudaSlice<f32>,
+    post_norm: CudaSlice<f32>,
+    mixer: DevMixer,
+    mlp: DevMlp,
+}
+
+/// Every scratch buffer of a forward pass, sized for `max_chunk` tokens (T below).
+struct Activations {
+    ids: CudaSlice<u32>,    // [T]
+    step_pos: CudaSlice<i32>, // decode: [pos, pos + 1] (read by the captured graph)
+    x: CudaSlice<f32>,      // [T, H] residual stream
+    normed: CudaSlice<f32>, // [T, H]
+    mix: CudaSlice<f32>,    // [T, H] mixer output
+    mlp: CudaSlice<f32>,    // [T, H] MLP output
+    // Gated DeltaNet
+    qkv_raw: CudaSlice<f32>, // [T, C]
+    qkv: CudaSlice<f32>,     // [T, C]
+    z: CudaSlice<f32>,       // [T, Hv·Dv]
+    a: CudaSlice<f32>,       // [T, Hv]
+    b: CudaSlice<f32>,       // [T, Hv]
+    g: CudaSlice<f32>,       // [T, Hv]
+    beta: CudaSlice<f32>,    // [T, Hv]
+    rule: CudaSlice<f32>,    // [T, Hv·Dv]
+    normed_rule: CudaSlice<f32>, // [T, Hv·Dv]
+    proj1: CudaSlice<f32>,       // decode: [C + Hv·Dv + 2·Hv] or [nh·hd·(1+gate) + 2·kvh·hd]
+    gdn_scratch: CudaSlice<f32>, // the chunked rule's per-chunk matrices
+    // Attention
+    qg: CudaSlice<f32>,     // [T, nh·hd·(1+gate)]
+    k: CudaSlice<f32>,      // [T, kvh·hd]
+    v: CudaSlice<f32>,      // [T, kvh·hd]
+    q: CudaSlice<f32>,      // [T, nh, hd]
+    gate: CudaSlice<f32>,   // [T, nh, hd]
+    att: CudaSlice<f32>,    // [T, nh, hd]
+    att_scratch: CudaSlice<f32>,
+    // MoE
+    router: CudaSlice<f32>,  // [T, E]
+    idx: CudaSlice<u32>,     // [T, k]
+    idx1: CudaSlice<u32>,    // decode: [k + 1], the router's k then E (the shared expert in the stack)
+    route_w: CudaSlice<f32>, // [T, k]
+    counts: CudaSlice<u32>,  // the dispatch plan's scratch
+    offsets: CudaSlice<u32>, // [E + 1]
+    rows: CudaSlice<u32>,    // [T·k]
+    slot_of: CudaSlice<u32>, // [T·k]
+    act: CudaSlice<f32>,     // [T·k, I] (or [T, I] for a dense MLP)
+    expert_out: CudaSlice<f32>, // [T·k, H]
+    shared_act: CudaSlice<f32>, // [T, Is]
+    shared_out: CudaSlice<f32>, // [T, H]
+    shared_gate: CudaSlice<f32>, // [T]
+    // Output
+    logits: CudaSlice<f32>, // [LOGIT_ROWS, V]
+    pick_scratch: CudaSlice<f32>,
+    pick_edits: sample::EditBuffer,
+    pick_out: CudaSlice<u32>, // [1]
+}
+
+/// One session on the GPU.
+#[derive(Clone)]
+pub struct CudaState {
+    pos: usize,
+    layers: Vec<DevLayerState>,
+}
+
+#[derive(Clone)]
+enum DevLayerState {
+    /// conv: [K-1, C]; ssm: [Hv, Dk, Dv].
+    Gdn { conv: CudaSlice<f32>, ssm: CudaSlice<f32> },
+    /// k, v: [cap, kvh, hd] (positions 0..pos are valid).
+    Attn { k: CudaSlice<f32>, v: CudaSlice<f32>, cap: usize },
+}
+
+/// The model on one GPU.
+pub struct CudaModel {
+    dev: Arc<Device>,
+    cfg: ModelConfig,
+    embed: DeviceMatrix,
+    /// None when tied to the embedding.
+    lm_head: Option<DeviceMatrix>,
+    final_norm: CudaSlice<f32>,
+    layers: Vec<DevLayer>,
+    act: Activations,
+    max_chunk: usize,
+    report: LoadReport,
+    /// Decode steps replay one captured CUDA graph (off: every kernel is launched one by one).
+    graphs: bool,
+    /// The captured decode step and the state buffers it was captured against.
+    decode_graph: Option<(Vec<u64>, StepGraph)>,
+}
+
+/// A captured decode step. The graph only names device buffers that live as long as the model (the
+/// activations, the weights) or as the state whose buffer addresses key it; it is replayed on the one
+/// stream of the model's device, from the thread that owns the model.
+struct StepGraph(cudarc::driver::CudaGraph);
+// SAFETY: a CUgraphExec may be launched from any thread as long as launches are not concurrent; the
+// model (and so the graph) is used by one thread at a time (`&mut self`).
+unsafe impl Send for StepGraph {}
+
+fn dev_err(e: CudaError) -> BackendError {
+    BackendError::Device(e.to_string())
+}
+
+impl CudaModel {
+    /// Opens the GPU and uploads `w`. `progress(done, total)` is called with bytes uploaded.
+    pub fn load(w: &ModelWeights, opts: &CudaOptions, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
+        let dev = Arc::new(Device::open_with_kernel_dir(opts.ordinal, opts.kernel_dir.as_deref())?);
+        Self::load_on(dev, w, opts.max_chunk, progress)
+    }
+
+    /// Uploads `w` to an open device.
+    pub fn load_on(dev: Arc<Device>, w: &ModelWeights, max_chunk: usize, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
+        let cfg = w.config.clone();
+        let max_chunk = max_chunk.max(1);
+        let d = GdnDims::from_config(&cfg);
+        if cfg.layer_types.iter().any(|k| *k == LayerKind::LinearAttention) && !d.is_valid() {
+            return Err(CudaError::Shape(format!("GDN sizes {d:?} are not valid")));
+        }
+        let total: u64 = count_bytes(w);
+        progress(0, total);
+        let done = std::cell::Cell::new(0u64);
+        let extra = std::cell::Cell::new(0u64);
+        let progress = std::cell::RefCell::new(progress);
+        let t0 = Instant::now();
+        let mut up = Uploader::new(&dev)?;
+        let count = |dm: &DeviceMatrix| {
+            done.set(done.get() + dm.bytes_per_matrix() as u64 * dm.count as u64);
+            (progress.borrow_mut())(done.get().min(total), total);
+        };
+        let mut mat = |m: &lily_model::weights::Matrix, up: &mut Uploader| -> Result<DeviceMatrix> {
+            let dm = up.upload_matrix(m)?;
+            count(&dm);
+            Ok(dm)
+        };
+        // Decode-only fused copies (one GEMV where the layer would run several): counted apart.
+        let fused = |parts: &[&lily_model::weights::Matrix], up: &mut Uploader| -> Result<Option<DeviceMatrix>> {
+            if !Uploader::can_concat(parts, true) {
+                return Ok(None);
+            }
+            let dm = up.upload_concat(parts, true)?;
+            extra.set(extra.get() + dm.bytes_per_matrix() as u64);
+            Ok(Some(dm))
+        };
+        let vec = |v: &[f32]| -> Result<CudaSlice<f32>> { dev.upload(if v.is_empty() { &[0.0f32][..] } else { v }) };
+        let swiglu = |m: &DenseMlpWeights, up: &mut Uploader, mat: &mut dyn FnMut(&lily_model::weights::Matrix, &mut Uploader) -> Result<DeviceMatrix>| -> Result<Swiglu> {
+            Ok(Swiglu { gate: mat(&m.gate_proj, up)?, up: mat(&m.up_proj, up)?, down: mat(&m.down_proj, up)? })
+        };
+
+        let embed = mat(&w.embed, &mut up)?;
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for l in &w.layers {
+            let mixer = match &l.mixer {
+                Mixer::Linear(g) => DevMixer::Gdn(GdnLayer {
+                    qkv: mat(&g.in_proj_qkv, &mut up)?,
+                    z: mat(&g.in_proj_z, &mut up)?,
+                    b: mat(&g.in_proj_b, &mut up)?,
+                    a: mat(&g.in_proj_a, &mut up)?,
+                    conv_w: vec(&g.conv1d)?,
+                    a_log: vec(&g.a_log)?,
+                    dt_bias: vec(&g.dt_bias)?,
+                    norm: vec(&g.norm)?,
+                    out: mat(&g.out_proj, &mut up)?,
+                    in_fused: fused(&[&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a], &mut up)?,
+                }),
+                Mixer::Full(a) => DevMixer::Attn(AttnLayer {
+                    q: mat(&a.q_proj, &mut up)?,
+                    k: mat(&a.k_proj, &mut up)?,
+                    v: mat(&a.v_proj, &mut up)?,
+                    o: mat(&a.o_proj, &mut up)?,
+                    q_norm: vec(&a.q_norm)?,
+                    k_norm: vec(&a.k_norm)?,
+                    qkv_fused: fused(&[&a.q_proj, &a.k_proj, &a.v_proj], &mut up)?,
+                }),
+            };
+            let mlp = match &l.mlp {
+                Mlp::Moe(m) => {
+                    let router = mat(&m.router, &mut up)?;
+                    let router_plus = match &m.shared_gate {
+                        Some(g) => fused(&[&m.router, g], &mut up)?,
+                        None => None,
+                    };
+                    let (experts, shared) = match (&m.shared, &m.shared_gate) {
+                        (Some(s), Some(g)) => {
+                            let stacks = [(&m.gate_proj, &s.gate_proj), (&m.up_proj, &s.up_proj), (&m.down_proj, &s.down_proj)];
+                            if stacks.iter().all(|(e, s)| Uploader::can_concat(&[e, s], false)) {
+                                let mut st = |e, s| -> Result<DeviceMatrix> {
+                                    let dm = up.upload_concat(&[e, s], false)?;
+                                    count(&dm);
+                                    Ok(dm)
+                                };
+                                let ex = Swiglu {
+                                    gate: st(&m.gate_proj, &s.gate_proj)?,
+                                    up: st(&m.up_proj, &s.up_proj)?,
+                                    down: st(&m.down_proj, &s.down_proj)?,
+                                };
+                                (ex, Shared::InStack { gate: mat(g, &mut up)? })
+                            } else {
+                                let ex = Swiglu { gate: mat(&m.gate_proj, &mut up)?, up: mat(&m.up_proj, &mut up)?, down: mat(&m.down_proj, &mut up)? };
+                                (ex, Shared::Separate { mlp: swiglu(s, &mut up, &mut mat)?, gate: mat(g, &mut up)? })
+                            }
+                        }
+                        (None, None) => (
+                            Swiglu { gate: mat(&m.gate_proj, &mut up)?, up: mat(&m.up_proj, &mut up)?, down: mat(&m.down_proj, &mut up)? },
+                            Shared::None,
+                        ),
+                        _ => return Err(CudaError::Shape("a shared expert needs both its MLP and its gate".into())),
+                    };
+                    DevMlp::Moe { router, router_plus, experts, shared }
+                }
+                Mlp::Dense(m) => DevMlp::Dense(swiglu(m, &mut up, &mut mat)?),
+            };
+            layers.push(DevLayer { input_norm: vec(&l.input_norm)?, post_norm: vec(&l.post_norm)?, mixer, mlp });
+        }
+        let lm_head = if cfg.tie_word_embeddings { None } else { Some(mat(w.lm_head(), &mut up)?) };
+        let final_norm = vec(&w.final_norm)?;
+        up.finish()?;
+        dev.synchronize()?;
+        let upload_seconds = t0.elapsed().as_secs_f64();
+
+        let weight_bytes = (done.get() + extra.get()) as usize;
+        let (act, activation_bytes) = Activations::new(&dev, &cfg, max_chunk)?;
+        let kv_per_token = cfg.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count()
+            * 2
+            * cfg.num_key_value_heads
+            * cfg.head_dim
+            * 4;
+        let fixed = cfg.layer_types.iter().filter(|k| **k == LayerKind::LinearAttention).count() * (d.conv_state_len() + d.state_len()) * 4;
+        let report = LoadReport {
+            device: dev.info().name.clone(),
+            weight_bytes,
+            activation_bytes,
+            upload_seconds,
+            state_bytes_per_token: kv_per_token,
+            state_bytes_fixed: fixed,
+        };
+        let graphs = std::env::var_os("LILY_NO_GRAPHS").is_none();
+        Ok(CudaModel { dev, cfg, embed, lm_head, final_norm, layers, act, max_chunk, report, graphs, decode_graph: None })
+    }
+
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+    pub fn max_chunk(&self) -> usize {
+        self.max_chunk
+    }
+    /// Decode steps as one replayed CUDA graph (the default; `LILY_NO_GRAPHS=1` turns it off at load)
+    /// or launched kernel by kernel.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs = on;
+        self.decode_graph = None;
+    }
+
+    /// A fresh state; its KV caches start with room for `reserve` positions.
+    pub fn new_state_with(&self, reserve: usize) -> Result<CudaState> {
+        let d = GdnDims::from_config(&self.cfg);
+        let kv_row = self.cfg.num_key_value_heads * self.cfg.head_dim;
+        let cap = reserve.div_ceil(KV_STEP).max(1) * KV_STEP;
+        let mut layers = Vec::with_capacity(self.cfg.num_hidden_layers);
+        for k in &self.cfg.layer_types {
+            layers.push(match k {
+                LayerKind::LinearAttention => DevLayerState::Gdn {
+                    conv: self.dev.zeros(d.conv_state_len().max(1))?,
+                    ssm: self.dev.zeros(d.state_len())?,
+                },
+                LayerKind::FullAttention => DevLayerState::Attn { k: self.dev.zeros(cap * kv_row)?, v: self.dev.zeros(cap * kv_row)?, cap },
+            });
+        }
+        Ok(CudaState { pos: 0, layers })
+    }
+
+    /// Makes every KV cache of `s` hold at least `need` positions (copying what it holds).
+    fn reserve(&self, s: &mut CudaState, need: usize) -> Result<()> {
+        let kv_row = self.cfg.num_key_value_heads * self.cfg.head_dim;
+        let pos = s.pos;
+        for l in &mut s.layers {
+            if let DevLayerState::Attn { k, v, cap } = l {
+                if *cap >= need {
+                    continue;
+                }
+                let new_cap = need.div_ceil(KV_STEP) * KV_STEP;
+                for buf in [&mut *k, &mut *v] {
+                    let mut grown = self.dev.zeros::<f32>(new_cap * kv_row)?;
+                    if pos > 0 {
+                        self.dev.stream().memcpy_dtod(&buf.slice(0..pos * kv_row), &mut grown.slice_mut(0..pos * kv_row))?;
+                    }
+                    *buf = grown;
+                }
+                *cap = new_cap;
+            }
+        }
+        Ok(())
+    }
+
+    fn check(&self, state: &CudaState, tokens: &[u32]) -> Result<(), BackendError> {
+        if state.layers.len() != self.cfg.num_hidden_layers {
+            return Err(BackendError::BadState(format!("{} layers, model has {}", state.layers.len(), self.cfg.num_hidden_layers)));
+        }
+        if let Some(&id) = tokens.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
+            return Err(BackendError::InvalidToken { id, vocab: self.cfg.vocab_size });
+        }
+        Ok(())
+    }
+
+    /// Runs one chunk (≤ max_chunk tokens) through every layer and the final norm; the normed rows
+    /// are left in `act.normed`. One token replays the captured decode graph (captured first when the
+    /// state's buffers are not the ones it was captured against).
+    fn run_chunk(&mut self, state: &mut CudaState, tokens: &[u32]) -> Result<()> {
+        let t = tokens.len();
+        debug_assert!(t >= 1 && t <= self.max_chunk);
+        self.reserve(state, state.pos + t)?;
+        self.dev.upload_into(tokens, &mut self.act.ids)?;
+        if t == 1 && self.graphs {
+            let pos = i32::try_from(state.pos).map_err(|_| CudaError::Shape("position beyond i32".into()))?;
+            self.dev.upload_into(&[pos, pos + 1], &mut self.act.step_pos)?;
+            let key = state_key(&self.dev, state);
+            if self.decode_graph.as_ref().map(|g| &g.0) != Some(&key) {
+                self.decode_graph = None;
+                let stream = self.dev.stream().clone();
+                stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+                let recorded = self.layers_pass(state, 1, true);
+                let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+                recorded?;
+                let graph = graph?.ok_or_else(|| CudaError::Driver("capturing the decode step gave no graph".into()))?;
+                self.decode_graph = Some((key, StepGraph(graph)));
+            }
+            self.decode_graph.as_ref().expect("captured above").1 .0.launch()?;
+        } else {
+            self.layers_pass(state, t, false)?;
+        }
+        state.pos += t;
+        Ok(())
+    }
+
+    /// Every kernel of one chunk (ids already on the device): embedding, layers, final norm. With
+    /// `device_pos` (one token), attention reads its position from `act.step_pos`, so the launches can
+    /// be captured once and replayed at every position.
+    fn layers_pass(&mut self, state: &mut CudaState, t: usize, device_pos: bool) -> Result<()> {
+        let CudaModel { dev, cfg, embed: table, final_norm, layers, act: a, .. } = self;
+        let dev: &Device = dev;
+        let eps = cfg.rms_norm_eps;
+        let pos0 = state.pos;
+        embed::embed(dev, table, &a.ids.slice(0..t), &mut a.x)?; // x: [T, H]
+        for (li, (l, ls)) in layers.iter().zip(state.layers.iter_mut()).enumerate() {
+            // h = RMSNorm(x += previous MLP output)
+            if li == 0 {
+                rmsnorm::rms_norm(dev, &a.x, &l.input_norm, eps, t, &mut a.normed)?;
+            } else {
+                rmsnorm::add_rms_norm(dev, &a.mlp, &mut a.x, &l.input_norm, eps, t, &mut a.normed)?;
+            }
+            match (&l.mixer, ls) {
+                (DevMixer::Gdn(g), DevLayerState::Gdn { conv, ssm }) => gdn_mixer(dev, cfg, g, a, t, conv, ssm)?,
+                (DevMixer::Attn(at), DevLayerState::Attn { k, v, cap }) => {
+                    let at_pos = if device_pos { AtPos::Device { cap: *cap } } else { AtPos::Host(pos0) };
+                    attn_mixer(dev, cfg, at, a, t, at_pos, k, v)?
+                }
+                _ => return Err(CudaError::Shape(format!("layer {li}: state kind does not match the layer"))),
+            }
+            rmsnorm::add_rms_norm(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed)?;
+            match &l.mlp {
+                DevMlp::Moe { router, router_plus, experts, shared } => {
+                    moe(dev, cfg, router, router_plus.as_ref(), experts, shared, a, t)?
+                }
+                DevMlp::Dense(m) => {
+                    swiglu_linear(dev, &m.gate, &m.up, &a.normed, t, &mut a.act)?;
+                    linear(dev, &m.down, &a.act, t, &mut a.mlp)?;
+                }
+            }
+        }
+        rmsnorm::add_rms_norm(dev, &a.mlp, &mut a.x, final_norm, eps, t, &mut a.normed)
+    }
+
+    /// Logits of normed rows `r0..r1` of the last chunk into `act.logits` ([r1-r0, V]).
+    fn logits_rows(&mut self, r0: usize, r1: usize) -> Result<()> {
+        let h = self.cfg.hidden_size;
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let x = self.act.normed.slice(r0 * h..r1 * h);
+        linear(&self.dev, head, &x, r1 - r0, &mut self.act.logits)
+    }
+
+    fn forward_impl(&mut self, state: &mut CudaState, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
+        let v = self.cfg.vocab_size;
+        let n_chunks = tokens.len().div_ceil(self.max_chunk);
+        let mut out = Vec::new();
+        for (ci, chunk) in tokens.chunks(self.max_chunk).enumerate() {
+            self.run_chunk(state, chunk)?;
+            let t = chunk.len();
+            match want {
+                Logits::None => {}
+                Logits::Last if ci + 1 == n_chunks => {
+                    self.logits_rows(t - 1, t)?;
+                    out = self.dev.download(&self.act.logits.slice(0..v))?;
+                }
+                Logits::Last => {}
+                Logits::All => {
+                    let mut r0 = 0;
+                    while r0 < t {
+                        let r1 = (r0 + LOGIT_ROWS).min(t);
+                        self.logits_rows(r0, r1)?;
+                        out.extend(self.dev.download(&self.act.logits.slice(0..(r1 - r0) * v))?);
+                        r0 = r1;
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn pick_impl(&mut self, state: &mut CudaState, tokens: &[u32], pick: &DevicePick) -> Result<u32> {
+        for chunk in tokens.chunks(self.max_chunk) {
+            self.run_chunk(state, chunk)?;
+        }
+        let t = (tokens.len() - 1) % self.max_chunk + 1;
+        self.logits_rows(t - 1, t)?;
+        let a = &mut self.act;
+        sample::pick(&self.dev, &a.logits, pick, &mut a.pick_edits, &mut a.pick_scratch, &mut a.pick_out)?;
+        let id = self.dev.download(&a.pick_out)?;
+        Ok(id[0])
+    }
+}
+
+/// y = x·Wᵀ for T rows: a GEMV for one token, a GEMM for more.
+fn linear<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMatrix, x: &X, t: usize, y: &mut Y) -> Result<()> {
+    if t == 1 {
+        affine_gemv::gemv(dev, w, Select::matrix(0), x, false, y)
+    } else {
+        gemm::gemm(dev, w, 0, x, t, y)
+    }
+}
+
+/// y = silu(x·Gᵀ) ⊙ (x·Uᵀ) for T rows.
+fn swiglu_linear<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, g: &DeviceMatrix, u: &DeviceMatrix, x: &X, t: usize, y: &mut Y) -> Result<()> {
+    if t == 1 {
+        affine_gemv::swiglu(dev, g, u, Select::matrix(0), x, false, y)
+    } else {
+        gemm::swiglu_gemm(dev, g, u, 0, x, t, y)
+    }
+}
+
+/// Gated DeltaNet on a.normed [T, H] → a.mix [T, H]; advances the conv and recurrent states.
+fn gdn_mixer(dev: &Device, cfg: &ModelConfig, g: &GdnLayer, a: &mut Activations, t: usize, conv: &mut CudaSlice<f32>, ssm: &mut CudaSlice<f32>) -> Result<()> {
+    let d = GdnDims::from_config(cfg);
+    let (c, vd, hv) = (d.conv_dim(), d.value_dim(), d.num_v_heads);
+    if let (1, Some(fused)) = (t, &g.in_fused) {
+        // One token: [qkv | z | b | a] from one GEMV.
+        linear(dev, fused, &a.normed, 1, &mut a.proj1)?;
+        let p = &a.proj1;
+        let (x, z, b, av) = (p.slice(0..c), p.slice(c..c + vd), p.slice(c + vd..c + vd + hv), p.slice(c + vd + hv..c + vd + 2 * hv));
+        gdn::conv_qk(dev, &d, 1, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta)?;
+        gdn::delta_rule_recurrent(dev, &d, 1, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule)?;
+        gdn::gated_rmsnorm(dev, &d, 1, &a.rule, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
+        return linear(dev, &g.out, &a.normed_rule, 1, &mut a.mix);
+    }
+    linear(dev, &g.qkv, &a.normed, t, &mut a.qkv_raw)?; // [T, C] = q | k | v
+    linear(dev, &g.z, &a.normed, t, &mut a.z)?; // [T, Hv·Dv]
+    linear(dev, &g.b, &a.normed, t, &mut a.b)?; // [T, Hv]
+    linear(dev, &g.a, &a.normed, t, &mut a.a)?; // [T, Hv]
+    // causal conv + SiLU, q/k L2 norm, gates g and beta
+    gdn::conv_qk(dev, &d, t, &a.qkv_raw, &g.conv_w, conv, &a.a, &a.b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta)?;
+    if t >= GDN_CHUNKED_MIN_TOKENS {
+        gdn_chunked::delta_rule_chunked(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule, &mut a.gdn_scratch)?; // [T, Hv, Dv]
+    } else {
+        gdn::delta_rule_recurrent(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule)?; // [T, Hv, Dv]
+    }
+    gdn::gated_rmsnorm(dev, &d, t, &a.rule, &a.z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
+    linear(dev, &g.out, &a.normed_rule, t, &mut a.mix) // [T, H]
+}
+
+/// Gated attention on a.normed [T, H] at positions pos0.. → a.mix [T, H]; appends to the caches.
+#[allow(clippy::too_many_arguments)]
+fn attn_mixer(
+    dev: &Device,
+    cfg: &ModelConfig,
+    w: &AttnLayer,
+    a: &mut Activations,
+    t: usize,
+    at: AtPos,
+    kc: &mut CudaSlice<f32>,
+    vc: &mut CudaSlice<f32>,
+) -> Result<()> {
+    let dims = attn_dims(cfg);
+    if let AtPos::Device { cap } = at {
+        // One token, its position on the device (a captured decode graph).
+        let (qn, kvn) = (dims.nh * dims.hd * if dims.gated { 2 } else { 1 }, dims.kvh * dims.hd);
+        let gate = if dims.gated { Some(&mut a.gate) } else { None };
+        let (pos, n) = (a.step_pos.slice(0..1), a.step_pos.slice(1..2));
+        match &w.qkv_fused {
+            Some(fused) => {
+                linear(dev, fused, &a.normed, 1, &mut a.proj1)?; // [q | k | v]
+                let p = &a.proj1;
+                let (q, k, v) = (p.slice(0..qn), p.slice(qn..qn + kvn), p.slice(qn + kvn..qn + 2 * kvn));
+                attn_prep::prep_device_pos(dev, &q, &k, &v, &w.q_norm, &w.k_norm, dims, &pos, cap - 1, 1, &mut a.q, gate, kc, vc)?;
+            }
+            None => {
+                linear(dev, &w.q, &a.normed, 1, &mut a.qg)?;
+                linear(dev, &w.k, &a.normed, 1, &mut a.k)?;
+                linear(dev, &w.v, &a.normed, 1, &mut a.v)?;
+                attn_prep::prep_device_pos(dev, &a.qg, &a.k, &a.v, &w.q_norm, &w.k_norm, dims, &pos, cap - 1, 1, &mut a.q, gate, kc, vc)?;
+            }
+        }
+        attention::decode_device_n(dev, &a.q, kc, vc, &n, cap, dims.nh, dims.kvh, dims.hd, &mut a.att, &mut a.att_scratch)?;
+        if dims.gated {
+            attn_prep::apply_gate(dev, &mut a.att, &a.gate, dims.nh * dims.hd)?;
+        }
+        return linear(dev, &w.o, &a.att, 1, &mut a.mix);
+    }
+    let AtPos::Host(pos0) = at else { unreachable!("handled above") };
+    if t == 1 {
+
+        let (qn, kvn) = (dims.nh * dims.hd * if dims.gated { 2 } else { 1 }, dims.kvh * dims.hd);
+        let gate = if dims.gated { Some(&mut a.gate) } else { None };
+        if let Some(fused) = &w.qkv_fused {
+            linear(dev, fused, &a.normed, 1, &mut a.proj1)?; // [q | k | v]
+            let p = &a.proj1;
+            let (q, k, v) = (p.slice(0..qn), p.slice(qn..qn + kvn), p.slice(qn + kvn..qn + 2 * kvn));
+            attn_prep::prep(dev, &q, &k, &v, &w.q_norm, &w.k_norm, dims, pos0, 1, &mut a.q, gate, kc, vc)?;
+        } else {
+            linear(dev, &w.q, &a.normed, 1, &mut a.qg)?;
+            linear(dev, &w.k, &a.normed, 1, &mut a.k)?;
+            linear(dev, &w.v, &a.normed, 1, &mut a.v)?;
+            attn_prep::prep(dev, &a.qg, &a.k, &a.v, &w.q_norm, &w.k_norm, dims, pos0, 1, &mut a.q, gate, kc, vc)?;
+        }
+        attention::decode(dev, &a.q, kc, vc, pos0 + 1, dims.nh, dims.kvh, dims.hd, &mut a.att, &mut a.att_scratch)?;
+        if dims.gated {
+            attn_prep::apply_gate(dev, &mut a.att, &a.gate, dims.nh * dims.hd)?;
+        }
+        return linear(dev, &w.o, &a.att, 1, &mut a.mix);
+    }
+    linear(dev, &w.q, &a.normed, t, &mut a.qg)?; // [T, nh·hd·(1+gate)]
+    linear(dev, &w.k, &a.normed, t, &mut a.k)?; // [T, kvh·hd]
+    linear(dev, &w.v, &a.normed, t, &mut a.v)?; // [T, kvh·hd]
+    // q/k RMSNorm, partial RoPE, K/V appended at pos0..
+    let gate = if dims.gated { Some(&mut a.gate) } else { None };
+    attn_prep::prep(dev, &a.qg, &a.k, &a.v, &w.q_norm, &w.k_norm, dims, pos0, t, &mut a.q, gate, kc, vc)?;
+    let gate = if dims.gated { Some(&a.gate) } else { None };
+    attn_prefill::prefill(dev, &a.q, kc, vc, gate, dims.nh, dims.kvh, dims.hd, pos0, t, &mut a.att)?; // [T, nh, hd]
+    linear(dev, &w.o, &a.att, t, &mut a.mix)
+}
+
+/// Where an attention layer's first new position comes from.
+#[derive(Clone, Copy)]
+enum AtPos {
+    Host(usize),
+    /// `act.step_pos` = [pos, pos + 1] on the device; `cap` bounds it (the cache's capacity).
+    Device { cap: usize },
+}
+
+/// The device addresses of every buffer of `s` (a captured decode graph is valid for these only).
+fn state_key(dev: &Device, s: &CudaState) -> Vec<u64> {
+    let st = dev.stream();
+    s.layers
+        .iter()
+        .flat_map(|l| match l {
+            DevLayerState::Gdn { conv, ssm } => [conv.device_ptr(st).0, ssm.device_ptr(st).0],
+            DevLayerState::Attn { k, v, .. } => [k.device_ptr(st).0, v.device_ptr(st).0],
+        })
+        .collect()
+}
+
+fn attn_dims(cfg: &ModelConfig) -> attn_prep::AttnDims {
+
+    attn_prep::AttnDims {
+        nh: cfg.num_attention_heads,
+        kvh: cfg.num_key_value_heads,
+        hd: cfg.head_dim,
+        rot: cfg.rotary_dim,
+        theta: cfg.rope_theta,
+        eps: cfg.rms_norm_eps,
+        gated: cfg.attn_output_gate,
+    }
+}
+
+/// The sparse MoE block on a.normed [T, H] → a.mlp [T, H].
+#[allow(clippy::too_many_arguments)]
+fn moe(
+    dev: &Device,
+    cfg: &ModelConfig,
+    router: &DeviceMatrix,
+    router_plus: Option<&DeviceMatrix>,
+    ex: &Swiglu,
+    shared: &Shared,
+    a: &mut Activations,
+    t: usize,
+) -> Result<()> {
+    let (h, e, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
+    if t == 1 {
+        return moe_decode(dev, cfg, router, router_plus, ex, shared, a);
+    }
+    linear(dev, router, &a.normed, t, &mut a.router)?; // [T, E]
+    moe_route::route(dev, &a.router, t, e, k, cfg.norm_topk_prob, &mut a.idx, &mut a.route_w)?; // [T, k]
+    // The shared expert: [T, H] and its gate logit [T].
+    match shared {
+        Shared::None => {}
+        Shared::Separate { mlp, gate } => {
+            gemm::swiglu_gemm(dev, &mlp.gate, &mlp.up, 0, &a.normed, t, &mut a.shared_act)?; // [T, Is]
+            gemm::gemm(dev, &mlp.down, 0, &a.shared_act, t, &mut a.shared_out)?; // [T, H]
+            gemm::gemm(dev, gate, 0, &a.normed, t, &mut a.shared_gate)?; // [T, 1]
+        }
+        Shared::InStack { gate } => {
+            gemm::swiglu_gemm(dev, &ex.gate, &ex.up, e, &a.normed, t, &mut a.shared_act)?;
+            gemm::gemm(dev, &ex.down, e, &a.shared_act, t, &mut a.shared_out)?;
+            gemm::gemm(dev, gate, 0, &a.normed, t, &mut a.shared_gate)?;
+        }
+    }
+    let shared_terms = match shared {
+        Shared::None => None,
+        _ => Some((&a.shared_out, &a.shared_gate)),
+    };
+    // Sort the T·k slots by expert on the device, run each expert over its slots.
+    moe_dispatch::plan(dev, &a.idx, t, k, e, &mut a.counts, &mut a.offsets, &mut a.rows, &mut a.slot_of)?;
+    gemm::grouped_swiglu_gemm_over(dev, &ex.gate, &ex.up, e, &a.offsets, Some(&a.rows), &a.normed, t * k, &mut a.act)?; // [T·k, I]
+    gemm::grouped_gemm_over(dev, &ex.down, e, &a.offsets, None, &a.act, t * k, &mut a.expert_out)?; // [T·k, H]
+    moe_dispatch::combine(dev, &a.expert_out, &a.idx, Some(&a.slot_of), &a.route_w, shared_terms, t, k, h, &mut a.mlp)
+}
+
+/// One token: the router (with the shared expert's gate as its row E when fused), then the experts as
+/// indexed GEMVs over the router's device-side choice (slot j of the token is row j of the outputs;
+/// with the shared expert in the stack it is slot k), then the weighted sum.
+fn moe_decode(
+    dev: &Device,
+    cfg: &ModelConfig,
+    router: &DeviceMatrix,
+    router_plus: Option<&DeviceMatrix>,
+    ex: &Swiglu,
+    shared: &Shared,
+    a: &mut Activations,
+) -> Result<()> {
+    let (h, e, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
+    let fused_gate = router_plus.is_some() && !matches!(shared, Shared::None);
+    linear(dev, router_plus.unwrap_or(router), &a.normed, 1, &mut a.router)?; // [E (+1)]
+    moe_route::route(dev, &a.router, 1, e, k, cfg.norm_topk_prob, &mut a.idx1, &mut a.route_w)?; // idx1[..k]
+    let slots = match shared {
+        Shared::InStack { .. } => k + 1,
+        _ => k,
+    };
+    let idx = a.idx1.slice(0..slots);
+    let sel = Select::indexed(dev, &idx);
+    affine_gemv::swiglu(dev, &ex.gate, &ex.up, sel, &a.normed, false, &mut a.act)?; // [slots, I]
+    affine_gemv::gemv(dev, &ex.down, sel, &a.act, true, &mut a.expert_out)?; // [slots, H]
+    match shared {
+        Shared::Separate { mlp, .. } => {
+            affine_gemv::swiglu(dev, &mlp.gate, &mlp.up, Select::matrix(0), &a.normed, false, &mut a.shared_act)?;
+            affine_gemv::gemv(dev, &mlp.down, Select::matrix(0), &a.shared_act, false, &mut a.shared_out)?;
+        }
+        Shared::InStack { .. } | Shared::None => {}
+    }
+    if !fused_gate {
+        if let Shared::Separate { gate, .. } | Shared::InStack { gate } = shared {
+            linear(dev, gate, &a.normed, 1, &mut a.shared_gate)?;
+        }
+    }
+    let gate_logit = if fused_gate { a.router.slice(e..e + 1) } else { a.shared_gate.slice(0..1) };
+    let shared_row = match shared {
+        Shared::InStack { .. } => a.expert_out.slice(k * h..(k + 1) * h),
+        _ => a.shared_out.slice(0..h),
+    };
+    let shared_terms = match shared {
+        Shared::None => None,
+        _ => Some((&shared_row, &gate_logit)),
+    };
+    let y = a.expert_out.slice(0..k * h);
+    moe_dispatch::combine(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, shared_terms, 1, k, h, &mut a.mlp)
+}
+
+fn count_bytes(w: &ModelWeights) -> u64 {
+    fn m(x: &lily_model::weights::Matrix) -> u64 {
+        let n = (x.count * x.rows * x.cols) as u64;
+        match &x.storage {
+            lily_model::weights::Storage::Affine { params, .. } => n * params.bits as u64 / 8 + 4 * n / params.group_size as u64,
+            lily_model::weights::Storage::Dense(_) => 2 * n,
+        }
+    }
+    fn sw(s: &DenseMlpWeights) -> u64 {
+        m(&s.gate_proj) + m(&s.up_proj) + m(&s.down_proj)
+    }
+    let mut total = m(&w.embed) + if w.config.tie_word_embeddings { 0 } else { m(w.lm_head()) };
+    for l in &w.layers {
+        total += match &l.mixer {
+            Mixer::Linear(g) => m(&g.in_proj_qkv) + m(&g.in_proj_z) + m(&g.in_proj_b) + m(&g.in_proj_a) + m(&g.out_proj),
+            Mixer::Full(a) => m(&a.q_proj) + m(&a.k_proj) + m(&a.v_proj) + m(&a.o_proj),
+        };
+        total += match &l.mlp {
+            Mlp::Moe(x) => {
+                m(&x.router)
+                    + m(&x.gate_proj)
+                    + m(&x.up_proj)
+                    + m(&x.down_proj)
+                    + x.shared.as_ref().map(sw).unwrap_or(0)
+                    + x.shared_gate.as_ref().map(m).unwrap_or(0)
+            }
+            Mlp::Dense(d) => sw(d),
+        };
+    }
+    total
+}
+
+impl Activations {
+    fn new(dev: &Device, cfg: &ModelConfig, t: usize) -> Result<(Self, usize)> {
+        let d = GdnDims::from_config(cfg);
+        let h = cfg.hidden_size;
+        let has_gdn = cfg.layer_types.iter().any(|k| *k == LayerKind::LinearAttention);
+        let has_attn = cfg.layer_types.iter().any(|k| *k == LayerKind::FullAttention);
+        let (c, vd, hv) = if has_gdn { (d.conv_dim(), d.value_dim(), d.num_v_heads) } else { (1, 1, 1) };
+        let (nh, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+        let qg = if has_attn { nh * hd * if cfg.attn_output_gate { 2 } else { 1 } } else { 1 };
+        let (q, kv) = if has_attn { (nh * hd, kvh * hd) } else { (1, 1) };
+        let e = cfg.num_experts.max(1);
+        let k = cfg.num_experts_per_tok.max(1);
+        let inter = ((k + 1) * cfg.moe_intermediate_size).max(cfg.intermediate_size).max(1);
+        let is = cfg.shared_expert_intermediate_size.max(1);
+        let v = cfg.vocab_size;
+        let mut bytes = 0usize;
+        let mut f = |n: usize| -> Result<CudaSlice<f32>> {
+            bytes += 4 * n.max(1);
+            dev.zeros::<f32>(n.max(1))
+        };
+        let x = f(t * h)?;
+        let normed = f(t * h)?;
+        let mix = f(t * h)?;
+        let mlp = f(t * h)?;
+        let qkv_raw = f(t * c)?;
+        let qkv = f(t * c)?;
+        let z = f(t * vd)?;
+        let a = f(t * hv)?;
+        let b = f(t * hv)?;
+        let g = f(t * hv)?;
+        let beta = f(t * hv)?;
+        let rule = f(t * vd)?;
+        let normed_rule = f(t * vd)?;
+        let proj1 = f((c + vd + 2 * hv).max(qg + 2 * kv))?;
+        let gdn_scratch = f(if has_gdn && t >= GDN_CHUNKED_MIN_TOKENS { gdn_chunked::scratch_len(&d, t) } else { 1 })?;
+        let qg_b = f(t * qg)?;
+        let kb = f(t * kv)?;
+        let vb = f(t * kv)?;
+        let qb = f(t * q)?;
+        let gate = f(t * q)?;
+        let att = f(t * q)?;
+        let att_scratch = f(if has_attn { attention::scratch_len(nh, hd) } else { 1 })?;
+        let router = f((t * e).max(e + 1))?;
+        let route_w = f(t * k)?;
+        let act = f(t * inter)?;
+        let expert_out = f((t * k).max(k + 1) * h)?;
+        let shared_act = f(t * is)?;
+        let shared_out = f(t * h)?;
+        let shared_gate = f(t)?;
+        let logits = f(LOGIT_ROWS.min(t) * v)?;
+        let pick_scratch = f(sample::scratch_len(v))?;
+        let u = |n: usize| dev.zeros::<u32>(n.max(1));
+        let ids = u(t)?;
+        let idx = u(t * k)?;
+        let mut idx1_host = vec![0u32; k + 1];
+        idx1_host[k] = cfg.num_experts as u32;
+        let idx1 = dev.upload(&idx1_host)?;
+        let counts = u(moe_dispatch::plan_scratch_len(t, k, e))?;
+        let offsets = u(e + 1)?;
+        let rows = u(t * k)?;
+        let slot_of = u(t * k)?;
+        let pick_out = u(1)?;
+        let step_pos = dev.zeros::<i32>(2)?;
+        bytes += 4 * (t + 3 * t * k + moe_dispatch::plan_scratch_len(t, k, e) + e + 2);
+        let pick_edits = sample::EditBuffer::new(dev)?;
+        Ok((
+            Activations {
+                ids,
+                step_pos,
+                x,
+                normed,
+                mix,
+                mlp,
+                qkv_raw,
+                qkv,
+                z,
+                a,
+                b,
+                g,
+                beta,
+                rule,
+                normed_rule,
+                proj1,
+                gdn_scratch,
+                qg: qg_b,
+                k: kb,
+                v: vb,
+                q: qb,
+                gate,
+                att,
+                att_scratch,
+                router,
+                idx,
+                idx1,
+                route_w,
+                counts,
+                offsets,
+                rows,
+                slot_of,
+                act,
+                expert_out,
+                shared_act,
+                shared_out,
+                shared_gate,
+                logits,
+                pick_scratch,
+                pick_edits,
+                pick_out,
+            },
+            bytes,
+        ))
+    }
+}
+
+impl Backend for CudaModel {
+    type State = CudaState;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    fn new_state(&self) -> CudaState {
+        // Allocation failure here means the GPU is out of memory: there is no way to go on.
+        self.new_state_with(KV_STEP).expect("allocating a session's state on the GPU")
+    }
+    fn state_len(&self, state: &CudaState) -> usize {
+        state.pos
+    }
+    fn state_bytes(&self, state: &CudaState) -> usize {
+        state
+            .layers
+            .iter()
+            .map(|l| match l {
+                DevLayerState::Gdn { conv, ssm } => 4 * (conv.len() + ssm.len()),
+                DevLayerState::Attn { k, v, .. } => 4 * (k.len() + v.len()),
+            })
+            .sum()
+    }
+    fn prefill_chunk(&self) -> usize {
+        self.max_chunk
+    }
+    fn forward(&mut self, state: &mut CudaState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>, BackendError> {
+        self.check(state, tokens)?;
+        if tokens.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.forward_impl(state, tokens, logits).map_err(dev_err)
+    }
+    fn picks_on_device(&self) -> bool {
+        true
+    }
+    fn forward_pick(&mut self, state: &mut CudaState, tokens: &[u32], pick: &DevicePick) -> Result<u32, BackendError> {
+        self.check(state, tokens)?;
+        if tokens.is_empty() {
+            return Err(BackendError::BadState("forward_pick needs at least one token".into()));
+        }
+        self.pick_impl(state, tokens, pick).map_err(dev_err)
+    }
+}

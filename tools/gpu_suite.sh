@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# The one script for the GPU machine: the lily-cuda test binaries (CPU-vs-GPU kernel tests and the
+# whole-model tests), then on the full-size synthetic qwen3.6-35b-a3b checkpoint the score parity run
+# and `lily bench`, and a short table at the end. Stage the binaries here first:
+#   bash tools/stage_device.sh
+# then on the GPU machine (device tool, carrying .device):
+#   SUITE=tests,parity,bench LENGTHS=256,4K bash tools/gpu_suite.sh .device
+# SUITE picks the parts (default tests); opbench adds every kernel's #[ignore] timing test.
+# MODEL (default /tmp/q35) is made with `lily synth` when missing. MLX (for the parity reference) is
+# used when `python3 -c "import mlx_lm"` works (see ../shared/tools/fetch-mlx-wheels.sh).
+# Logs and JSON go to $OUT (default ./gpu_suite_out). Exit status non-zero when a part failed.
+set -uo pipefail
+dir=${1:-.device}
+# A bundle made by stage_device.sh (binaries share their embedded cubins; xz packs 12 of them in ~3 MB).
+if [ -f "$dir/bundle.tar.xz" ]; then
+  mkdir -p /tmp/lily-device && tar xJf "$dir/bundle.tar.xz" -C /tmp/lily-device && dir=/tmp/lily-device/d
+fi
+out=${OUT:-gpu_suite_out}
+suite=",${SUITE:-tests},"
+model=${MODEL:-/tmp/q35}
+mkdir -p "$out"
+status=0
+summary=()
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader | tee "$out/nvidia-smi.txt"
+
+if [[ $suite == *,tests,* ]]; then
+  # TESTS: space-separated test binary names (default: all).
+  for t in $(if [ -n "${TESTS:-}" ]; then for n in $TESTS; do echo "$dir/tests/$n"; done; else ls -d "$dir"/tests/*; fi); do
+    name=$(basename "$t")
+    "$t" --test-threads=1 --nocapture >"$out/$name.log" 2>&1
+    rc=$?
+    res=$(grep -E "^test result" "$out/$name.log" | tail -1)
+    echo "tests $name: rc $rc, $res"
+    summary+=("tests $name | $( [ $rc = 0 ] && echo pass || echo FAIL ) | ${res#test result: }")
+    if [ $rc != 0 ]; then status=1; grep -E "panicked|FAILED|assert" "$out/$name.log" | head -20; fi
+  done
+  grep -hE "rel err|ppl|worst|argmax|vs one call" "$out"/*.log | head -60
+fi
+
+if [[ $suite == *,opbench,* ]]; then
+  for t in "$dir"/tests/*; do
+    "$t" --ignored --nocapture --test-threads=1 bench 2>&1 | grep -vE "^(running|test |$)" | tee -a "$out/opbench.log"
+  done
+fi
+
+if [[ $suite == *,parity,* || $suite == *,bench,* ]] && [ ! -f "$model/config.json" ]; then
+  t0=$(date +%s)
+  "$dir/lily" synth --config qwen3.6-35b-a3b --out "$model" 2>&1 | tail -2
+  echo "synth: $(( $(date +%s) - t0 )) s"
+fi
+
+if [[ $suite == *,parity,* ]]; then
+  python3 -c 'import json, random; r = random.Random(7); print(json.dumps([r.randrange(248077) for _ in range(193)]))' >"$out/tokens.json"
+  if "$dir/lily" score --backend cuda --model "$model" --tokens "$out/tokens.json" >"$out/lily_score.json" 2>"$out/lily_score.err"; then
+    echo "lily score (cuda): ppl $(python3 -c "import json; print(json.load(open('$out/lily_score.json'))['perplexity'])")"
+  else
+    status=1; cat "$out/lily_score.err"
+  fi
+  if python3 -c "import mlx_lm" 2>/dev/null; then
+    if python3 tools/mlx_score.py --model "$model" --tokens "$out/tokens.json" >"$out/mlx_score.json" 2>"$out/mlx_score.err"; then
+      line=$(python3 tools/compare_scores.py "$out/lily_score.json" "$out/mlx_score.json"); rc=$?
+      echo "parity vs MLX-LM: $line"
+      summary+=("parity vs MLX-LM | $( [ $rc = 0 ] && echo pass || echo FAIL ) | $line")
+      [ $rc = 0 ] || status=1
+    else
+      status=1; tail -5 "$out/mlx_score.err"
+    fi
+  else
+    echo "parity: mlx_lm is not installed here; lily's score is in $out/lily_score.json"
+  fi
+fi
+
+if [[ $suite == *,cpuref,* ]]; then
+  # The CPU backend (held to MLX-LM and transformers on the fixtures) as the full-size reference.
+  t0=$(date +%s)
+  if "$dir/lily" score --backend cpu --model "$model" --tokens "$out/tokens.json" >"$out/cpu_score.json" 2>"$out/cpu_score.err"; then
+    line=$(python3 tools/compare_scores.py "$out/lily_score.json" "$out/cpu_score.json"); rc=$?
+    echo "parity vs lily CPU ($(( $(date +%s) - t0 )) s): $line"
+    summary+=("parity vs lily CPU | $( [ $rc = 0 ] && echo pass || echo FAIL ) | $line")
+    [ $rc = 0 ] || status=1
+  else
+    status=1; tail -5 "$out/cpu_score.err"
+  fi
+fi
+
+if [[ $suite == *,profile,* ]]; then
+  if command -v nsys >/dev/null; then
+    nsys profile -o /tmp/lily_prof --force-overwrite true "$dir/lily" bench --backend cuda --model "$model" \
+      --lengths "${PROFILE_LENGTH:-4K}" --repeats 1 --decode-tokens 64 >/dev/null 2>&1
+    nsys stats --report cuda_gpu_kern_sum --format csv /tmp/lily_prof.nsys-rep 2>/dev/null \
+      | python3 tools/kernel_table.py | tee "$out/profile.txt"
+  else
+    echo "profile: no nsys on this machine ($(ls /usr/local/cuda*/bin 2>/dev/null | tr '\n' ' ' | head -c 300))"
+  fi
+fi
+
+if [[ $suite == *,bench,* ]]; then
+  "$dir/lily" bench --backend cuda --model "$model" --lengths "${LENGTHS:-256,512,1K,2K,4K,8K,16K,32K}" \
+    --repeats "${REPEATS:-3}" --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+
+# Few files come back from the device tool: pack the logs into one archive.
+(cd "$out" && tar czf logs.tar.gz --remove-files *.log *.err 2>/dev/null)
+echo "== summary"
+for s in "${summary[@]}"; do echo "| $s |"; done
+[ -f "$out/bench.log" ] && grep -E "^\|" "$out/bench.log"
+exit $status
