@@ -56,6 +56,14 @@ impl Device {
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(CudaError::NoDriver);
         }
+        if kernels::CUBINS.is_empty() {
+            return Err(CudaError::Kernel {
+                module: "*".into(),
+                msg: "this binary was built without nvcc, so it carries no GPU kernels: install the CUDA 13 toolkit \
+                      (or run tools/install-cuda-toolchain.sh) and rebuild"
+                    .into(),
+            });
+        }
         if let Some(dir) = kernel_dir {
             if !dir.is_dir() {
                 return Err(CudaError::Kernel {

@@ -159,7 +159,7 @@ fn wants_cuda(kind: BackendKind) -> bool {
         BackendKind::Cpu => false,
         BackendKind::Cuda => true,
         #[cfg(feature = "cuda")]
-        BackendKind::Auto => lily_cuda::probe(0).is_ok(),
+        BackendKind::Auto => !lily_cuda::kernel_names().is_empty() && lily_cuda::probe(0).is_ok(),
         #[cfg(not(feature = "cuda"))]
         BackendKind::Auto => false,
     }

@@ -258,3 +258,70 @@ fn tokenize_round_trips() {
     let out = child.wait_with_output().unwrap();
     assert_eq!(String::from_utf8(out.stdout).unwrap(), text);
 }
+
+#[test]
+fn bench_reports_every_length_as_a_table_and_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("bench.json");
+    let model = fixtures().join("tiny-b/mlx");
+    let out = lily(&[
+        "bench",
+        "--model",
+        model.to_str().unwrap(),
+        "--backend",
+        "cpu",
+        "--lengths",
+        "16,1K",
+        "--decode-tokens",
+        "3",
+        "--repeats",
+        "2",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(table.lines().any(|l| l.starts_with("| 16 |")), "{table}");
+    assert!(table.lines().any(|l| l.starts_with("| 1024 |")), "{table}");
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(doc["backend"], "cpu");
+    let rows = doc["rows"].as_array().unwrap();
+    assert_eq!(rows.iter().map(|r| r["length"].as_u64().unwrap()).collect::<Vec<_>>(), vec![16, 1024]);
+    for r in rows {
+        assert_eq!(r["prefill_seconds"].as_array().unwrap().len(), 2);
+        assert_eq!(r["decode_seconds"].as_array().unwrap().len(), 2);
+        assert!(r["prefill_tok_s"].as_f64().unwrap() > 0.0 && r["decode_tok_s"].as_f64().unwrap() > 0.0);
+    }
+}
+
+#[test]
+fn bench_and_score_refuse_bad_arguments_in_words() {
+    let model = fixtures().join("tiny-b/mlx");
+    let m = model.to_str().unwrap();
+    for (args, want) in [
+        (vec!["bench", "--model", m, "--lengths", "12x"], "is not a length"),
+        (vec!["bench", "--model", m, "--decode-tokens", "0"], "--decode-tokens"),
+        (vec!["bench", "--model", m, "--backend", "gpu"], "unknown backend"),
+    ] {
+        let out = lily(&args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+/// Without a GPU (or without the `cuda` feature), asking for CUDA is one clear line, not a panic.
+#[test]
+fn cuda_backend_without_a_gpu_is_a_clear_error() {
+    if std::path::Path::new("/dev/nvidia0").exists() {
+        return; // a GPU machine: the CUDA backend may well open
+    }
+    let model = fixtures().join("tiny-b/mlx");
+    let tokens = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(tokens.path(), "[1, 2, 3]").unwrap();
+    let out = lily(&["score", "--backend", "cuda", "--model", model.to_str().unwrap(), "--tokens", tokens.path().to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("CUDA"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
