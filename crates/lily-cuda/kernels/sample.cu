@@ -4,7 +4,9 @@
 // weights exp((l - m) / T) with ops::exp_f32's polynomial (explicit _rn intrinsics, so nothing is fused
 // into an FMA), and every f64 sum that decides the token in the CPU's order:
 //   - the draw (ops::draw_weights): per 1024-token block, eight lanes summing every eighth weight, then
-//     the lanes in order, then the block's tail; the block sums in order; the walk in the chosen block;
+//     the lanes in order, then the block's tail; the block sums in order; the walk in the chosen block
+//     (an integer prefix sum when its weights span <= 18 binades, which makes every partial f64 sum
+//     exact; else the sequential chain);
 //   - top-p without top-k (ops::nucleus_mask): bucket masses are exact (a bucket's weights share one
 //     exponent, so any order sums them exactly; here as integers), their total is the CPU's sequential
 //     chain from the top bucket down; inside the edge bucket the walk in rank order is either exact
@@ -336,10 +338,12 @@ struct Sel {
 };
 
 // Over the list entries (by_id: those whose high word is fkey, keyed by their low word with weight 1;
-// else all, keyed by the high word with weight wts[i]): the smallest key K with sum(weight, key <= K)
-// >= T, and below = sum(weight, key < K). Needs 1 <= T <= the total. Radix narrowing in 11-bit
-// digits from the keys' min..max (usually 1-2 passes). `bins`: shared, HIST_BINS entries.
-__device__ Sel block_select(const u64* list, const u32* wts, u32 n, bool by_id, u32 fkey, u64 T, u64* bins) {
+// else all, keyed by the high word with weight wts[i] < 2^24): the smallest key K with
+// sum(weight, key <= K) >= T, and below = sum(weight, key < K). Needs 1 <= T <= the total and
+// n <= 2^19. Radix narrowing in 11-bit digits from the keys' min..max (usually 1-2 passes). `bins`:
+// shared, 2 × HIST_BINS words (each bin's weight as two 32-bit sums of 12-bit halves, so that only
+// 32-bit shared atomics are used).
+__device__ Sel block_select(const u64* list, const u32* wts, u32 n, bool by_id, u32 fkey, u64 T, u32* bins) {
     __shared__ u32 s_j;
     __shared__ u64 s_below;
     u32 lo = 0xffffffffu, hi = 0;
@@ -358,7 +362,7 @@ __device__ Sel block_select(const u64* list, const u32* wts, u32 n, bool by_id, 
         const u32 d = hi - lo;
         int shift = 0;
         while ((d >> shift) >= HIST_BINS) ++shift;
-        for (u32 b = threadIdx.x; b < HIST_BINS; b += NT) bins[b] = 0;
+        for (u32 b = threadIdx.x; b < 2 * HIST_BINS; b += NT) bins[b] = 0;
         if (threadIdx.x == 0) {
             s_j = d >> shift;
             s_below = 0;
@@ -369,10 +373,17 @@ __device__ Sel block_select(const u64* list, const u32* wts, u32 n, bool by_id, 
             const u32 h = (u32)(e >> 32);
             if (by_id && h != fkey) continue;
             const u32 k = by_id ? (u32)e : h;
-            if (k >= lo && k <= hi) atomicAdd(&bins[(k - lo) >> shift], by_id ? 1ull : (u64)__ldcg(wts + i));
+            if (k >= lo && k <= hi) {
+                const u32 bin = (k - lo) >> shift;
+                const u32 w = by_id ? 1u : __ldcg(wts + i);
+                atomicAdd(&bins[bin], w & 0xfffu);
+                if (w >> 12) atomicAdd(&bins[HIST_BINS + bin], w >> 12);
+            }
         }
         __syncthreads();
-        const u64 c0 = bins[2 * threadIdx.x], c1 = bins[2 * threadIdx.x + 1];
+        const u32 b0 = 2 * threadIdx.x, b1 = b0 + 1;
+        const u64 c0 = ((u64)bins[HIST_BINS + b0] << 12) + bins[b0];
+        const u64 c1 = ((u64)bins[HIST_BINS + b1] << 12) + bins[b1];
         u64 tot;
         const u64 ex = block_excl_scan_u64(c0 + c1, &tot);
         const u64 need = T - below;
@@ -449,7 +460,7 @@ __device__ void topk_finish(const SampleParams& p, u64* s_big) {
     const float m = st->m, t = p.temperature;
     // Ties at the k-th key: the r lowest ids.
     u32 idth = 0xffffffffu;
-    if (ties > r) idth = block_select(p.list, nullptr, C, true, L, r, s_big).key;
+    if (ties > r) idth = block_select(p.list, nullptr, C, true, L, r, reinterpret_cast<u32*>(s_big)).key;
     const u32 cap = pow2_ceil(keff);
     u64* buf = cap <= SORT_SMEM ? s_big : p.sortbuf;
     if (tid == 0) s_n = 0;
@@ -588,7 +599,7 @@ __device__ void nucleus_finish(const SampleParams& p, u64* s_big) {
     if (st->fast) {
         // Exact: the first token in rank order at which a0 + q·(units so far) >= target.
         const u64 T = st->t_int;
-        const Sel s = block_select(p.list, p.wts, C, false, 0, T, s_big);
+        const Sel s = block_select(p.list, p.wts, C, false, 0, T, reinterpret_cast<u32*>(s_big));
         const u32 L = s.key;
         const u64 mu = unit_of(weight(key_logit(L), m, t));  // every token at this logit has it
         u32 n_at = 0, id_at = 0;
@@ -602,7 +613,8 @@ __device__ void nucleus_finish(const SampleParams& p, u64* s_big) {
         n_at = (u32)block_sum_u64(n_at);
         id_at = block_max_u32(id_at);
         const u64 r = (T - s.below + mu - 1) / mu;  // tokens needed at this logit, lowest ids first
-        const u32 id = n_at <= 1 ? id_at : block_select(p.list, nullptr, C, true, L, r, s_big).key;
+        u32 id = id_at;
+        if (n_at > 1) id = block_select(p.list, nullptr, C, true, L, r, reinterpret_cast<u32*>(s_big)).key;
         cut = ((u64)L << 32) | id;
     } else {
         // The CPU's walk: sort by rank, then the f64 chain from a0.
@@ -686,6 +698,23 @@ __device__ void draw_finish(const SampleParams& p, float m, u32 edge, u64 cut, d
     const u32 base = s_chosen * DRAW_BLOCK;
     const u32 len = min((u32)DRAW_BLOCK, n - base);
     const float w = tid < len ? final_weight(p, m, edge, cut, base + tid) : 0.0f;
+    const double rest = s_rest;
+    // The walk adds the positive weights in id order. When their exponents span at most 18 binades,
+    // every partial sum is an integer multiple (< 2^52) of the smallest one's quantum, so the f64 chain
+    // is exact and equals an integer prefix sum: done in parallel. Otherwise the chain, in one thread.
+    const u32 wb = __float_as_uint(w), we = wb >> 23;
+    const u32 emin = block_min_u32(w > 0.0f ? we : 0xffffffffu);
+    const u32 emax = block_max_u32(w > 0.0f ? we : 0u);
+    const u32 last = block_max_u32(w > 0.0f ? tid : 0u);  // the CPU's fallback: the last positive
+    if (emax != 0 && emin >= 1 && emax - emin <= 18) {
+        const u64 units = w > 0.0f ? (u64)((wb & 0x7fffffu) | 0x800000u) << (we - emin) : 0;
+        u64 tot;
+        const u64 before = block_excl_scan_u64(units, &tot);
+        const double c = __dmul_rn((double)(before + units), pow2((int)emin - 150));
+        const u32 k = block_min_u32(w > 0.0f && rest < c ? tid : 0xffffffffu);
+        if (tid == 0) p.out[0] = base + (k != 0xffffffffu ? k : last);
+        return;
+    }
     u64 cnt64;
     const u32 pos = (u32)block_excl_scan_u64(w > 0.0f, &cnt64);
     const u32 cnt = (u32)cnt64;
@@ -696,7 +725,6 @@ __device__ void draw_finish(const SampleParams& p, float m, u32 edge, u64 cut, d
     __syncthreads();
     if (tid == 0) seq_prefix(s_q, cnt, 0.0);
     __syncthreads();
-    const double rest = s_rest;
     u32 k = cnt;
     for (u32 i = tid; i < cnt; i += NT) {
         if (rest < s_q[i]) {
@@ -824,7 +852,8 @@ extern "C" __global__ void __launch_bounds__(NT) sample_topk_pass(const SamplePa
 }
 
 // Top-k: gathers every token whose key is <= the k-th; the last block chooses.
-extern "C" __global__ void __launch_bounds__(NT) sample_topk_gather(const SampleParams p) {
+// (One block per SM: no spills; the grid is at most 256 blocks.)
+extern "C" __global__ void __launch_bounds__(NT, 1) sample_topk_gather(const SampleParams p) {
     __shared__ u64 s_big[SORT_SMEM];
     const u32 tid = threadIdx.x, n = p.vocab;
     const bool done = p.st->done;
@@ -852,12 +881,19 @@ extern "C" __global__ void __launch_bounds__(NT) sample_topk_gather(const Sample
 
 // Top-p: the weight histogram (mantissa units per bucket); the last block finds the edge bucket.
 extern "C" __global__ void __launch_bounds__(NT) sample_nucleus_hist(const SampleParams p) {
+    // Per bucket, the sums of the units' low and high 12 bits (32-bit shared atomics only; each sum of
+    // a block's 2048 tokens stays below 2^23).
     __shared__ u64 s_h[HIST_BINS];
     __shared__ u32 s_bk[HIST_BINS];
+    u32* s_lo = reinterpret_cast<u32*>(s_h);
+    u32* s_hi = s_bk;
     const u32 tid = threadIdx.x, n = p.vocab;
     const bool done = p.st->done;
     const float m = p.st->m, t = p.temperature;
-    for (u32 b = tid; b < HIST_BINS; b += NT) s_h[b] = 0;
+    for (u32 b = tid; b < HIST_BINS; b += NT) {
+        s_lo[b] = 0;
+        s_hi[b] = 0;
+    }
     __syncthreads();
     if (!done) {
 #pragma unroll
@@ -866,13 +902,19 @@ extern "C" __global__ void __launch_bounds__(NT) sample_nucleus_hist(const Sampl
             if (i < n) {
                 const float w = weight(p.x[i], m, t);
                 const u32 b = bucket_of(w);
-                if (b != 0) atomicAdd(&s_h[b], (u64)unit_of(w));
+                if (b != 0) {
+                    const u32 unit = unit_of(w);
+                    atomicAdd(&s_lo[b], unit & 0xfffu);
+                    atomicAdd(&s_hi[b], unit >> 12);
+                }
             }
         }
     }
     __syncthreads();
-    for (u32 b = tid; b < HIST_BINS; b += NT)
-        if (s_h[b]) atomicAdd(p.hist + b, s_h[b]);
+    for (u32 b = tid; b < HIST_BINS; b += NT) {
+        const u64 S = ((u64)s_hi[b] << 12) + s_lo[b];
+        if (S) atomicAdd(p.hist + b, S);
+    }
     if (!last_block(p.st)) return;
     if (!done) nucleus_edge(p, reinterpret_cast<double*>(s_h), s_bk);
     __syncthreads();
@@ -933,6 +975,7 @@ extern "C" __global__ void __launch_bounds__(NT) sample_draw(const SampleParams 
         // ops::sum_f64: lane j sums elements 8c + j of the block's whole chunks of eight, in order.
         double a = 0.0;
         const u32 chunks = len / 8;
+#pragma unroll 8
         for (u32 c = 0; c < chunks; ++c) a = __dadd_rn(a, (double)s_w[8 * c + tid]);
         s_acc[tid] = a;
     }

@@ -40,18 +40,19 @@
 //! top-p adds a histogram of the weights so that only the one bucket holding the cut is sorted
 //! (~0.7-1.2 ms); logprobs add a copy, one `exp` pass and a top-n pass (~0.3 ms).
 //!
-//! # Moving to the GPU
+//! # On the GPU
 //!
 //! The math lives in [`ops`] as pure functions of a logits slice and the plain `Copy` struct
-//! [`Resolved`], so a CUDA kernel can mirror it function for function: the penalties become a
-//! scatter over a device-resident list of (token, count) pairs appended each step (and the prompt's
-//! distinct ids, uploaded once), the bias a scatter over a list uploaded once, then max / sum
-//! reductions, a radix select for top-k, the same weight histogram (sorting one bucket) for
-//! top-p, a threshold for min-p, and a blocked prefix sum against `u` (block sums, then one
-//! block: the CPU's [`ops::choose`] draws the same way). The RNG stays on the host: one `u` (an f64)
-//! goes down per step and only the chosen id comes back (plus, when asked, its logprob and the top
-//! 20 pairs). The penalty bookkeeping ([`Sampler::record`]) stays host-side since the host learns
-//! the id anyway.
+//! [`Resolved`]. [`Sampler::device_pick`] turns one step into a [`DevicePick`]: the penalties and
+//! the bias as one [`LogitEdit`] per affected token (the CPU's exact f32 operands), the truncation
+//! parameters and the step's `u` (drawn here, as `sample` draws it). `lily_cuda::ops::sample::pick`
+//! applies it to the logits on the device and writes only the chosen id, the same token as
+//! [`pick_on_cpu`] (the CPU reference: the edits, then [`ops::choose`]); the caller then
+//! [`Sampler::record`]s it, so the penalty bookkeeping stays on the host. The kernels mirror
+//! `ops::choose` sum for sum (the lanes of `sum_f64`, the draw's 1024-token blocks, the nucleus
+//! buckets and the walk orders): a change to that arithmetic here needs the same change in
+//! `crates/lily-cuda/kernels/sample.cu` (its tests pick at the CPU's exact CDF boundaries, so they
+//! catch a mismatch). Requests with logprobs stay on the host (they need the logits).
 
 pub mod ops;
 mod params;

@@ -7,6 +7,10 @@
 //! - NaN logits are never chosen unless nothing else is (then token 0); `-inf` has probability 0;
 //! - weights are `exp((l - m) / T)` in f32 ([`exp_f32`]) with `m` the largest logit, summed in
 //!   f64.
+//!
+//! `crates/lily-cuda/kernels/sample.cu` reproduces [`choose`] and [`argmax`] bit for bit, including
+//! the order of every f64 sum (`sum_f64`'s eight lanes, `draw_weights`' 1024-token blocks,
+//! `nucleus_mask`'s buckets and walks, the top-k path's rank and id orders): change one, change both.
 
 use crate::params::Resolved;
 use std::cmp::Ordering;

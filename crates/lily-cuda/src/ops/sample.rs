@@ -2,18 +2,25 @@
 //! [`lily_sampler::pick_on_cpu`] for the same logits and [`DevicePick`], with only the id written (to
 //! a 1-element device buffer the caller downloads when it needs it; nothing here synchronises).
 //!
-//! The penalties and bias are applied to a copy of the logits in the scratch (never to `logits`),
-//! then greedy is the argmax (one kernel), top-k a three-pass radix select plus one block that sorts
-//! the k and walks them, and everything else the CPU's bucket histogram for top-p (integer masses, the
-//! f64 chain over them, the edge bucket's cut by a weighted radix select) and its blocked inverse-CDF
-//! draw with the CPU's summation order. Every f64 sum that decides the token is the CPU's sum, in
-//! its order, so the chosen token is identical, not merely close; see `kernels/sample.cu`.
+//! The penalties and bias are applied to a copy of the logits in the scratch (never to `logits`).
+//! Greedy is the argmax (one kernel); top-k a three-pass radix select of the k best, then one block
+//! sorts them and walks them; everything else the CPU's bucket histogram for top-p (integer masses,
+//! the f64 chain over them, the edge bucket's cut by a weighted radix select) and its blocked
+//! inverse-CDF draw. Kernels per call: greedy 1, temperature / min-p 2, top-p 4, top-k 4.
 //!
-//! Where a GPU/CPU difference could still arise: nowhere by design — each deciding sum is performed
-//! with the same operands in the same order with IEEE round-to-nearest f64 adds, and the orders that
-//! the GPU changes (the per-bucket masses, the in-bucket walk of the exact path, the top-k set) are
-//! provably exact or order-free. A difference would need a bug, e.g. in the port of `exp_f32`
-//! (checked bit for bit by the tests through the chosen tokens at `u` near bucket boundaries).
+//! Where could the GPU and the CPU differ? Every f64 sum that decides the token is the CPU's sum: the
+//! same operands, added in the same order, each add rounded to nearest (`__dadd_rn`, no fused
+//! multiply-add, no flush to zero on either side). The orders the GPU does change are provably
+//! order-free: a bucket's mass (its weights share one exponent, so every partial sum is exact), the
+//! walk inside the edge bucket when it is exact in integers (checked per call; otherwise the CPU's
+//! sequential walk runs), and the top-k set (a selection, not a sum). So a `u` at an exact CDF
+//! boundary gives the same token on both (`tests/gpu_sample.rs` tests exactly that); a difference
+//! would be a bug. The coupling is to `lily_sampler::ops` as written: its lane count in `sum_f64`,
+//! its draw block of 1024, its bucket scheme and its walk orders are mirrored here, and a change there
+//! needs the same change in the kernel.
+//!
+//! Edits go up through a small ring of pinned staging buffers; the host waits only when more than
+//! eight picks with edits are queued without a token being downloaded in between.
 
 use cudarc::driver::{CudaEvent, CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice};
 use lily_sampler::DevicePick;
@@ -234,11 +241,13 @@ pub fn pick<L: DevicePtr<f32>, S: DevicePtrMut<f32>, O: DevicePtrMut<u32>>(
     if n == 0 || n > MAX_VOCAB {
         return Err(CudaError::Shape(format!("pick: vocabulary of {n} (1 to {MAX_VOCAB})")));
     }
-    if !(p.temperature.is_finite() && p.temperature >= 0.0)
-        || !(p.top_p > 0.0 && p.top_p <= 1.0)
-        || !(0.0..=1.0).contains(&p.min_p)
-        || !(0.0..1.0).contains(&pick.u)
-    {
+    let in_range = p.temperature.is_finite()
+        && p.temperature >= 0.0
+        && p.top_p > 0.0
+        && p.top_p <= 1.0
+        && (0.0..=1.0).contains(&p.min_p)
+        && (0.0..1.0).contains(&pick.u);
+    if !in_range {
         return Err(CudaError::Shape(format!(
             "pick: temperature {} top_p {} min_p {} u {} out of range",
             p.temperature, p.top_p, p.min_p, pick.u
@@ -299,7 +308,8 @@ pub fn pick<L: DevicePtr<f32>, S: DevicePtrMut<f32>, O: DevicePtrMut<u32>>(
         top_p: p.top_p,
         min_p: p.min_p,
     };
-    let grid = |blocks: usize| LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (NT, 1, 1), shared_mem_bytes: 0 };
+    let grid =
+        |blocks: usize| LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (NT, 1, 1), shared_mem_bytes: 0 };
     launch(dev, "sample_prep", grid(nb_prep), &prm)?;
     match mode {
         MODE_GREEDY => {}
