@@ -39,7 +39,7 @@ if [[ $suite == *,tests,* ]]; then
 fi
 
 if [[ $suite == *,opbench,* ]]; then
-  for t in "$dir"/tests/*; do
+  for t in $(if [ -n "${TESTS:-}" ]; then for n in $TESTS; do echo "$dir/tests/$n"; done; else ls -d "$dir"/tests/*; fi); do
     "$t" --ignored --nocapture --test-threads=1 bench 2>&1 | grep -vE "^(running|test |$)" | tee -a "$out/opbench.log"
   done
 fi

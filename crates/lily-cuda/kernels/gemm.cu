@@ -7,10 +7,13 @@
 // - exact (the default of the Rust wrappers): nearly f32. X is split into two bf16 planes, hi = bf16(x)
 //   and lo = bf16(x - hi) (x - hi is exact in f32), and every k-step runs two MMAs, W·hi and W·lo, into
 //   the same f32 accumulator; what is left of x is below 2^-16 |x| (~2^-18 typically). Affine weights go
-//   to the tensor cores as their integer codes q (0..15 or 0..255, exact in bf16), and the affine map is
-//   applied per group in f32: y = Σ_g ( s[n,g] · Σ_{i∈g} q[n,i]·x[i] + b[n,g] · Σ_{i∈g} x[i] ). The codes'
+//   to the tensor cores as their integer codes, centred: c = q - 2^(bits-1) (-8..7 or -128..127, exact
+//   in bf16), and the affine map is applied per group in f32:
+//   y = Σ_g ( s[n,g] · Σ_{i∈g} c[n,i]·x[i] + b'[n,g] · Σ_{i∈g} x[i] ),  b' = b + 2^(bits-1)·s
+//   (b' in f32: exact unless s < 2^-15 |b|). Centring halves the size of the code products next to the
+//   weights', so the partial sums, and the part of x the split loses, count half as much. The codes'
 //   products go to a per-group accumulator that is folded into the running sum at the end of the group
-//   (acc += s · acc_g, one FMA per element), and b · xsum is added per 32 or 64 columns, where xsum is
+//   (acc += s · acc_g, one FMA per element), and b' · xsum is added per 32 or 64 columns, where xsum is
 //   the f32 sum of the unrounded x over those columns (computed while the X tile is staged). Dense bf16
 //   weights are exact already; only X is split.
 // - fast: X is rounded to bf16 (nearest even) when staged; each weight is dequantised in f32 as
@@ -24,14 +27,17 @@
 // nor does a k-step of 16.
 //
 // Tiling: a block of 256 threads (8 warps) computes BM tokens × 128 weight rows ("W tile rows"), with a
-// K step of BK = 64. Per K step every thread loads its share of the W tile (1, 2 or 4 chunks for
-// 4-bit, 8-bit, bf16) and of the X tile (f32) into registers; after the tensor-core work on the current
-// shared-memory buffer it converts them into the other buffer (double buffering, one __syncthreads per
-// step). Both tiles are stored K-contiguous with a row pitch of 72 bf16 (144 bytes), which makes
+// K step of BK = 64. Per K step every thread starts loading its share of the next W tile (1, 2 or 4
+// chunks for 4-bit, 8-bit, bf16) and X tile (f32): the fast kernels into registers, the exact ones by
+// cp.async into a raw staging area in shared memory (dense W straight into its tile buffer), which keeps
+// their registers for the second accumulator set. After the tensor-core work on the current shared-memory
+// buffer each thread converts its own share into the other buffer (double buffering, one __syncthreads
+// per step). Both tiles are stored K-contiguous with a row pitch of 72 bf16 (144 bytes), which makes
 // ldmatrix and the 16-byte stores conflict-free. Warps are WM (tokens) × 8/WM (rows); each warp owns a
 // 32 × (128·WM/8) tile of the output (MT = 2 m16 tiles × NT n8 tiles). The exact affine kernels also
-// stage, per buffer, (scale, bias) of each W tile row for the tile's two 32-column halves and the X
-// row sums of those halves.
+// stage, per buffer, (scale, bias') of each W tile row for the tile's two 32-column halves and the X
+// row sums of those halves. x, the packed weights and the scales are indexed with 32 bits (the host
+// checks the sizes).
 // SwiGLU: the 128 W tile rows hold 64 output rows of gate and up interleaved by 8 (n8 tile j is gate
 // for even j, up for odd j, both covering output rows (j/2)*8 ..), so a warp holds gate and up of the
 // same outputs in matching accumulator registers.
@@ -44,8 +50,8 @@
 // Entry points: {gemm, swiglu_gemm, grouped_gemm, grouped_swiglu_gemm}_{q4, q8, bf16}_{m64, m32}_{exact,
 // fast} (BM = 64 tokens with 2×4 warps, or 32 tokens with 1×8 warps). Dynamic shared memory: fast
 // 2 * (BM + 128) * 72 * 2 bytes (55296 for m64, 46080 for m32); exact 2 * ((2 BM + 128) * 72 * 2 +
-// 128 * 16 + BM * 8) bytes (78848 for m64, 59904 for m32). __launch_bounds__(256, 2): at most 128
-// registers, so two blocks fit on an SM.
+// 128 * 16 + BM * 8) + 256 * 32 + BM * 256 bytes (103424 for m64, 76288 for m32).
+// __launch_bounds__(256, 2): at most 128 registers (ptxas: 74-128, no spills), so two blocks fit on an SM.
 
 #include <stdint.h>
 #include <cuda_bf16.h>
@@ -94,14 +100,20 @@ __device__ __forceinline__ float byte_f(uint32_t v, int j) {
     return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7440u | j)) - 8388608.0f;
 }
 
-// Codes 2j and 2j+1 of a 4-bit word w (its nibbles 2j and 2j+1; u = w >> 4) as an exact bf16 pair, the
-// even code in the low half: byte j of w and byte j of u go to bytes 0 and 2, their low nibbles under
-// the bf16 bits 0x4300 (128.0, whose ulp is 1) make 128 + code, and 128 is subtracted (exact).
-__device__ __forceinline__ uint32_t q4_pair(uint32_t w, uint32_t u, int j) {
+// Byte j of v (a value 0..255) minus 128, as an exact float.
+__device__ __forceinline__ float byte_centred(uint32_t v, int j) {
+    return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7440u | j)) - 8388736.0f;
+}
+
+// Codes 2j and 2j+1 of a 4-bit word w (its nibbles 2j and 2j+1; u = w >> 4), minus 8, as an exact bf16
+// pair, the even code in the low half: byte j of w and byte j of u go to bytes 0 and 2, their low
+// nibbles under the bf16 bits 0x4300 (128.0, whose ulp is 1) make 128 + code, and 136 is subtracted
+// (exact: -8..7).
+__device__ __forceinline__ uint32_t q4_pair_centred(uint32_t w, uint32_t u, int j) {
     const uint32_t r = __byte_perm(w, u, (uint32_t)(j | (j << 4) | ((4 + j) << 8) | ((4 + j) << 12)));
     uint32_t v = (r & 0x000F000Fu) | 0x43004300u;
-    const uint32_t k128 = 0x43004300u;
-    __nv_bfloat162 d = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), *reinterpret_cast<const __nv_bfloat162*>(&k128));
+    const uint32_t k136 = 0x43084308u;  // 136.0, 136.0
+    __nv_bfloat162 d = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), *reinterpret_cast<const __nv_bfloat162*>(&k136));
     return *reinterpret_cast<uint32_t*>(&d);
 }
 
@@ -114,9 +126,11 @@ __device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint3
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
-// 16-byte asynchronous copy global -> shared (L2 only), and waiting for all of this thread's copies.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_u32(dst)), "l"(src) : "memory");
+// 16-byte asynchronous copy global -> shared (L2 only; zeros without reading when !ok), and waiting for
+// all of this thread's copies.
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(ok ? 16 : 0)
+                 : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
@@ -175,11 +189,12 @@ __device__ __forceinline__ bool find_group_tile(const GemmParams& p, int bm, int
     const int start = before + incl - local;  // tiles before expert 2*tid
     const int mt = blockIdx.x;
     if (mt >= start && mt < start + local) {
-        const int k = mt < start + tiles[0] ? 0 : 1;
+        const bool k = mt >= start + tiles[0];  // the second expert of this thread
         const int j = mt - start - (k ? tiles[0] : 0);
-        found[0] = 2 * tid + k;
-        found[1] = first[k] + j * bm;
-        found[2] = first[k] + cnt[k];
+        const int f = k ? first[1] : first[0];
+        found[0] = 2 * tid + (k ? 1 : 0);
+        found[1] = f + j * bm;
+        found[2] = f + (k ? cnt[1] : cnt[0]);
     }
     __syncthreads();
     expert = found[0];
@@ -209,6 +224,7 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
     static_assert(NT % 2 == 0, "B fragments are loaded two n8 tiles at a time");
     static_assert(WCH >= 1 && XCH >= 1, "tile split");
     static_assert(E <= 32 && 32 % E == 0, "a chunk lies in one 32-column half of the tile");
+    static_assert(!FOLD || WCH <= 2, "wraw holds two chunks per thread");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(smem_raw);  // [2][PLANES][BM][LDS]
@@ -217,8 +233,10 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
     // tile row and half (.x: columns 0..31 of the tile, .y: 32..63).
     float2* sbs = reinterpret_cast<float2*>(ws + 2 * BN * LDS);  // [2][BN][2]
     float2* xsums = sbs + 2 * BN * 2;                              // [2][BM]
-    // EXACT only: the raw f32 X tile of the next step, copied by cp.async (no registers held).
-    float4* xraw = reinterpret_cast<float4*>(xsums + 2 * BM);     // [BM][BK / 4]
+    // EXACT only: the raw packed W chunks of the next step (affine; dense goes straight to ws) and the
+    // raw f32 X tile, copied by cp.async (no registers held), each thread's own chunks.
+    uint4* wraw = reinterpret_cast<uint4*>(xsums + 2 * BM);        // [2 * THREADS]
+    float4* xraw = reinterpret_cast<float4*>(wraw + 2 * THREADS);  // [BM][BK / 4]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wm = warp / WN, wn = warp % WN;
@@ -235,11 +253,12 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
     }
     const int n_tile = blockIdx.y;
 
-    // ---- W loader: this thread's chunks (fixed W tile row and part per chunk, K advances). Scales and
-    // biases share one index (the row's first group), below 2^32 (checked by the host).
+    // ---- W loader: this thread's chunks (fixed W tile row and part per chunk, K advances): the index of
+    // the row's first 16-byte chunk in the stack, and of its first scale and bias (both below 2^32,
+    // checked by the host).
     const int groups = AFFINE ? (cols >> p.group_shift) : 0;
-    const long long row_chunks = cols / E;  // 16-byte chunks per W row
-    const uint4* wptr[WCH];
+    const int row_chunks = cols / E;  // 16-byte chunks per W row
+    uint32_t widx[WCH];
     uint32_t sidx[WCH];
     bool wrow_ok[WCH];
     auto w_row = [](int i) { return (threadIdx.x + i * THREADS) / CPR; };   // W tile row of chunk i
@@ -251,11 +270,24 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
         const int out_row = SWIGLU ? n_tile * BN_OUT + (r >> 4) * 8 + (r & 7) : n_tile * BN_OUT + r;
         wrow_ok[i] = out_row < rows;
         const long long grow = (long long)matrix * rows + (wrow_ok[i] ? out_row : 0);
-        wptr[i] = (w_second(i) ? p.w2 : p.w) + grow * row_chunks;
+        widx[i] = (uint32_t)(grow * row_chunks);
         sidx[i] = (uint32_t)(grow * groups);
     }
-    uint4 wreg[WCH];
-    float sreg[WCH], breg[WCH];
+    uint4 wreg[WCH];           // fast only: the next step's W chunks
+    float sreg[WCH], breg[WCH];  // fast affine: their scale and bias
+
+    // ---- FOLD: this thread's (scale, bias) of W tile row tid / 2 for the 32-column half tid % 2.
+    const int sb_row = tid >> 1, sb_half = tid & 1;
+    bool sb_ok = false;
+    uint32_t sb_idx = 0;
+    bool sb_second = false;
+    float sb_s = 0.0f, sb_b = 0.0f;
+    if constexpr (FOLD) {
+        sb_second = SWIGLU && ((sb_row >> 3) & 1) != 0;
+        const int out_row = SWIGLU ? n_tile * BN_OUT + (sb_row >> 4) * 8 + (sb_row & 7) : n_tile * BN_OUT + sb_row;
+        sb_ok = out_row < rows;
+        sb_idx = (uint32_t)(((long long)matrix * rows + (sb_ok ? out_row : 0)) * groups);
+    }
 
     // ---- X loader: this thread's float4s (fixed tile row and column, K advances): the element offset
     // of the row's float4 in x (below 2^32 - 2, checked by the host), or X_ZERO past the tile's rows,
@@ -276,25 +308,42 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
     }
     float4 xreg[XCH];  // fast only: the next step's X chunks
 
-    auto load = [&](int k0) {
+    // Starts loading the K step at k0 (into registers, or for the exact kernels by cp.async into wraw and
+    // xraw, or for dense weights straight into W buffer buf).
+    auto load = [&](int k0, int buf) {
 #pragma unroll
         for (int i = 0; i < WCH; ++i) {
             const int k = k0 + w_part(i) * E;
             const bool ok = wrow_ok[i] && k < cols;
-            wreg[i] = ok ? __ldg(wptr[i] + k / E) : make_uint4(0, 0, 0, 0);
-            if (AFFINE) {
-                // Zero scale and bias past the row's end or cols: the exact kernels fold them too.
+            const uint4* src = (w_second(i) ? p.w2 : p.w) + (widx[i] + (ok ? (uint32_t)(k / E) : 0u));
+            if constexpr (EXACT) {
+                void* dst = MODE == MODE_BF16 ? static_cast<void*>(ws + (buf * BN + w_row(i)) * LDS + w_part(i) * E)
+                                              : static_cast<void*>(wraw + tid + i * THREADS);
+                cp_async16_zfill(dst, src, ok);
+            } else {
+                wreg[i] = ok ? __ldg(src) : make_uint4(0, 0, 0, 0);
+            }
+            if constexpr (AFFINE && !EXACT) {
                 const uint32_t j = sidx[i] + (uint32_t)(k >> p.group_shift);
                 sreg[i] = ok ? bf16_bits_to_f32(__ldg((w_second(i) ? p.scales2 : p.scales) + j)) : 0.0f;
                 breg[i] = ok ? bf16_bits_to_f32(__ldg((w_second(i) ? p.biases2 : p.biases) + j)) : 0.0f;
             }
         }
+        if constexpr (FOLD) {
+            // Zero scale and bias past the matrix's rows or cols (folded too: they multiply zeros).
+            const int k = k0 + sb_half * 32;
+            const bool ok = sb_ok && k < cols;
+            const uint32_t j = sb_idx + (uint32_t)(k >> p.group_shift);
+            sb_s = ok ? bf16_bits_to_f32(__ldg((sb_second ? p.scales2 : p.scales) + j)) : 0.0f;
+            sb_b = ok ? bf16_bits_to_f32(__ldg((sb_second ? p.biases2 : p.biases) + j)) : 0.0f;
+            sb_b = fmaf((float)(1 << (BITS - 1)), sb_s, sb_b);  // the bias of the centred codes
+        }
         const bool kin = k0 + xc4 * 4 < cols;
         if constexpr (EXACT) {
-            // Asynchronous copies into xraw; store() waits for them and fills the zero/NaN chunks.
+            // store() fills the zero and NaN chunks itself.
 #pragma unroll
             for (int i = 0; i < XCH; ++i)
-                if (xoff[i] < X_NAN && kin) cp_async16(xraw + tid + i * THREADS, p.x + (xoff[i] + (uint32_t)k0));
+                if (xoff[i] < X_NAN && kin) cp_async16_zfill(xraw + tid + i * THREADS, p.x + (xoff[i] + (uint32_t)k0), true);
             cp_async_commit();
         } else {
 #pragma unroll
@@ -310,42 +359,47 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
         }
     };
 
+    // Converts the loaded K step at k0 into buffer buf.
     auto store = [&](int buf, int k0) {
         __nv_bfloat16* wsb = ws + buf * BN * LDS;
         __nv_bfloat16* xsb = xs + buf * PLANES * BM * LDS;
+        if constexpr (EXACT) cp_async_wait_all();
 #pragma unroll
         for (int i = 0; i < WCH; ++i) {
             uint4* dst = reinterpret_cast<uint4*>(wsb + w_row(i) * LDS + w_part(i) * E);
-            const uint4 v = wreg[i];
-            const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
-            if constexpr (MODE == MODE_BF16) {
-                dst[0] = v;
-            } else if constexpr (EXACT) {
-                // The codes themselves, and (scale, bias) once per W tile row and 32-column half.
-                if constexpr (MODE == MODE_Q8) {
-                    uint32_t o[8];
+            if constexpr (EXACT) {
+                if constexpr (AFFINE) {
+                    // The codes minus 2^(bits-1), exact in bf16.
+                    const uint4 v = wraw[tid + i * THREADS];
+                    const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
+                    if constexpr (MODE == MODE_Q8) {
+                        uint32_t o[8];
 #pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        o[2 * k] = pack_bf16(byte_f(wv[k], 0), byte_f(wv[k], 1));
-                        o[2 * k + 1] = pack_bf16(byte_f(wv[k], 2), byte_f(wv[k], 3));
+                        for (int k = 0; k < 4; ++k) {
+                            o[2 * k] = pack_bf16(byte_centred(wv[k], 0), byte_centred(wv[k], 1));
+                            o[2 * k + 1] = pack_bf16(byte_centred(wv[k], 2), byte_centred(wv[k], 3));
+                        }
+                        dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
+                        dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
+                    } else {
+                        uint32_t o[16];
+#pragma unroll
+                        for (int k = 0; k < 4; ++k) {
+                            const uint32_t u = wv[k] >> 4;
+#pragma unroll
+                            for (int j = 0; j < 4; ++j) o[4 * k + j] = q4_pair_centred(wv[k], u, j);
+                        }
+#pragma unroll
+                        for (int c = 0; c < 4; ++c) dst[c] = make_uint4(o[4 * c], o[4 * c + 1], o[4 * c + 2], o[4 * c + 3]);
                     }
-                    dst[0] = make_uint4(o[0], o[1], o[2], o[3]);
-                    dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
-                } else {
-                    uint32_t o[16];
-#pragma unroll
-                    for (int k = 0; k < 4; ++k) {
-                        const uint32_t u = wv[k] >> 4;
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) o[4 * k + j] = q4_pair(wv[k], u, j);
-                    }
-#pragma unroll
-                    for (int c = 0; c < 4; ++c) dst[c] = make_uint4(o[4 * c], o[4 * c + 1], o[4 * c + 2], o[4 * c + 3]);
                 }
-                const int c0 = w_part(i) * E;  // first column of the chunk in the tile
-                if (c0 % 32 == 0) sbs[(buf * BN + w_row(i)) * 2 + c0 / 32] = make_float2(sreg[i], breg[i]);
+                // Dense: already in place (cp.async into buffer buf).
+            } else if constexpr (MODE == MODE_BF16) {
+                dst[0] = wreg[i];
             } else if constexpr (MODE == MODE_Q8) {
                 // Word k holds codes 4k..4k+3 (byte j = code 4k+j).
+                const uint4 v = wreg[i];
+                const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
                 const float s = sreg[i], b = breg[i];
                 uint32_t o[8];
 #pragma unroll
@@ -357,6 +411,8 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
                 dst[1] = make_uint4(o[4], o[5], o[6], o[7]);
             } else {
                 // Word k holds codes 8k..8k+7: lo = bytes of codes 8k, 8k+2, 8k+4, 8k+6; hi the odd ones.
+                const uint4 v = wreg[i];
+                const uint32_t wv[4] = {v.x, v.y, v.z, v.w};
                 const float s = sreg[i], b = breg[i];
                 uint32_t o[16];
 #pragma unroll
@@ -371,8 +427,7 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
                 for (int c = 0; c < 4; ++c) dst[c] = make_uint4(o[4 * c], o[4 * c + 1], o[4 * c + 2], o[4 * c + 3]);
             }
         }
-#pragma unroll
-        if constexpr (EXACT) cp_async_wait_all();
+        if constexpr (FOLD) sbs[(buf * BN + sb_row) * 2 + sb_half] = make_float2(sb_s, sb_b);
         const bool kin = k0 + xc4 * 4 < cols;
 #pragma unroll
         for (int i = 0; i < XCH; ++i) {
@@ -460,12 +515,12 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
     const uint32_t b_off = (uint32_t)(((wn * WTN + (lane & 7) + (lane >> 4) * 8) * LDS + ((lane >> 3) & 1) * 8) * 2);
 
     const int nk = (cols + BK - 1) / BK;
-    load(0);
+    load(0, 0);
     store(0, 0);
     __syncthreads();
     for (int kt = 0; kt < nk; ++kt) {
         const int buf = kt & 1;
-        if (kt + 1 < nk) load((kt + 1) * BK);
+        if (kt + 1 < nk) load((kt + 1) * BK, buf ^ 1);
         const uint32_t xa = xs_base + buf * (PLANES * XPLANE_BYTES) + a_off;
         const uint32_t wb = ws_base + buf * (BN * LDS * 2) + b_off;
 #pragma unroll

@@ -1,14 +1,28 @@
-//! CPU-vs-GPU tests of the prefill GEMM family (`ops::gemm`: plain, SwiGLU, grouped, grouped SwiGLU),
-//! plus its timing table (`bench_gemm`, ignored by default).
+//! CPU-vs-GPU tests of the prefill GEMM family (`ops::gemm`: plain, SwiGLU, grouped, grouped SwiGLU) in
+//! both precisions, plus its timing table (`bench_gemm`, ignored by default).
 //!
-//! The kernels round X to bf16 and each dequantised weight (`scale * q + bias` in f32) to bf16, then
-//! accumulate the exact products in f32 on the tensor cores. The reference does the same roundings and
+//! `Precision::Fast` rounds X and each dequantised weight (`scale * q + bias` in f32) to bf16, then
+//! accumulates the exact products in f32 on the tensor cores. Its reference does the same roundings and
 //! sums in f64, so the only difference left is f32 accumulation (over K/16 sequential mma steps, each
 //! adding an exactly-formed sum of 16 products): about 2^-24 · √(K/16) · |partial sums| in practice,
 //! ~1e-7 of the largest output, and bounded by (K/16) · 2^-23 ≈ 1.5e-5 (K = 2048) times the ratio of
 //! the partial sums to the largest output. TOL = 2e-5 leaves room for that; a wrong code, group, row,
 //! column or token shows up as > 1e-2. Against `lily_cpu::linear::matmul` (f32 x and weights, no
-//! bf16 rounding) the difference is the bf16 rounding itself, ~1e-3, bounded loosely by CPU_TOL.
+//! bf16 rounding) the difference is the bf16 rounding itself, ~3e-3, bounded loosely by CPU_TOL.
+//!
+//! `Precision::Exact` (the default) is compared with an f64 product of the UNROUNDED f32 x and lily-cpu's
+//! f32 dequantised weights. What it leaves out: (1) the part of x below its two bf16 pieces, at most
+//! 2^-16 |x| per element and ~2^-18 typically, random in sign; it multiplies the centred code products
+//! s·(q - 2^(bits-1)) (the bias term uses the exact f32 X sums), so ~2^-18 of an output: a CPU emulation
+//! of the kernel (exact products, f32 sums) on shapes like these gives 2e-6 to 4.5e-6 of the largest
+//! output, the same as the split alone. (2) f32 accumulation on the tensor cores (truncating adds, as in
+//! Fast), but into per-group accumulators restarted every group: 2·group/16 mma steps over partial sums
+//! of one group's size, then one rounded FMA per group for the scale and one per 32/64 columns for the
+//! bias term; about 2^-24 · √(K/group) · (a group's contribution), ~1e-7 of the largest output.
+//! (3) the f32 rounding of `scale * q + bias` in the reference (2^-24). So ~5e-6 at worst and
+//! TOL_EXACT = 2e-5; the bf16 roundings Fast makes (~3e-3) are 100× over it, and so is any wrong scale,
+//! bias, X sum or group boundary. Against lily-cpu's f32 matmul (its own f32 sums, ~1e-6)
+//! CPU_TOL_EXACT = 5e-5.
 //!
 //! Every output is poisoned with NaN first (with spare elements past the end that must stay NaN), and
 //! x carries NaN rows past the tokens a kernel may read.
@@ -19,7 +33,7 @@ mod common;
 use common::{device, Rng};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use lily_cuda::ops::gemm::{self, Tile};
+use lily_cuda::ops::gemm::{self, Precision, Tile};
 use lily_cuda::ops::util;
 use lily_cuda::weights::{upload_matrix, DeviceMatrix, Uploader};
 use lily_cuda::Device;
@@ -27,12 +41,19 @@ use lily_model::affine::{quantize_bf16, AffineParams};
 use lily_model::buf::{Buf, FloatBuf};
 use lily_model::weights::{Matrix, Storage};
 
-/// GPU vs the f64 reference of the same bf16-rounded operands, relative to the largest output.
+/// Fast: GPU vs the f64 reference of the same bf16-rounded operands, relative to the largest output.
 const TOL: f64 = 2e-5;
-/// GPU vs lily-cpu's f32 matmul (unrounded operands), relative to the largest output.
+/// Fast: GPU vs lily-cpu's f32 matmul (unrounded operands), relative to the largest output.
 const CPU_TOL: f64 = 1e-2;
+/// Exact: GPU vs the f64 reference of the unrounded operands, relative to the largest output.
+const TOL_EXACT: f64 = 2e-5;
+/// Exact: GPU vs lily-cpu's f32 matmul, relative to the largest output.
+const CPU_TOL_EXACT: f64 = 5e-5;
 /// Spare output elements past the end, which must stay NaN.
 const SPARE: usize = 37;
+
+const PRECISIONS: [Precision; 2] = [Precision::Exact, Precision::Fast];
+const TILES: [Tile; 3] = [Tile::Auto, Tile::M64, Tile::M32];
 
 // ---------------------------------------------------------------------------------------------------
 // Helpers
@@ -54,7 +75,8 @@ impl std::fmt::Display for Fmt {
     }
 }
 
-const FORMATS: [Fmt; 4] = [Fmt { bits: 4, gs: 64 }, Fmt { bits: 8, gs: 32 }, Fmt { bits: 8, gs: 128 }, Fmt { bits: 16, gs: 0 }];
+const FORMATS: [Fmt; 5] =
+    [Fmt { bits: 4, gs: 64 }, Fmt { bits: 4, gs: 128 }, Fmt { bits: 8, gs: 32 }, Fmt { bits: 8, gs: 64 }, Fmt { bits: 16, gs: 0 }];
 
 /// A stack of `count` random `[rows, cols]` matrices: quantised with MLX's algorithm (bf16 scales and
 /// biases), or dense bf16. Rows have different offsets and spreads so that scales and biases matter.
@@ -84,18 +106,20 @@ fn bf16r(v: f32) -> f32 {
     bf16::from_f32(v).to_f32()
 }
 
-/// Matrix `m` as the GPU sees it: `scale * q + bias` in f32 (lily-cpu's dequantisation), rounded to
-/// bf16. `[rows * cols]`.
-fn weights_bf16(w: &Matrix, m: usize) -> Vec<f32> {
+/// Matrix `m` dequantised as lily-cpu does (`scale * q + bias` in f32), rounded to bf16 when `fast`
+/// (what the Fast kernels multiply). `[rows * cols]`.
+fn weights(w: &Matrix, m: usize, fast: bool) -> Vec<f32> {
     let mut out = vec![0.0f32; w.rows * w.cols];
     for (r, row) in out.chunks_exact_mut(w.cols).enumerate() {
         lily_cpu::linear::dequantize_row(w, m, r, row);
-        row.iter_mut().for_each(|v| *v = bf16r(*v));
+        if fast {
+            row.iter_mut().for_each(|v| *v = bf16r(*v));
+        }
     }
     out
 }
 
-/// `W x` in f64 for one bf16-rounded x row.
+/// `W x` in f64 for one x row.
 fn dot_rows(wq: &[f32], cols: usize, xr: &[f32]) -> Vec<f64> {
     wq.chunks_exact(cols).map(|row| row.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum()).collect()
 }
@@ -137,20 +161,67 @@ fn download_checked(dev: &Device, y: &CudaSlice<f32>, n: usize, what: &str) -> V
 /// `t` random x rows of `cols`, followed by `extra` rows of NaN (which no kernel may read); the
 /// device copy, the host rows, and the rows rounded to bf16.
 fn inputs(dev: &Device, rng: &mut Rng, t: usize, cols: usize, extra: usize) -> (CudaSlice<f32>, Vec<f32>, Vec<f32>) {
-    let x = rng.normals(t * cols, 1.0);
+    inputs_from(dev, rng.normals(t * cols, 1.0), cols, extra)
+}
+
+fn inputs_from(dev: &Device, x: Vec<f32>, cols: usize, extra: usize) -> (CudaSlice<f32>, Vec<f32>, Vec<f32>) {
     let mut padded = x.clone();
     padded.extend(std::iter::repeat_n(f32::NAN, extra * cols));
     let xr: Vec<f32> = x.iter().map(|v| bf16r(*v)).collect();
     (dev.upload(&padded).unwrap(), x, xr)
 }
 
-/// Compares a [t, rows] output with the f64 reference and with lily-cpu's result; returns
-/// (error vs reference, error vs lily-cpu).
-fn compare(got: &[f32], want: &[f64], cpu: &[f32], what: &str) -> (f64, f64) {
-    let e = check(got, want, TOL, what);
-    let cpu64: Vec<f64> = cpu.iter().map(|v| *v as f64).collect();
-    let ec = check(got, &cpu64, CPU_TOL, &format!("{what} (vs lily-cpu f32)"));
-    (e, ec)
+/// The references of one case: f64 from the unrounded operands (Exact), f64 from the bf16-rounded ones
+/// (Fast), and lily-cpu's f32 result.
+struct Refs {
+    exact: Vec<f64>,
+    fast: Vec<f64>,
+    cpu: Vec<f32>,
+}
+
+/// Worst errors seen per precision (index 0 Exact, 1 Fast): vs the reference and vs lily-cpu.
+#[derive(Default)]
+struct Worst {
+    reference: [f64; 2],
+    cpu: [f64; 2],
+}
+
+fn pidx(p: Precision) -> usize {
+    match p {
+        Precision::Exact => 0,
+        Precision::Fast => 1,
+    }
+}
+
+impl Worst {
+    fn merge(&mut self, o: &Worst) {
+        for i in 0..2 {
+            self.reference[i] = self.reference[i].max(o.reference[i]);
+            self.cpu[i] = self.cpu[i].max(o.cpu[i]);
+        }
+    }
+    fn print(&self, what: &str) {
+        println!(
+            "{what}: worst relative error, Exact {:.2e} vs the f64 reference (tolerance {TOL_EXACT:.0e}), {:.2e} vs lily-cpu f32 \
+             (tolerance {CPU_TOL_EXACT:.0e}); Fast {:.2e} vs the bf16-operand f64 reference (tolerance {TOL:.0e}), {:.2e} vs \
+             lily-cpu f32 (tolerance {CPU_TOL:.0e})",
+            self.reference[0], self.cpu[0], self.reference[1], self.cpu[1]
+        );
+    }
+}
+
+/// Compares a [t, rows] output of precision `p` with its reference and with lily-cpu's result.
+fn compare(got: &[f32], refs: &Refs, p: Precision, worst: &mut Worst, what: &str) {
+    let (want, tol, cpu_tol) = match p {
+        Precision::Exact => (&refs.exact, TOL_EXACT, CPU_TOL_EXACT),
+        Precision::Fast => (&refs.fast, TOL, CPU_TOL),
+    };
+    let e = check(got, want, tol, what);
+    let cpu64: Vec<f64> = refs.cpu.iter().map(|v| *v as f64).collect();
+    let ec = check(got, &cpu64, cpu_tol, &format!("{what} (vs lily-cpu f32)"));
+    let i = pidx(p);
+    worst.reference[i] = worst.reference[i].max(e);
+    worst.cpu[i] = worst.cpu[i].max(ec);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -171,11 +242,37 @@ const SHAPES: &[(usize, usize, usize)] = &[
     (256, 4096, 33),
 ];
 
+/// The references of a plain GEMM with matrix `m`.
+fn plain_refs(w: &Matrix, m: usize, x: &[f32], xr: &[f32]) -> Refs {
+    let cols = w.cols;
+    let (we, wf) = (weights(w, m, false), weights(w, m, true));
+    let exact = x.chunks_exact(cols).flat_map(|xt| dot_rows(&we, cols, xt)).collect();
+    let fast = xr.chunks_exact(cols).flat_map(|xt| dot_rows(&wf, cols, xt)).collect();
+    let mut cpu = vec![0.0f32; x.len() / cols * w.rows];
+    lily_cpu::linear::matmul(w, m, x, &mut cpu);
+    Refs { exact, fast, cpu }
+}
+
+/// Runs `gemm` in both precisions and all tiles on one case and checks it.
+#[allow(clippy::too_many_arguments)]
+fn plain_case(dev: &Device, w: &Matrix, m: usize, xd: &CudaSlice<f32>, refs: &Refs, t: usize, what: &str, worst: &mut Worst) {
+    let dw = upload_matrix(dev, w).unwrap();
+    for p in PRECISIONS {
+        for tile in TILES {
+            let mut y = poisoned(dev, t * w.rows + SPARE);
+            gemm::gemm_with(dev, &dw, m, xd, t, &mut y, tile, p).unwrap();
+            let what = format!("{what} {p:?} {tile:?}");
+            let got = download_checked(dev, &y, t * w.rows, &what);
+            compare(&got, refs, p, worst, &what);
+        }
+    }
+}
+
 #[test]
 fn gemm_matches_reference() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(101);
-    let (mut worst, mut worst_cpu) = (0.0f64, 0.0f64);
+    let mut worst = Worst::default();
     for f in FORMATS {
         for &(rows, cols, t) in SHAPES {
             if f.gs != 0 && cols % f.gs != 0 {
@@ -184,31 +281,88 @@ fn gemm_matches_reference() {
             let count = if rows * cols <= 200 * 256 { 3 } else { 1 };
             let m = count - 1;
             let w = matrix(&mut rng, f, count, rows, cols);
-            let dw = upload_matrix(&dev, &w).unwrap();
             let (xd, x, xr) = inputs(&dev, &mut rng, t, cols, 2);
-            let wq = weights_bf16(&w, m);
-            let want: Vec<f64> = xr.chunks_exact(cols).flat_map(|xt| dot_rows(&wq, cols, xt)).collect();
-            let mut cpu = vec![0.0f32; t * rows];
-            lily_cpu::linear::matmul(&w, m, &x, &mut cpu);
-            for tile in [Tile::Auto, Tile::M64, Tile::M32] {
-                let mut y = poisoned(&dev, t * rows + SPARE);
-                gemm::gemm_tiled(&dev, &dw, m, &xd, t, &mut y, tile).unwrap();
-                let what = format!("gemm {f} [{count}x{rows}x{cols}] m={m} t={t} {tile:?}");
-                let got = download_checked(&dev, &y, t * rows, &what);
-                let (e, ec) = compare(&got, &want, &cpu, &what);
-                worst = worst.max(e);
-                worst_cpu = worst_cpu.max(ec);
-            }
+            let refs = plain_refs(&w, m, &x, &xr);
+            plain_case(&dev, &w, m, &xd, &refs, t, &format!("gemm {f} [{count}x{rows}x{cols}] m={m} t={t}"), &mut worst);
         }
     }
-    println!("gemm: worst relative error {worst:.2e} vs the bf16-operand f64 reference (tolerance {TOL:.0e}), {worst_cpu:.2e} vs lily-cpu f32 (tolerance {CPU_TOL:.0e})");
+    worst.print("gemm");
+}
+
+/// Activations with a common offset and a few huge channels (as LLM hidden states have): the X sums
+/// and the bias term carry most of each group's value.
+#[test]
+fn gemm_matches_reference_with_outlier_channels() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(105);
+    let mut worst = Worst::default();
+    let (rows, cols, t) = (200, 2048, 70);
+    let outliers: Vec<usize> = (0..6).map(|_| rng.below(cols)).collect();
+    for f in FORMATS {
+        let w = matrix(&mut rng, f, 1, rows, cols);
+        let mut x = rng.normals(t * cols, 1.0);
+        for (i, v) in x.iter_mut().enumerate() {
+            *v += 0.5;
+            if outliers.contains(&(i % cols)) {
+                *v *= 80.0;
+            }
+        }
+        let (xd, x, xr) = inputs_from(&dev, x, cols, 2);
+        let refs = plain_refs(&w, 0, &x, &xr);
+        plain_case(&dev, &w, 0, &xd, &refs, t, &format!("gemm (outliers) {f} [{rows}x{cols}] t={t}"), &mut worst);
+    }
+    worst.print("gemm with outlier channels");
+}
+
+/// The default precision is Exact, and it is far closer to the f64 product of the unrounded operands
+/// than Fast: the switch works (on a real shape: k/v-like [1024, 2048], 4-bit g64, and the MoE down
+/// projection's grouped form).
+#[test]
+fn exact_is_the_default_and_beats_fast() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(106);
+    let f = Fmt { bits: 4, gs: 64 };
+    let (rows, cols, t) = (1024, 2048, 130);
+    let w = matrix(&mut rng, f, 1, rows, cols);
+    let dw = upload_matrix(&dev, &w).unwrap();
+    let (xd, x, xr) = inputs(&dev, &mut rng, t, cols, 0);
+    let refs = plain_refs(&w, 0, &x, &xr);
+    let mut y = poisoned(&dev, t * rows);
+    gemm::gemm(&dev, &dw, 0, &xd, t, &mut y).unwrap();
+    let e_default = rel_err(&dev.download(&y).unwrap(), &refs.exact, "gemm default");
+    gemm::gemm_with(&dev, &dw, 0, &xd, t, &mut y, Tile::Auto, Precision::Fast).unwrap();
+    let e_fast = rel_err(&dev.download(&y).unwrap(), &refs.exact, "gemm fast");
+    println!("gemm {f} [{rows}x{cols}] t={t}: default {e_default:.2e}, fast {e_fast:.2e} vs the f64 reference of the unrounded operands");
+    assert!(e_default <= TOL_EXACT, "the default gemm is not Exact: {e_default:.3e}");
+    assert!(e_default * 20.0 <= e_fast, "Exact ({e_default:.3e}) is not 20x closer than Fast ({e_fast:.3e})");
+
+    // Grouped, default vs Fast: 2 experts, down-projection-like [2048, 512].
+    let (rows, cols, counts) = (2048, 512, [70usize, 61]);
+    let n: usize = counts.iter().sum();
+    let w = matrix(&mut rng, f, 2, rows, cols);
+    let dw = upload_matrix(&dev, &w).unwrap();
+    let (xd, x, _) = inputs(&dev, &mut rng, n, cols, 0);
+    let off = dev.upload(&offsets_of(&counts)).unwrap();
+    let mut want = Vec::with_capacity(n * rows);
+    for (e, range) in [(0usize, 0..counts[0]), (1, counts[0]..n)] {
+        let we = weights(&w, e, false);
+        range.for_each(|i| want.extend(dot_rows(&we, cols, &x[i * cols..(i + 1) * cols])));
+    }
+    let mut y = poisoned(&dev, n * rows);
+    gemm::grouped_gemm(&dev, &dw, &off, None, &xd, n, &mut y).unwrap();
+    let e_default = rel_err(&dev.download(&y).unwrap(), &want, "grouped default");
+    gemm::grouped_gemm_with(&dev, &dw, &off, None, &xd, n, &mut y, Tile::Auto, Precision::Fast).unwrap();
+    let e_fast = rel_err(&dev.download(&y).unwrap(), &want, "grouped fast");
+    println!("grouped_gemm {f} E=2 [{rows}x{cols}] n={n}: default {e_default:.2e}, fast {e_fast:.2e}");
+    assert!(e_default <= TOL_EXACT, "the default grouped_gemm is not Exact: {e_default:.3e}");
+    assert!(e_default * 20.0 <= e_fast, "grouped: Exact ({e_default:.3e}) is not 20x closer than Fast ({e_fast:.3e})");
 }
 
 #[test]
 fn swiglu_gemm_matches_reference() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(102);
-    let (mut worst, mut worst_cpu) = (0.0f64, 0.0f64);
+    let mut worst = Worst::default();
     // (rows, cols, t): 64 output rows per block here, so 70 and 33 leave partial tiles; (512, 2048) is the
     // shared expert's gate/up.
     let shapes: &[(usize, usize, usize)] = &[(70, 64, 1), (33, 96, 3), (130, 256, 17), (200, 2048, 130), (512, 2048, 65)];
@@ -222,32 +376,32 @@ fn swiglu_gemm_matches_reference() {
             let (g, u) = (matrix(&mut rng, f, count, rows, cols), matrix(&mut rng, f, count, rows, cols));
             let (dg, du) = (upload_matrix(&dev, &g).unwrap(), upload_matrix(&dev, &u).unwrap());
             let (xd, x, xr) = inputs(&dev, &mut rng, t, cols, 2);
-            let (gq, uq) = (weights_bf16(&g, m), weights_bf16(&u, m));
-            let want: Vec<f64> = xr
-                .chunks_exact(cols)
-                .flat_map(|xt| {
-                    let (a, b) = (dot_rows(&gq, cols, xt), dot_rows(&uq, cols, xt));
-                    a.iter().zip(&b).map(|(a, b)| silu64(*a) * b).collect::<Vec<_>>()
-                })
-                .collect();
+            let swiglu_ref = |fast: bool, xs: &[f32]| -> Vec<f64> {
+                let (gq, uq) = (weights(&g, m, fast), weights(&u, m, fast));
+                xs.chunks_exact(cols)
+                    .flat_map(|xt| {
+                        let (a, b) = (dot_rows(&gq, cols, xt), dot_rows(&uq, cols, xt));
+                        a.iter().zip(&b).map(|(a, b)| silu64(*a) * b).collect::<Vec<_>>()
+                    })
+                    .collect()
+            };
             let (mut cg, mut cu) = (vec![0.0f32; t * rows], vec![0.0f32; t * rows]);
             lily_cpu::linear::matmul(&g, m, &x, &mut cg);
             lily_cpu::linear::matmul(&u, m, &x, &mut cu);
             let cpu: Vec<f32> = cg.iter().zip(&cu).map(|(a, b)| (silu64(*a as f64) * *b as f64) as f32).collect();
-            for tile in [Tile::Auto, Tile::M64, Tile::M32] {
-                let mut y = poisoned(&dev, t * rows + SPARE);
-                gemm::swiglu_gemm_tiled(&dev, &dg, &du, m, &xd, t, &mut y, tile).unwrap();
-                let what = format!("swiglu_gemm {f} [{count}x{rows}x{cols}] m={m} t={t} {tile:?}");
-                let got = download_checked(&dev, &y, t * rows, &what);
-                let (e, ec) = compare(&got, &want, &cpu, &what);
-                worst = worst.max(e);
-                worst_cpu = worst_cpu.max(ec);
+            let refs = Refs { exact: swiglu_ref(false, &x), fast: swiglu_ref(true, &xr), cpu };
+            for p in PRECISIONS {
+                for tile in TILES {
+                    let mut y = poisoned(&dev, t * rows + SPARE);
+                    gemm::swiglu_gemm_with(&dev, &dg, &du, m, &xd, t, &mut y, tile, p).unwrap();
+                    let what = format!("swiglu_gemm {f} [{count}x{rows}x{cols}] m={m} t={t} {p:?} {tile:?}");
+                    let got = download_checked(&dev, &y, t * rows, &what);
+                    compare(&got, &refs, p, &mut worst, &what);
+                }
             }
         }
     }
-    println!(
-        "swiglu_gemm: worst relative error {worst:.2e} (tolerance {TOL:.0e}), {worst_cpu:.2e} vs lily-cpu f32 (tolerance {CPU_TOL:.0e})"
-    );
+    worst.print("swiglu_gemm");
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -264,7 +418,7 @@ fn offsets_of(counts: &[usize]) -> Vec<u32> {
 
 /// One grouped case: `counts` slots per expert, with a random gather (`gather_rows` = Some(x rows)) or
 /// none; checks `grouped_gemm` (or `grouped_swiglu_gemm` when `swiglu`) slot by slot against the plain
-/// reference, with both tiles. Returns (worst error vs reference, worst vs lily-cpu).
+/// references, in both precisions and with every tile.
 #[allow(clippy::too_many_arguments)]
 fn grouped_case(
     dev: &Device,
@@ -275,7 +429,7 @@ fn grouped_case(
     counts: &[usize],
     gather_rows: Option<usize>,
     swiglu: bool,
-) -> (f64, f64) {
+) -> Worst {
     let e_count = counts.len();
     let n: usize = counts.iter().sum();
     let off = offsets_of(counts);
@@ -294,15 +448,12 @@ fn grouped_case(
     let src_d = dev.upload(&src).unwrap();
     let off_d = dev.upload(&off).unwrap();
 
-    let mut want = vec![0.0f64; n * rows];
-    let mut cpu = vec![0.0f32; n * rows];
+    let mut refs = Refs { exact: vec![0.0f64; n * rows], fast: vec![0.0f64; n * rows], cpu: vec![0.0f32; n * rows] };
     for e in 0..e_count {
         let (a, b) = (off[e] as usize, off[e + 1] as usize);
         if a == b {
             continue;
         }
-        let gq = weights_bf16(&g, e);
-        let uq = u.as_ref().map(|u| weights_bf16(u, e));
         // lily-cpu on the gathered rows of this expert.
         let xe: Vec<f32> = (a..b).flat_map(|i| x[src[i] as usize * cols..(src[i] as usize + 1) * cols].to_vec()).collect();
         let mut cg = vec![0.0f32; (b - a) * rows];
@@ -313,45 +464,52 @@ fn grouped_case(
             v
         });
         for i in a..b {
-            let s = src[i] as usize;
-            let xt = &xr[s * cols..(s + 1) * cols];
-            let gv = dot_rows(&gq, cols, xt);
-            let out = &mut want[i * rows..(i + 1) * rows];
-            match &uq {
-                Some(uq) => {
-                    let uv = dot_rows(uq, cols, xt);
-                    out.iter_mut().zip(gv.iter().zip(&uv)).for_each(|(o, (a, b))| *o = silu64(*a) * b);
-                }
-                None => out.copy_from_slice(&gv),
-            }
-            let c = &mut cpu[i * rows..(i + 1) * rows];
+            let c = &mut refs.cpu[i * rows..(i + 1) * rows];
             let k = (i - a) * rows;
             match &cu {
                 Some(cu) => c.iter_mut().enumerate().for_each(|(j, o)| *o = (silu64(cg[k + j] as f64) * cu[k + j] as f64) as f32),
                 None => c.copy_from_slice(&cg[k..k + rows]),
             }
         }
+        // The f64 references: unrounded (Exact) and bf16-rounded (Fast) operands.
+        for (fast, xs, want) in [(false, &x, &mut refs.exact), (true, &xr, &mut refs.fast)] {
+            let gq = weights(&g, e, fast);
+            let uq = u.as_ref().map(|u| weights(u, e, fast));
+            for i in a..b {
+                let s = src[i] as usize;
+                let xt = &xs[s * cols..(s + 1) * cols];
+                let gv = dot_rows(&gq, cols, xt);
+                let out = &mut want[i * rows..(i + 1) * rows];
+                match &uq {
+                    Some(uq) => {
+                        let uv = dot_rows(uq, cols, xt);
+                        out.iter_mut().zip(gv.iter().zip(&uv)).for_each(|(o, (a, b))| *o = silu64(*a) * b);
+                    }
+                    None => out.copy_from_slice(&gv),
+                }
+            }
+        }
     }
 
-    let (mut worst, mut worst_cpu) = (0.0f64, 0.0f64);
-    for tile in [Tile::Auto, Tile::M64, Tile::M32] {
-        let mut y = poisoned(dev, n * rows + SPARE);
-        let gather = gather_rows.map(|_| &src_d);
-        match &du {
-            Some(du) => gemm::grouped_swiglu_gemm_tiled(dev, &dg, du, &off_d, gather, &xd, n, &mut y, tile).unwrap(),
-            None => gemm::grouped_gemm_tiled(dev, &dg, &off_d, gather, &xd, n, &mut y, tile).unwrap(),
+    let mut worst = Worst::default();
+    for p in PRECISIONS {
+        for tile in TILES {
+            let mut y = poisoned(dev, n * rows + SPARE);
+            let gather = gather_rows.map(|_| &src_d);
+            match &du {
+                Some(du) => gemm::grouped_swiglu_gemm_with(dev, &dg, du, &off_d, gather, &xd, n, &mut y, tile, p).unwrap(),
+                None => gemm::grouped_gemm_with(dev, &dg, &off_d, gather, &xd, n, &mut y, tile, p).unwrap(),
+            }
+            let what = format!(
+                "grouped{} {f} E={e_count} [{rows}x{cols}] n={n} gather={:?} {p:?} {tile:?}",
+                if swiglu { " swiglu" } else { "" },
+                gather_rows
+            );
+            let got = download_checked(dev, &y, n * rows, &what);
+            compare(&got, &refs, p, &mut worst, &what);
         }
-        let what = format!(
-            "grouped{} {f} E={e_count} [{rows}x{cols}] n={n} gather={:?} {tile:?}",
-            if swiglu { " swiglu" } else { "" },
-            gather_rows
-        );
-        let got = download_checked(dev, &y, n * rows, &what);
-        let (e, ec) = compare(&got, &want, &cpu, &what);
-        worst = worst.max(e);
-        worst_cpu = worst_cpu.max(ec);
     }
-    (worst, worst_cpu)
+    worst
 }
 
 /// Expert sizes: empty experts, single slots, and experts of more than two tiles (> 128 slots).
@@ -371,11 +529,7 @@ fn random_counts(rng: &mut Rng, e: usize, n: usize) -> Vec<usize> {
 fn grouped_suite(swiglu: bool) {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(if swiglu { 202 } else { 201 });
-    let (mut worst, mut worst_cpu) = (0.0f64, 0.0f64);
-    let mut note = |r: (f64, f64)| {
-        worst = worst.max(r.0);
-        worst_cpu = worst_cpu.max(r.1);
-    };
+    let mut worst = Worst::default();
     for f in FORMATS {
         let cols = match f.gs {
             0 | 32 => 96,
@@ -383,25 +537,24 @@ fn grouped_suite(swiglu: bool) {
             _ => 256,
         };
         for gather in [None, Some(100)] {
-            note(grouped_case(&dev, &mut rng, f, 70, cols, COUNTS, gather, swiglu));
+            worst.merge(&grouped_case(&dev, &mut rng, f, 70, cols, COUNTS, gather, swiglu));
         }
     }
     // MoE-like: 256 experts with skewed random routing (gate/up-like K = 2048, and down-like K = 512),
     // gathering from 100 token rows (repeated rows); and the 512-expert maximum with tiny matrices.
     let f = Fmt { bits: 4, gs: 64 };
     let counts = random_counts(&mut rng, 256, 800);
-    note(grouped_case(&dev, &mut rng, f, 40, 2048, &counts, Some(100), swiglu));
+    worst.merge(&grouped_case(&dev, &mut rng, f, 40, 2048, &counts, Some(100), swiglu));
     let counts = random_counts(&mut rng, 256, 800);
-    note(grouped_case(&dev, &mut rng, f, 136, 512, &counts, None, swiglu));
+    worst.merge(&grouped_case(&dev, &mut rng, f, 136, 512, &counts, None, swiglu));
     let counts = random_counts(&mut rng, 512, 1500);
-    note(grouped_case(&dev, &mut rng, Fmt { bits: 8, gs: 32 }, 8, 64, &counts, Some(300), swiglu));
+    worst.merge(&grouped_case(&dev, &mut rng, Fmt { bits: 8, gs: 32 }, 8, 64, &counts, Some(300), swiglu));
     // Every slot in the last expert, and a single expert.
     let mut last = vec![0usize; 9];
     last[8] = 131;
-    note(grouped_case(&dev, &mut rng, f, 33, 128, &last, None, swiglu));
-    note(grouped_case(&dev, &mut rng, f, 33, 128, &[77], Some(20), swiglu));
-    let what = if swiglu { "grouped_swiglu_gemm" } else { "grouped_gemm" };
-    println!("{what}: worst relative error {worst:.2e} (tolerance {TOL:.0e}), {worst_cpu:.2e} vs lily-cpu f32 (tolerance {CPU_TOL:.0e})");
+    worst.merge(&grouped_case(&dev, &mut rng, f, 33, 128, &last, None, swiglu));
+    worst.merge(&grouped_case(&dev, &mut rng, f, 33, 128, &[77], Some(20), swiglu));
+    worst.print(if swiglu { "grouped_swiglu_gemm" } else { "grouped_gemm" });
 }
 
 #[test]
@@ -424,23 +577,26 @@ fn grouped_gather_past_x_gives_nan_rows_only() {
     let n = 7;
     let w = matrix(&mut rng, f, 3, rows, cols);
     let dw = upload_matrix(&dev, &w).unwrap();
-    let (xd, _, xr) = inputs(&dev, &mut rng, 5, cols, 0);
+    let (xd, x, xr) = inputs(&dev, &mut rng, 5, cols, 0);
     let src: Vec<u32> = vec![0, 4, 5, 2, 1, 99, 3]; // slots 2 and 5 read past the 5 rows of x
     let src_d = dev.upload(&src).unwrap();
     let off_d = dev.upload(&offsets_of(&counts)).unwrap();
-    let mut y = poisoned(&dev, n * rows);
-    util::fill(&dev, &mut y, 0.5).unwrap();
-    gemm::grouped_gemm(&dev, &dw, &off_d, Some(&src_d), &xd, n, &mut y).unwrap();
-    let got = dev.download(&y).unwrap();
     let expert = [0usize, 0, 0, 2, 2, 2, 2];
-    for i in 0..n {
-        let row = &got[i * rows..(i + 1) * rows];
-        if src[i] >= 5 {
-            assert!(row.iter().all(|v| v.is_nan()), "slot {i} reads row {} of 5: must be NaN", src[i]);
-        } else {
-            let s = src[i] as usize;
-            let want = dot_rows(&weights_bf16(&w, expert[i]), cols, &xr[s * cols..(s + 1) * cols]);
-            check(row, &want, TOL, &format!("slot {i} next to bad gathers"));
+    for p in PRECISIONS {
+        let mut y = poisoned(&dev, n * rows);
+        util::fill(&dev, &mut y, 0.5).unwrap();
+        gemm::grouped_gemm_with(&dev, &dw, &off_d, Some(&src_d), &xd, n, &mut y, Tile::Auto, p).unwrap();
+        let got = dev.download(&y).unwrap();
+        for i in 0..n {
+            let row = &got[i * rows..(i + 1) * rows];
+            if src[i] >= 5 {
+                assert!(row.iter().all(|v| v.is_nan()), "{p:?}: slot {i} reads row {} of 5: must be NaN", src[i]);
+            } else {
+                let s = src[i] as usize;
+                let (xs, tol) = if p == Precision::Exact { (&x, TOL_EXACT) } else { (&xr, TOL) };
+                let want = dot_rows(&weights(&w, expert[i], p == Precision::Fast), cols, &xs[s * cols..(s + 1) * cols]);
+                check(row, &want, tol, &format!("{p:?}: slot {i} next to bad gathers"));
+            }
         }
     }
 }
@@ -530,7 +686,23 @@ fn time_op(dev: &Device, mut op: impl FnMut()) -> f64 {
 }
 
 fn report(what: &str, flops: f64, t: f64) {
-    println!("{what:<58} {:>10.1} us {:>8.1} TFLOP/s", t * 1e6, flops / t / 1e12);
+    println!("{what:<66} {:>10.1} us {:>8.1} TFLOP/s", t * 1e6, flops / t / 1e12);
+}
+
+/// Times `op(tile, precision)` for every tile and both precisions; prints one line each, then the
+/// Exact/Fast time ratio with the Auto tile.
+fn bench_both(dev: &Device, what: &str, flops: f64, mut op: impl FnMut(Tile, Precision)) {
+    let mut auto = [0.0f64; 2];
+    for p in PRECISIONS {
+        for tile in TILES {
+            let s = time_op(dev, || op(tile, p));
+            report(&format!("{what} {tile:?} {p:?}"), flops, s);
+            if tile == Tile::Auto {
+                auto[pidx(p)] = s;
+            }
+        }
+    }
+    println!("{what}: Exact / Fast time (Auto) = {:.2}", auto[0] / auto[1]);
 }
 
 #[test]
@@ -554,24 +726,22 @@ fn bench_gemm() {
     let max_t = 4096;
     let x = dev.upload(&rng.normals(max_t * 8 * 2048, 1.0)).unwrap();
     let mut y = dev.zeros::<f32>(max_t * 248320).unwrap();
-    println!("{:<58} {:>13} {:>16}", "shape", "median", "rate");
+    println!("{:<66} {:>13} {:>16}", "shape", "median", "rate");
     for &(rows, cols, bits, gs, name) in plain {
         let w = bench_affine(&mut up, &mut rng, 1, rows, cols, bits, gs);
         for t in [512usize, 4096] {
-            for tile in [Tile::Auto, Tile::M64, Tile::M32] {
-                let s = time_op(&dev, || gemm::gemm_tiled(&dev, &w, 0, &x, t, &mut y, tile).unwrap());
-                report(&format!("gemm q{bits} g{gs} [{rows}x{cols}] t={t} {tile:?} ({name})"), 2.0 * (t * rows * cols) as f64, s);
-            }
+            bench_both(&dev, &format!("gemm q{bits} g{gs} [{rows}x{cols}] t={t} ({name})"), 2.0 * (t * rows * cols) as f64, |tile, p| {
+                gemm::gemm_with(&dev, &w, 0, &x, t, &mut y, tile, p).unwrap()
+            });
         }
     }
     // Shared expert gate/up: SwiGLU [512, 2048].
     {
         let (g, u) = (bench_affine(&mut up, &mut rng, 1, 512, 2048, 4, 64), bench_affine(&mut up, &mut rng, 1, 512, 2048, 4, 64));
         for t in [512usize, 4096] {
-            for tile in [Tile::Auto, Tile::M64, Tile::M32] {
-                let s = time_op(&dev, || gemm::swiglu_gemm_tiled(&dev, &g, &u, 0, &x, t, &mut y, tile).unwrap());
-                report(&format!("swiglu q4 g64 [512x2048] t={t} {tile:?} (shared expert)"), 4.0 * (t * 512 * 2048) as f64, s);
-            }
+            bench_both(&dev, &format!("swiglu q4 g64 [512x2048] t={t} (shared expert)"), 4.0 * (t * 512 * 2048) as f64, |tile, p| {
+                gemm::swiglu_gemm_with(&dev, &g, &u, 0, &x, t, &mut y, tile, p).unwrap()
+            });
         }
     }
     // MoE: 256 experts, n = 8 t slots with random routing; gate/up fused (gathering token rows), down.
@@ -599,12 +769,12 @@ fn bench_gemm() {
             let off = dev.upload(&offsets_of(&counts)).unwrap();
             let src = dev.upload(&pairs.iter().map(|p| p.1).collect::<Vec<u32>>()).unwrap();
             let mut h = dev.zeros::<f32>(n * 512).unwrap();
-            for tile in [Tile::Auto, Tile::M64, Tile::M32] {
-                let s = time_op(&dev, || gemm::grouped_swiglu_gemm_tiled(&dev, &g, &u, &off, Some(&src), &x, n, &mut h, tile).unwrap());
-                report(&format!("grouped swiglu q4 E=256 [512x2048] n={n} {tile:?}"), 4.0 * (n * 512 * 2048) as f64, s);
-                let s = time_op(&dev, || gemm::grouped_gemm_tiled(&dev, &d, &off, None, &h, n, &mut y, tile).unwrap());
-                report(&format!("grouped q4 E=256 [2048x512] n={n} {tile:?} (down)"), 2.0 * (n * 2048 * 512) as f64, s);
-            }
+            bench_both(&dev, &format!("grouped swiglu q4 E=256 [512x2048] n={n}"), 4.0 * (n * 512 * 2048) as f64, |tile, p| {
+                gemm::grouped_swiglu_gemm_with(&dev, &g, &u, &off, Some(&src), &x, n, &mut h, tile, p).unwrap()
+            });
+            bench_both(&dev, &format!("grouped q4 E=256 [2048x512] n={n} (down)"), 2.0 * (n * 2048 * 512) as f64, |tile, p| {
+                gemm::grouped_gemm_with(&dev, &d, &off, None, &h, n, &mut y, tile, p).unwrap()
+            });
         }
     }
 }

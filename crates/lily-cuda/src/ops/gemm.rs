@@ -3,15 +3,26 @@
 //! Also the fused SwiGLU first half of the MLP, and the grouped (MoE prefill) forms where sorted slots
 //! belong to experts through a device array of offsets (no host round trip).
 //!
-//! Numerics (all four forms): each X element is rounded to bf16 (nearest even) when staged; each
-//! weight is dequantised in f32 as `scale * q + bias` (one rounding, the value `lily-cpu` computes) and
-//! rounded to bf16 (nearest even); dense weights are bf16 already. Products of the bf16 values are
-//! accumulated in f32 (`mma.sync m16n8k16 .bf16 -> .f32`). So the result is the f32-accumulated product
-//! of the bf16-rounded operands; against `lily_cpu::linear::matmul` (f32 x and weights) expect a
-//! relative difference of order 1e-3 (bf16 has an 8-bit significand).
+//! Numerics ([`Precision`], all four forms; products are exact and accumulated in f32 by
+//! `mma.sync m16n8k16 .bf16 -> .f32`):
+//! - [`Precision::Exact`] (the default of every function without a `precision` argument): nearly f32.
+//!   Each X element is split into two bf16, `hi = bf16(x)` and `lo = bf16(x - hi)`, and both are
+//!   multiplied (two MMAs per k-step), so what is lost of x is below 2^-16 |x| (~2^-18 typically).
+//!   Affine weights are not rounded at all: the tensor cores multiply the integer codes, centred
+//!   (`c = q - 2^(bits-1)`, exact in bf16), and the affine map is applied per group in f32,
+//!   `y = Σ_g ( s[g] · Σ_{i∈g} c[i]·x[i] + (b[g] + 2^(bits-1)·s[g]) · Σ_{i∈g} x[i] )`, with the X sums
+//!   taken in f32 from the unrounded x. Dense bf16 weights are exact already. Against an f64 product of
+//!   the f32 x and `lily-cpu`'s dequantised weights (`scale * q + bias` in f32) expect a few 1e-6 of the
+//!   largest output (the part of x the split loses).
+//! - [`Precision::Fast`]: each X element is rounded to bf16 (nearest even) when staged; each weight is
+//!   dequantised in f32 as `scale * q + bias` (one rounding, the value `lily-cpu` computes) and rounded
+//!   to bf16 (nearest even); one MMA per k-step. Against `lily_cpu::linear::matmul` expect a relative
+//!   difference of order 1e-3 (bf16 has an 8-bit significand).
 //!
 //! Shapes: `cols` a positive multiple of 32 and of the group size; any `rows >= 1`; any `t` (or `n`)
-//! `>= 0` (0 does nothing); tails are masked, nothing outside `Y[..t, ..rows]` is written.
+//! `>= 0` (0 does nothing); tails are masked, nothing outside `Y[..t, ..rows]` is written. The kernels
+//! index x, the packed weights and the scales with 32 bits: x up to 2^32 - 2 floats, a weight stack up to
+//! 2^32 - 1 16-byte chunks (64 GiB) and 2^32 - 1 groups.
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -58,83 +69,105 @@ pub enum Tile {
     M32,
 }
 
-const THREADS: u32 = 256;
+/// The numerics of a GEMM call (see the module doc).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Precision {
+    /// Nearly f32: x as a sum of two bf16 (two MMAs per k-step), affine weights as exact integer codes
+    /// with the per-group scale and bias applied in f32. The default.
+    #[default]
+    Exact,
+    /// x and each dequantised weight rounded to bf16 (one MMA per k-step): ~1e-3 relative error.
+    Fast,
+}
+
+const THREADS: usize = 256;
 /// W tile rows per block (the SwiGLU forms use 64 output rows of gate and 64 of up).
 const BN: usize = 128;
+/// K per step.
+const BK: usize = 64;
 /// Shared-memory row pitch in bf16 elements, as in the `.cu` (64 + 8 padding).
 const LDS: usize = 72;
 
-/// Dynamic shared memory of a variant with `bm` tokens per block: two buffers of X and W tiles.
-const fn smem_bytes(bm: usize) -> usize {
-    2 * (bm + BN) * LDS * 2
+/// Dynamic shared memory of a variant with `bm` tokens per block, as laid out in the `.cu`. Fast: two
+/// buffers of X and W tiles. Exact: two buffers of X (hi and lo planes) and W tiles, of (scale, bias)
+/// per W tile row and 32-column half (f32 pairs) and of X row sums per half; one raw W staging area
+/// (two 16-byte chunks per thread) and one raw f32 X tile.
+const fn smem_bytes(bm: usize, precision: Precision) -> usize {
+    match precision {
+        Precision::Fast => 2 * (bm + BN) * LDS * 2,
+        Precision::Exact => 2 * (2 * bm + BN) * LDS * 2 + 2 * BN * 2 * 8 + 2 * bm * 8 + 2 * THREADS * 16 + bm * BK * 4,
+    }
 }
 
-// Kernel names by form; index = format (q4, q8, bf16) * 2 + tile (m64, m32).
+// Kernel names by form; index = precision (exact, fast) * 6 + format (q4, q8, bf16) * 2 + tile (m64, m32).
 macro_rules! family {
     ($p:literal) => {
         [
-            concat!($p, "_q4_m64"),
-            concat!($p, "_q4_m32"),
-            concat!($p, "_q8_m64"),
-            concat!($p, "_q8_m32"),
-            concat!($p, "_bf16_m64"),
-            concat!($p, "_bf16_m32"),
+            concat!($p, "_q4_m64_exact"),
+            concat!($p, "_q4_m32_exact"),
+            concat!($p, "_q8_m64_exact"),
+            concat!($p, "_q8_m32_exact"),
+            concat!($p, "_bf16_m64_exact"),
+            concat!($p, "_bf16_m32_exact"),
+            concat!($p, "_q4_m64_fast"),
+            concat!($p, "_q4_m32_fast"),
+            concat!($p, "_q8_m64_fast"),
+            concat!($p, "_q8_m32_fast"),
+            concat!($p, "_bf16_m64_fast"),
+            concat!($p, "_bf16_m32_fast"),
         ]
     };
 }
-const GEMM: [&str; 6] = family!("gemm");
-const SWIGLU: [&str; 6] = family!("swiglu_gemm");
-const GROUPED: [&str; 6] = family!("grouped_gemm");
-const GROUPED_SWIGLU: [&str; 6] = family!("grouped_swiglu_gemm");
-const FAMILIES: [&[&str; 6]; 4] = [&GEMM, &SWIGLU, &GROUPED, &GROUPED_SWIGLU];
+const VARIANTS: usize = 12;
+const GEMM: [&str; VARIANTS] = family!("gemm");
+const SWIGLU: [&str; VARIANTS] = family!("swiglu_gemm");
+const GROUPED: [&str; VARIANTS] = family!("grouped_gemm");
+const GROUPED_SWIGLU: [&str; VARIANTS] = family!("grouped_swiglu_gemm");
+const FAMILIES: [&[&str; VARIANTS]; 4] = [&GEMM, &SWIGLU, &GROUPED, &GROUPED_SWIGLU];
 
-pub(crate) const KERNELS: &[&str] = &[
-    GEMM[0],
-    GEMM[1],
-    GEMM[2],
-    GEMM[3],
-    GEMM[4],
-    GEMM[5],
-    SWIGLU[0],
-    SWIGLU[1],
-    SWIGLU[2],
-    SWIGLU[3],
-    SWIGLU[4],
-    SWIGLU[5],
-    GROUPED[0],
-    GROUPED[1],
-    GROUPED[2],
-    GROUPED[3],
-    GROUPED[4],
-    GROUPED[5],
-    GROUPED_SWIGLU[0],
-    GROUPED_SWIGLU[1],
-    GROUPED_SWIGLU[2],
-    GROUPED_SWIGLU[3],
-    GROUPED_SWIGLU[4],
-    GROUPED_SWIGLU[5],
-];
+/// Precision, and tokens per block, of variant `i` of a family.
+const fn variant(i: usize) -> (Precision, usize) {
+    (if i < 6 { Precision::Exact } else { Precision::Fast }, if i.is_multiple_of(2) { 64 } else { 32 })
+}
+
+/// Every name of the four families.
+const fn all_kernels() -> [&'static str; 4 * VARIANTS] {
+    let mut out = [""; 4 * VARIANTS];
+    let mut f = 0;
+    while f < 4 {
+        let mut i = 0;
+        while i < VARIANTS {
+            out[f * VARIANTS + i] = FAMILIES[f][i];
+            i += 1;
+        }
+        f += 1;
+    }
+    out
+}
+const ALL_KERNELS: [&str; 4 * VARIANTS] = all_kernels();
+
+pub(crate) const KERNELS: &[&str] = &ALL_KERNELS;
 
 /// Most experts the grouped forms take (each block scans the offsets with 256 threads × 2).
 pub const MAX_EXPERTS: usize = 512;
 
-/// One-time function attributes (called by `Device::open`): the m64 variants use 55 296 bytes of
-/// dynamic shared memory, over the 48 KB default.
+/// One-time function attributes (called by `Device::open`): every variant but the fast m32 ones uses
+/// more than the 48 KB default of dynamic shared memory (up to 103 424 bytes, exact m64).
 pub(crate) fn configure(dev: &Device) -> Result<()> {
     for fam in FAMILIES {
         for (i, name) in fam.iter().enumerate() {
-            let bm = if i % 2 == 0 { 64 } else { 32 };
+            let (precision, bm) = variant(i);
             dev.function(name)?
-                .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(bm) as i32)?;
+                .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(bm, precision) as i32)?;
         }
     }
     Ok(())
 }
 
 /// `Y[t, rows] = X[t, cols] · W[m]ᵀ` (matrix `m` of the stack; like `lily_cpu::linear::matmul(w, m, ..)`).
-/// x: `[t, cols]` f32 (16-byte aligned), y: `[t, rows]` f32. See the module doc for the numerics.
+/// x: `[t, cols]` f32 (16-byte aligned), y: `[t, rows]` f32. [`Precision::Exact`]; see the module doc.
 pub fn gemm<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMatrix, m: usize, x: &X, t: usize, y: &mut Y) -> Result<()> {
-    gemm_tiled(dev, w, m, x, t, y, Tile::Auto)
+    gemm_with(dev, w, m, x, t, y, Tile::Auto, Precision::Exact)
 }
 
 /// [`gemm`] with a chosen tile (benchmarks and tests).
@@ -148,11 +181,26 @@ pub fn gemm_tiled<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     y: &mut Y,
     tile: Tile,
 ) -> Result<()> {
-    run(dev, w, None, Group::Plain(m), x, t, y, tile)
+    gemm_with(dev, w, m, x, t, y, tile, Precision::Exact)
+}
+
+/// [`gemm`] with a chosen tile and precision.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+    dev: &Device,
+    w: &DeviceMatrix,
+    m: usize,
+    x: &X,
+    t: usize,
+    y: &mut Y,
+    tile: Tile,
+    precision: Precision,
+) -> Result<()> {
+    run(dev, w, None, Group::Plain(m), x, t, y, tile, precision)
 }
 
 /// `Y[t, rows] = silu(X · G[m]ᵀ) ⊙ (X · U[m]ᵀ)`: the first half of the SwiGLU MLP, `gate` and `up` of one
-/// shape and format. x: `[t, cols]`, y: `[t, rows]`.
+/// shape and format. x: `[t, cols]`, y: `[t, rows]`. [`Precision::Exact`].
 pub fn swiglu_gemm<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     dev: &Device,
     gate: &DeviceMatrix,
@@ -162,7 +210,7 @@ pub fn swiglu_gemm<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     t: usize,
     y: &mut Y,
 ) -> Result<()> {
-    swiglu_gemm_tiled(dev, gate, up, m, x, t, y, Tile::Auto)
+    swiglu_gemm_with(dev, gate, up, m, x, t, y, Tile::Auto, Precision::Exact)
 }
 
 /// [`swiglu_gemm`] with a chosen tile.
@@ -178,7 +226,23 @@ pub fn swiglu_gemm_tiled<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     y: &mut Y,
     tile: Tile,
 ) -> Result<()> {
-    run(dev, gate, Some(up), Group::Plain(m), x, t, y, tile)
+    swiglu_gemm_with(dev, gate, up, m, x, t, y, tile, Precision::Exact)
+}
+
+/// [`swiglu_gemm`] with a chosen tile and precision.
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_gemm_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+    dev: &Device,
+    gate: &DeviceMatrix,
+    up: &DeviceMatrix,
+    m: usize,
+    x: &X,
+    t: usize,
+    y: &mut Y,
+    tile: Tile,
+    precision: Precision,
+) -> Result<()> {
+    run(dev, gate, Some(up), Group::Plain(m), x, t, y, tile, precision)
 }
 
 /// Grouped GEMM (MoE prefill). `n` sorted slots; `offsets` is a device array of `E + 1` u32
@@ -186,7 +250,7 @@ pub fn swiglu_gemm_tiled<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
 /// `offsets[e] .. offsets[e+1]` belong to expert `e`. For every slot `i`:
 /// `Y[i, :] = W[e(i)] · X[r(i), :]`, where `r(i) = rows[i]` (a device array of `n` source-row indices
 /// into x) when `rows` is given, else `i`. y: `[n, w.rows]`; x: `[≥ max r + 1, cols]` (without `rows`,
-/// `[n, cols]`).
+/// `[n, cols]`). [`Precision::Exact`].
 ///
 /// The per-expert counts stay on the device: the grid covers the worst case and each block finds its
 /// expert from `offsets`. Offsets are clamped to `n`; a slot no expert covers is not written; a source
@@ -200,7 +264,7 @@ pub fn grouped_gemm<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     n: usize,
     y: &mut Y,
 ) -> Result<()> {
-    grouped_gemm_tiled(dev, w, offsets, rows, x, n, y, Tile::Auto)
+    grouped_gemm_with(dev, w, offsets, rows, x, n, y, Tile::Auto, Precision::Exact)
 }
 
 /// [`grouped_gemm`] with a chosen tile.
@@ -216,8 +280,24 @@ pub fn grouped_gemm_tiled<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<
     y: &mut Y,
     tile: Tile,
 ) -> Result<()> {
+    grouped_gemm_with(dev, w, offsets, rows, x, n, y, tile, Precision::Exact)
+}
+
+/// [`grouped_gemm`] with a chosen tile and precision.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+    dev: &Device,
+    w: &DeviceMatrix,
+    offsets: &O,
+    rows: Option<&CudaSlice<u32>>,
+    x: &X,
+    n: usize,
+    y: &mut Y,
+    tile: Tile,
+    precision: Precision,
+) -> Result<()> {
     let g = group(dev, w, w.count, offsets, rows, n)?;
-    run(dev, w, None, g, x, n, y, tile)
+    run(dev, w, None, g, x, n, y, tile, precision)
 }
 
 /// [`grouped_gemm`] over the first `experts` matrices of the stack only (`offsets` has `experts + 1`
@@ -234,7 +314,7 @@ pub fn grouped_gemm_over<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f
     y: &mut Y,
 ) -> Result<()> {
     let g = group(dev, w, experts, offsets, rows, n)?;
-    run(dev, w, None, g, x, n, y, Tile::Auto)
+    run(dev, w, None, g, x, n, y, Tile::Auto, Precision::Exact)
 }
 
 /// [`grouped_swiglu_gemm`] over the first `experts` matrices of the stacks only.
@@ -251,11 +331,11 @@ pub fn grouped_swiglu_gemm_over<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DeviceP
     y: &mut Y,
 ) -> Result<()> {
     let g = group(dev, gate, experts, offsets, rows, n)?;
-    run(dev, gate, Some(up), g, x, n, y, Tile::Auto)
+    run(dev, gate, Some(up), g, x, n, y, Tile::Auto, Precision::Exact)
 }
 
 /// [`grouped_gemm`] with the fused SwiGLU of [`swiglu_gemm`]:
-/// `Y[i, :] = silu(G[e(i)] · X[r(i), :]) ⊙ (U[e(i)] · X[r(i), :])`.
+/// `Y[i, :] = silu(G[e(i)] · X[r(i), :]) ⊙ (U[e(i)] · X[r(i), :])`. [`Precision::Exact`].
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_swiglu_gemm<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     dev: &Device,
@@ -267,7 +347,7 @@ pub fn grouped_swiglu_gemm<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut
     n: usize,
     y: &mut Y,
 ) -> Result<()> {
-    grouped_swiglu_gemm_tiled(dev, gate, up, offsets, rows, x, n, y, Tile::Auto)
+    grouped_swiglu_gemm_with(dev, gate, up, offsets, rows, x, n, y, Tile::Auto, Precision::Exact)
 }
 
 /// [`grouped_swiglu_gemm`] with a chosen tile.
@@ -284,8 +364,25 @@ pub fn grouped_swiglu_gemm_tiled<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: Device
     y: &mut Y,
     tile: Tile,
 ) -> Result<()> {
+    grouped_swiglu_gemm_with(dev, gate, up, offsets, rows, x, n, y, tile, Precision::Exact)
+}
+
+/// [`grouped_swiglu_gemm`] with a chosen tile and precision.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_swiglu_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+    dev: &Device,
+    gate: &DeviceMatrix,
+    up: &DeviceMatrix,
+    offsets: &O,
+    rows: Option<&CudaSlice<u32>>,
+    x: &X,
+    n: usize,
+    y: &mut Y,
+    tile: Tile,
+    precision: Precision,
+) -> Result<()> {
     let g = group(dev, gate, gate.count, offsets, rows, n)?;
-    run(dev, gate, Some(up), g, x, n, y, tile)
+    run(dev, gate, Some(up), g, x, n, y, tile, precision)
 }
 
 /// Which rows of X and which matrix each output row uses.
@@ -297,7 +394,14 @@ enum Group {
     Grouped { offsets: u64, gather: u64, e: usize },
 }
 
-fn group<O: DevicePtr<u32>>(dev: &Device, w: &DeviceMatrix, e: usize, offsets: &O, rows: Option<&CudaSlice<u32>>, n: usize) -> Result<Group> {
+fn group<O: DevicePtr<u32>>(
+    dev: &Device,
+    w: &DeviceMatrix,
+    e: usize,
+    offsets: &O,
+    rows: Option<&CudaSlice<u32>>,
+    n: usize,
+) -> Result<Group> {
     if e == 0 || e > MAX_EXPERTS || e > w.count {
         return Err(CudaError::Shape(format!("grouped gemm: {e} experts (1..={MAX_EXPERTS})")));
     }
@@ -334,6 +438,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     t: usize,
     y: &mut Y,
     tile: Tile,
+    precision: Precision,
 ) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
     let what = if w2.is_some() { "swiglu gemm" } else { "gemm" };
@@ -360,6 +465,12 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     if rows == 0 || rows > i32::MAX as usize || w.count == 0 || t > i32::MAX as usize {
         return Err(CudaError::Shape(format!("{what}: {} with {t} tokens", describe(w))));
     }
+    // The kernels' 32-bit indices: 16-byte chunks and groups of the whole stack.
+    let chunks = w.count as u128 * rows as u128 * cols as u128 * w.bits() as u128 / 128;
+    let groups = w.group_size().map_or(0, |gs| w.count as u128 * rows as u128 * (cols / gs) as u128);
+    if chunks > u32::MAX as u128 || groups > u32::MAX as u128 {
+        return Err(CudaError::Shape(format!("{what}: {} is too large for 32-bit indices", describe(w))));
+    }
     let out_rows_per_block = if w2.is_some() { BN / 2 } else { BN };
     let n_tiles = rows.div_ceil(out_rows_per_block);
     if n_tiles > 65535 {
@@ -378,6 +489,9 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     let x_rows = if gather != 0 { x.len() / cols } else { t };
     if gather != 0 && t > 0 && x_rows == 0 {
         return Err(CudaError::Shape(format!("grouped {what}: x holds {} floats, less than one row of {cols}", x.len())));
+    }
+    if x_rows as u128 * cols as u128 > u32::MAX as u128 - 2 {
+        return Err(CudaError::Shape(format!("{what}: x of {x_rows} rows of {cols} is too large for 32-bit indices")));
     }
     let x_p = addr(dev, x, x_rows * cols, &format!("{what} x"))?;
     if x_p % 16 != 0 {
@@ -418,7 +532,11 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         (false, true) => &GROUPED,
         (true, true) => &GROUPED_SWIGLU,
     };
-    let name = fam[fmt * 2 + if bm == 64 { 0 } else { 1 }];
+    let prec = match precision {
+        Precision::Exact => 0,
+        Precision::Fast => 1,
+    };
+    let name = fam[prec * 6 + fmt * 2 + if bm == 64 { 0 } else { 1 }];
     // Worst case of the grouped forms: sum over experts of ceil(count_e / bm) <= ceil(n / bm) + E.
     let m_tiles = t.div_ceil(bm) + if grouped { experts } else { 0 };
     if m_tiles > i32::MAX as usize {
@@ -452,7 +570,11 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         matrix: matrix as i32,
         group_shift,
     };
-    let cfg =
-        LaunchConfig { grid_dim: (m_tiles as u32, n_tiles as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: smem_bytes(bm) as u32 };
+    let cfg = LaunchConfig {
+        grid_dim: (m_tiles as u32, n_tiles as u32, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: smem_bytes(bm, precision) as u32,
+    };
+    debug_assert_eq!(variant(prec * 6 + fmt * 2 + if bm == 64 { 0 } else { 1 }), (precision, bm));
     launch(dev, name, cfg, &params)
 }
