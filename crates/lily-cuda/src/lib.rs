@@ -10,43 +10,23 @@
 //!   (a missing kernel fails at open, not at first use). `Device::open_with_kernel_dir` loads
 //!   `<dir>/<stem>.sm_90a.cubin` in place of the embedded bytes where such a file exists (the dev loop on
 //!   the GPU machine: edit a `.cu`, build it there with its own nvcc, rerun the same binary).
-//! - [`weights`]: [`weights::DeviceMatrix`], a `lily_model::weights::Matrix` on the device. Packed
-//!   words go as they are; scales, biases and dense weights go as bf16 (f16/f32 converted on the host).
-//!   [`weights::Uploader`] copies through two pinned staging buffers in large chunks, so host
-//!   conversion of one chunk overlaps the DMA of the previous one.
-//! - [`ops`], one typed wrapper per kernel family, each tested against `lily-cpu` (or an f64 loop) in
-//!   `tests/gpu_ops.rs`, which also holds the timing table (`bench_ops`):
-//!   - [`ops::affine_gemv`] (`kernels/affine_gemv.cu`): decode GEMV `y = W x` for 4/8-bit affine
-//!     (group 32/64/128) and dense bf16 weights, f32 in and out; a matrix of a stack, or one matrix
-//!     per "slot" from a device array of indices (MoE decode with no host round trip, x shared or one
-//!     per slot), and the fused `silu(W_gate x) * (W_up x)`. Two kernels: a register one and a
-//!     cp.async-pipelined one; the wrapper picks per shape.
-//!   - [`ops::rmsnorm`] (`kernels/rmsnorm.cu`): RMSNorm of f32 rows, the residual add optionally fused.
-//!   - [`ops::embed`] (`kernels/embed.cu`): dequantised row gather for device token ids (bit-identical
-//!     to the CPU).
-//!   - [`ops::util`] (`kernels/util.cu`): NaN poisoning and a GPU spin for benchmarks.
-//! - `tools/gpu_check.sh`: the one script for the GPU machine (tests, compute-sanitizer, timings).
+//! - [`weights`]: [`weights::DeviceMatrix`], a `lily_model::weights::Matrix` on the device, uploaded
+//!   through two pinned staging buffers ([`weights::Uploader`]); `upload_concat` joins matrices that share
+//!   a format (the decode-only fused projections, the shared expert appended to the expert stacks).
+//! - [`ops`], one typed wrapper per kernel file, each held to `lily-cpu` (or an f64 loop) by its own test
+//!   file `tests/gpu_<file>.rs` (with an `#[ignore]` timing test): `affine_gemv` (decode GEMV, indexed
+//!   expert stacks, fused SwiGLU), `gemm` (prefill tensor-core GEMM: plain, SwiGLU, grouped by expert;
+//!   near-f32 by default), `rmsnorm`, `embed`, `gdn` (conv + q/k norm + gates, recurrent rule, gated
+//!   norm), `gdn_chunked` (the chunked rule), `attn_prep` (q/k norm, partial RoPE, cache append),
+//!   `attn_prefill` (causal flash attention), `attention` (split-KV decode), `moe_route`,
+//!   `moe_dispatch` (plan and combine), `sample` (the next token, as `lily_sampler` chooses it), `util`.
+//! - [`model::CudaModel`]: the whole forward pass as a `lily_model::Backend` (see `model.rs`), tested
+//!   against the CPU backend on the fixtures in `tests/gpu_model.rs`.
+//! - `tools/stage_device.sh` and `tools/gpu_suite.sh`: build here, run every GPU test, the full-size
+//!   parity and `lily bench` on the GPU machine in one call.
 //!
-//! Measured on the H200 (docs/PERF.md): every op matches the CPU to ≤2e-6 relative (embedding bit for
-//! bit); the 4-bit GEMV reaches ~2.4 TB/s (56% of the 4.3 TB/s copy rate) on the lm_head and 1.0-1.2
-//! TB/s on the 9.5 MB decode matrices, where launch and ramp dominate.
-//!
-//! # What comes next
-//! 1. GEMV speed: find the limit with ncu (the suspect is one PRMT per weight); try a PRMT-free 4-bit
-//!    decode; split-K and fewer, larger launches for the small decode matrices; multi-threaded host
-//!    copies in the uploader (DMA runs at 54 GB/s, the single-threaded host copy at 6 GB/s).
-//! 2. Decode fusions around the GEMV: down projection × routing weight summed over the 8 experts +
-//!    shared expert × its sigmoid gate + residual add, in one kernel; RMSNorm folded into the next
-//!    GEMV's x load; router GEMV + softmax + top-8 + renormalise in one kernel writing `idx`/weights.
-//! 3. Gated DeltaNet: causal conv1d + SiLU + split + q/k L2 norm + gates (one kernel), the recurrent
-//!    update with the f32 state held in registers (one warp per state column), gated RMSNorm; then the
-//!    chunked prefill form.
-//! 4. Full attention: q/k RMSNorm + partial RoPE, a bf16 KV cache, split-KV decode with GQA packing
-//!    (one CTA per KV head and split, 8 query heads sharing each KV tile), flash prefill.
-//! 5. Prefill: GPU-resident MoE routing (histogram, scan, scatter, tile map) and a grouped GEMM that
-//!    dequantises 4-bit tiles into shared memory and runs wgmma (sm_90a); cuBLASLt for dense parts.
-//! 6. Whole-step decode as one CUDA graph (static buffers, token ids stay on the device), then
-//!    programmatic dependent launch between kernels (each small kernel here costs 2.5-7 µs alone).
+//! Measured on the H200: docs/PERF.md (decode 329 tok/s and prefill 7.9K tok/s at 4K on the full-size
+//! random checkpoint at the time of writing).
 
 #[derive(Debug, thiserror::Error)]
 pub enum CudaError {
