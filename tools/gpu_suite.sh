@@ -20,13 +20,16 @@ suite=",${SUITE:-tests},"
 model=${MODEL:-/tmp/q35}
 mkdir -p "$out"
 status=0
+# The test binaries to run: TESTS (space-separated names) or all of them.
+test_bins() {
+  if [ -n "${TESTS:-}" ]; then for n in $TESTS; do echo "$dir/tests/$n"; done; else ls -d "$dir"/tests/*; fi
+}
 summary=()
 
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader | tee "$out/nvidia-smi.txt"
 
 if [[ $suite == *,tests,* ]]; then
-  # TESTS: space-separated test binary names (default: all).
-  for t in $(if [ -n "${TESTS:-}" ]; then for n in $TESTS; do echo "$dir/tests/$n"; done; else ls -d "$dir"/tests/*; fi); do
+  for t in $(test_bins); do
     name=$(basename "$t")
     "$t" --test-threads=1 --nocapture >"$out/$name.log" 2>&1
     rc=$?
@@ -39,7 +42,7 @@ if [[ $suite == *,tests,* ]]; then
 fi
 
 if [[ $suite == *,opbench,* ]]; then
-  for t in $(if [ -n "${TESTS:-}" ]; then for n in $TESTS; do echo "$dir/tests/$n"; done; else ls -d "$dir"/tests/*; fi); do
+  for t in $(test_bins); do
     "$t" --ignored --nocapture --test-threads=1 bench 2>&1 | grep -vE "^(running|test |$)" | tee -a "$out/opbench.log"
   done
 fi
@@ -82,23 +85,6 @@ if [[ $suite == *,cpuref,* ]]; then
   else
     status=1; tail -5 "$out/cpu_score.err"
   fi
-fi
-
-if [[ $suite == *,profile,* ]]; then
-  if command -v nsys >/dev/null; then
-    nsys profile -o /tmp/lily_prof --force-overwrite true "$dir/lily" bench --backend cuda --model "$model" \
-      --lengths "${PROFILE_LENGTH:-4K}" --repeats 1 --decode-tokens 64 >/dev/null 2>&1
-    nsys stats --report cuda_gpu_kern_sum --format csv /tmp/lily_prof.nsys-rep 2>/dev/null \
-      | python3 tools/kernel_table.py | tee "$out/profile.txt"
-  else
-    echo "profile: no nsys on this machine ($(ls /usr/local/cuda*/bin 2>/dev/null | tr '\n' ' ' | head -c 300))"
-  fi
-fi
-
-if [[ $suite == *,bench,* ]]; then
-  "$dir/lily" bench --backend cuda --model "$model" --lengths "${LENGTHS:-256,512,1K,2K,4K,8K,16K,32K}" \
-    --repeats "${REPEATS:-3}" --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 
 # Few files come back from the device tool: pack the logs into one archive.

@@ -1,17 +1,21 @@
 //! `lily bench`: prefill and decode throughput over a sweep of lengths, on any backend.
 //!
 //! For each length L: prefill a fresh session with L random token ids, chunked as serving chunks
-//! (`Backend::prefill_chunk`; the last chunk asks for the next token as serving does), `repeats`
-//! times; then, from a copy of that state, decode `decode_tokens` tokens greedily (on the device when
-//! the backend picks there), `repeats` times. Each figure is the median of its repeats. One short
+//! (`Backend::prefill_chunk`; the last chunk gives the next token as serving does: the engine's own
+//! `prefill_and_next`), `repeats` times; then, from a copy of that state, decode `decode_tokens`
+//! tokens greedily through the engine's `next_token` (chosen on the device when the backend picks
+//! there), `repeats` times. Each figure is the median of its repeats. One short
 //! warm-up run comes first (kernel loading, allocator warm-up). Random ids make the routing of a
 //! trained model's experts more even than real text would; say so beside the figures.
 
 use std::time::Instant;
 
-use lily_model::{Backend, BackendError, DevicePick, Logits};
-use lily_sampler::{ops, Resolved};
+use lily_model::Backend;
+use lily_sampler::rng::Rng;
+use lily_sampler::{Defaults, Sampler, SamplingParams};
 use serde::Serialize;
+
+use crate::generate::{next_token, prefill_and_next, GenError};
 
 /// The default sweep: 256 to 128K tokens.
 pub const DEFAULT_LENGTHS: [usize; 10] = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072];
@@ -55,56 +59,25 @@ fn median(v: &[f64]) -> f64 {
     }
 }
 
-/// Seeded random ids below `vocab` (xorshift64*).
+/// Seeded random ids below `vocab`.
 fn random_ids(n: usize, vocab: usize, seed: u64) -> Vec<u32> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            x ^= x >> 12;
-            x ^= x << 25;
-            x ^= x >> 27;
-            (x.wrapping_mul(0x2545_F491_4F6C_DD1D) % vocab as u64) as u32
-        })
-        .collect()
-}
-
-/// Runs `tokens` into `state` as serving does and returns the greedy next token.
-fn prefill_next<B: Backend>(b: &mut B, state: &mut B::State, tokens: &[u32], greedy: &DevicePick) -> Result<u32, BackendError> {
-    let chunk = b.prefill_chunk().max(1);
-    let n = tokens.len().div_ceil(chunk);
-    let mut next = 0;
-    for (i, c) in tokens.chunks(chunk).enumerate() {
-        if i + 1 < n {
-            b.forward(state, c, Logits::None)?;
-        } else {
-            next = step(b, state, c, greedy)?;
-        }
-    }
-    Ok(next)
-}
-
-/// One forward pass whose greedy next token comes back (picked on the device when it can).
-fn step<B: Backend>(b: &mut B, state: &mut B::State, tokens: &[u32], greedy: &DevicePick) -> Result<u32, BackendError> {
-    if b.picks_on_device() {
-        b.forward_pick(state, tokens, greedy)
-    } else {
-        let logits = b.forward(state, tokens, Logits::Last)?;
-        Ok(ops::argmax(&logits[..greedy.vocab.min(logits.len())]))
-    }
+    let mut rng = Rng::from_seed(seed);
+    (0..n).map(|_| (rng.next_u64() % vocab as u64) as u32).collect()
 }
 
 /// Measures every length of `spec`; `on_row` sees each row as it is measured.
-pub fn bench<B: Backend>(b: &mut B, spec: &BenchSpec, mut on_row: impl FnMut(&BenchRow)) -> Result<Vec<BenchRow>, BackendError> {
+pub fn bench<B: Backend>(b: &mut B, spec: &BenchSpec, mut on_row: impl FnMut(&BenchRow)) -> Result<Vec<BenchRow>, GenError> {
     let vocab = b.config().vocab_size;
-    let greedy = DevicePick { vocab, params: Resolved { temperature: 0.0, ..Resolved::default() }, u: 0.0, edits: Vec::new() };
+    let greedy = SamplingParams { temperature: Some(0.0), ..Default::default() };
+    let mut sampler = Sampler::new(&greedy, &Defaults::default(), vocab)?;
     let repeats = spec.repeats.max(1);
     // Warm-up.
     {
         let mut s = b.new_state();
         let ids = random_ids(64.min(spec.lengths.iter().copied().min().unwrap_or(64)).max(1), vocab, spec.seed ^ 0xABCD);
-        let mut t = prefill_next(b, &mut s, &ids, &greedy)?;
+        let mut t = prefill_and_next(b, &mut s, &mut sampler, &ids)?.token;
         for _ in 0..4 {
-            t = step(b, &mut s, &[t], &greedy)?;
+            t = next_token(b, &mut s, &mut sampler, &[t])?.token;
         }
     }
     let mut rows = Vec::new();
@@ -115,7 +88,7 @@ pub fn bench<B: Backend>(b: &mut B, spec: &BenchSpec, mut on_row: impl FnMut(&Be
         for _ in 0..repeats {
             let mut s = b.new_state();
             let t0 = Instant::now();
-            let next = prefill_next(b, &mut s, &ids, &greedy)?;
+            let next = prefill_and_next(b, &mut s, &mut sampler, &ids)?.token;
             prefill_seconds.push(t0.elapsed().as_secs_f64());
             kept = Some((s, next));
         }
@@ -126,7 +99,7 @@ pub fn bench<B: Backend>(b: &mut B, spec: &BenchSpec, mut on_row: impl FnMut(&Be
             let mut t = first;
             let t0 = Instant::now();
             for _ in 0..spec.decode_tokens {
-                t = step(b, &mut s, &[t], &greedy)?;
+                t = next_token(b, &mut s, &mut sampler, &[t])?.token;
             }
             decode_seconds.push(t0.elapsed().as_secs_f64());
         }

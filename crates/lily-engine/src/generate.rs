@@ -10,7 +10,6 @@ use crate::cache::PrefixCache;
 use lily_sampler::{Defaults, Finish, Sampled, Sampler, SamplerError, SamplingParams, StopChecker};
 use lily_tokenizer::{StreamDecoder, Tokenizer, TokenizerError};
 
-
 /// What to generate.
 #[derive(Clone, Debug, Default)]
 pub struct GenSpec {
@@ -103,6 +102,30 @@ pub fn prefill<B: Backend>(backend: &mut B, state: &mut B::State, tokens: &[u32]
     Ok(())
 }
 
+/// Runs `tokens` (at least one) after `state` and returns the token that follows them: chosen on the
+/// device when the backend can (only its id crosses back; not when the request wants
+/// log-probabilities, which need the logits here), else sampled here from the last row's logits.
+pub fn next_token<B: Backend>(backend: &mut B, state: &mut B::State, sampler: &mut Sampler, tokens: &[u32]) -> Result<Sampled, BackendError> {
+    if backend.picks_on_device() {
+        if let Some(pick) = sampler.device_pick() {
+            let token = backend.forward_pick(state, tokens, &pick)?;
+            sampler.record(token);
+            return Ok(Sampled { token, logprob: None, top_logprobs: Vec::new() });
+        }
+    }
+    let mut logits = backend.forward(state, tokens, Logits::Last)?;
+    Ok(sampler.sample(&mut logits))
+}
+
+/// Runs a prompt's `tokens` (at least one) as serving does — every prefill chunk but the last
+/// without logits — and returns the token that follows ([`next_token`] on the last chunk).
+pub fn prefill_and_next<B: Backend>(backend: &mut B, state: &mut B::State, sampler: &mut Sampler, tokens: &[u32]) -> Result<Sampled, BackendError> {
+    let chunk = backend.prefill_chunk().max(1);
+    let last = tokens.len().saturating_sub(1) / chunk * chunk; // where the last chunk starts
+    prefill(backend, state, &tokens[..last])?;
+    next_token(backend, state, sampler, &tokens[last..])
+}
+
 /// Runs `prompt[state_len..]` into `state`, then generates. `state` must hold a prefix of `prompt`
 /// (the caller's cache guarantees it). `on_step` sees every generated token.
 pub fn generate<B: Backend>(
@@ -125,49 +148,22 @@ pub fn generate<B: Backend>(
     let mut stop = StopChecker::new(spec.stop_strings.clone(), spec.stop_ids.clone(), spec.max_tokens);
     let mut detok = StreamDecoder::new(tokenizer, spec.skip_special);
 
-    // A backend that picks on the device returns only the chosen id (unless the request wants
-    // log-probabilities: then the host needs the logits).
-    let on_device = backend.picks_on_device();
-    let mut picked: Option<Sampled> = None;
-    // Runs `tokens`, leaving either the picked token or the last row's logits.
-    let advance = |backend: &mut B, state: &mut B::State, sampler: &mut Sampler, tokens: &[u32], logits: &mut Vec<f32>, picked: &mut Option<Sampled>| -> Result<(), BackendError> {
-        if on_device {
-            if let Some(pick) = sampler.device_pick() {
-                let token = backend.forward_pick(state, tokens, &pick)?;
-                sampler.record(token);
-                *picked = Some(Sampled { token, logprob: None, top_logprobs: Vec::new() });
-                return Ok(());
-            }
-        }
-        *logits = backend.forward(state, tokens, Logits::Last)?;
-        Ok(())
-    };
-
-    // Prefill: every chunk but the last without logits.
+    // Prefill; the last chunk also gives the first token (unless none is wanted).
     let t0 = Instant::now();
     let rest = &prompt[held..];
-    let chunk_len = backend.prefill_chunk().max(1);
-    let n_chunks = rest.len().div_ceil(chunk_len);
-    let mut logits = Vec::new();
-    for (i, chunk) in rest.chunks(chunk_len).enumerate() {
-        if i + 1 == n_chunks && spec.max_tokens != Some(0) {
-            advance(backend, state, &mut sampler, chunk, &mut logits, &mut picked)?;
-        } else {
-            backend.forward(state, chunk, Logits::None)?;
-        }
-    }
+    let first = if spec.max_tokens == Some(0) {
+        prefill(backend, state, rest)?;
+        None
+    } else {
+        Some(prefill_and_next(backend, state, &mut sampler, rest)?)
+    };
     let prefill_time = t0.elapsed();
 
     let t1 = Instant::now();
     let mut tokens = Vec::new();
-    let finish = if spec.max_tokens == Some(0) {
-        FinishReason::Length
-    } else {
-        loop {
-            let s = match picked.take() {
-                Some(s) => s,
-                None => sampler.sample(&mut logits),
-            };
+    let finish = match first {
+        None => FinishReason::Length,
+        Some(mut s) => loop {
             tokens.push(s.token);
             let piece = detok.push(s.token)?;
             let step = stop.push(s.token, &piece);
@@ -180,8 +176,8 @@ pub fn generate<B: Backend>(
             if flow == Flow::Cancel {
                 break FinishReason::Cancelled;
             }
-            advance(backend, state, &mut sampler, &[s.token], &mut logits, &mut picked)?;
-        }
+            s = next_token(backend, state, &mut sampler, &[s.token])?;
+        },
     };
     let decode_time = t1.elapsed();
     // Text still held back (a partial character, or a prefix of a stop string that never came).

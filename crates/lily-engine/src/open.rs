@@ -65,16 +65,6 @@ pub enum LoadedState {
     Cuda(lily_cuda::model::CudaState),
 }
 
-impl LoadedModel {
-    pub fn backend_name(&self) -> &'static str {
-        match self {
-            LoadedModel::Cpu(_) => "cpu",
-            #[cfg(feature = "cuda")]
-            LoadedModel::Cuda(_) => "cuda",
-        }
-    }
-}
-
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 fn wrong_state() -> BackendError {
     BackendError::BadState("the state belongs to another backend".into())
@@ -84,7 +74,11 @@ impl Backend for LoadedModel {
     type State = LoadedState;
 
     fn name(&self) -> &'static str {
-        self.backend_name()
+        match self {
+            LoadedModel::Cpu(m) => m.name(),
+            #[cfg(feature = "cuda")]
+            LoadedModel::Cuda(m) => m.name(),
+        }
     }
     fn config(&self) -> &ModelConfig {
         match self {

@@ -363,7 +363,7 @@ fn run(cli: Cli) -> Result<()> {
             eprintln!(
                 "lily bench: {} on {} (random token ids: a trained router spreads tokens less evenly), {} repeats, median",
                 model.display(),
-                m.backend_name(),
+                m.name(),
                 spec.repeats
             );
             println!("| length | prefill tok/s | decode tok/s |");
@@ -375,7 +375,7 @@ fn run(cli: Cli) -> Result<()> {
                 let doc = serde_json::json!({
                     "engine": "lily",
                     "version": env!("CARGO_PKG_VERSION"),
-                    "backend": m.backend_name(),
+                    "backend": m.name(),
                     "model": model.display().to_string(),
                     "repeats": spec.repeats,
                     "rows": rows,
@@ -436,7 +436,7 @@ fn chat(mut m: ChatModel, gen: GenArgs) -> Result<()> {
     eprintln!(
         "lily chat: {} on {}. /reset clears the history, /exit or Ctrl-D quits, Ctrl-C stops an answer.",
         if m.demo { "the demo model".to_string() } else { m.dir.display().to_string() },
-        m.model.backend_name()
+        m.model.name()
     );
     let stop = install_ctrl_c();
     let mut editor = rustyline::DefaultEditor::new()?;
