@@ -7,7 +7,11 @@
 #   SUITE=tests,parity,bench LENGTHS=256,4K bash tools/gpu_suite.sh .device
 # SUITE picks the parts (default tests); opbench adds every kernel's #[ignore] timing test.
 # MODEL (default /tmp/q35) is made with `lily synth` when missing. MLX (for the parity reference) is
-# used when `python3 -c "import mlx_lm"` works (see ../shared/tools/fetch-mlx-wheels.sh).
+# used when `python3 -c "import mlx_lm"` works (see ../shared/tools/fetch-mlx-wheels.sh); it scores
+# on MLX_DEVICE (default gpu), within MLX_TIMEOUT seconds (default 480).
+# side: the side-by-side with MLX-LM on MODEL's bytes: ROUNDS (default 2) rounds, each MLX-LM's
+# mlx_baseline.py (path in MLX_BASELINE) then `lily bench`, over SIDE_LENGTHS (default 256,1024,4096),
+# 64 decode tokens, prefill in 2048-token steps for both; tools/side_table.py prints the table.
 # Logs and JSON go to $OUT (default ./gpu_suite_out). Exit status non-zero when a part failed.
 set -uo pipefail
 dir=${1:-.device}
@@ -61,13 +65,16 @@ if [[ $suite == *,parity,* ]]; then
     status=1; cat "$out/lily_score.err"
   fi
   if python3 -c "import mlx_lm" 2>/dev/null; then
-    if python3 tools/mlx_score.py --model "$model" --tokens "$out/tokens.json" >"$out/mlx_score.json" 2>"$out/mlx_score.err"; then
+    t0=$(date +%s)
+    if timeout "${MLX_TIMEOUT:-480}" python3 -u tools/mlx_score.py --device "${MLX_DEVICE:-gpu}" --model "$model" \
+        --tokens "$out/tokens.json" >"$out/mlx_score.json" 2>"$out/mlx_score.err"; then
+      echo "mlx score (${MLX_DEVICE:-gpu}, $(( $(date +%s) - t0 )) s): ppl $(python3 -c "import json; print(json.load(open('$out/mlx_score.json'))['perplexity'])")"
       line=$(python3 tools/compare_scores.py "$out/lily_score.json" "$out/mlx_score.json"); rc=$?
       echo "parity vs MLX-LM: $line"
       summary+=("parity vs MLX-LM | $( [ $rc = 0 ] && echo pass || echo FAIL ) | $line")
       [ $rc = 0 ] || status=1
     else
-      status=1; tail -5 "$out/mlx_score.err"
+      status=1; echo "mlx score failed after $(( $(date +%s) - t0 )) s:"; tail -5 "$out/mlx_score.err"
     fi
   else
     echo "parity: mlx_lm is not installed here; lily's score is in $out/lily_score.json"
@@ -87,8 +94,24 @@ if [[ $suite == *,cpuref,* ]]; then
   fi
 fi
 
+if [[ $suite == *,side,* ]]; then
+  side=${SIDE_LENGTHS:-256,1024,4096}
+  for r in $(seq 1 "${ROUNDS:-2}"); do
+    mkdir -p "$out/side$r"
+    t0=$(date +%s)
+    OUT="$out/side$r" MODEL_DIR="$model" BUDGET_S="${MLX_TIMEOUT:-480}" timeout "$(( ${MLX_TIMEOUT:-480} + 60 ))" \
+      python3 -u "${MLX_BASELINE:-tools/mlx_baseline.py}" ${side//,/ } >"$out/side$r/mlx.log" 2>&1
+    echo "round $r mlx-lm: rc $?, $(( $(date +%s) - t0 )) s"; grep -E '^\{' "$out/side$r/mlx.log"
+    t0=$(date +%s)
+    "$dir/lily" bench --backend cuda --model "$model" --lengths "$side" --decode-tokens 64 --repeats "${REPEATS:-3}" \
+      --json "$out/side$r/lily.json" >"$out/side$r/lily.log" 2>&1
+    echo "round $r lily: rc $?, $(( $(date +%s) - t0 )) s"; grep -E '^\|' "$out/side$r/lily.log"
+  done
+  python3 tools/side_table.py "$out"/side* | tee "$out/side.md"
+fi
+
 # Few files come back from the device tool: pack the logs into one archive.
-(cd "$out" && tar czf logs.tar.gz --remove-files *.log *.err 2>/dev/null)
+(cd "$out" && tar czf logs.tar.gz --remove-files *.log *.err side* 2>/dev/null)
 echo "== summary"
 for s in "${summary[@]}"; do echo "| $s |"; done
 [ -f "$out/bench.log" ] && grep -E "^\|" "$out/bench.log"

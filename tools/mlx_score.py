@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Teacher-forced float32 scoring of an MLX-format qwen3_5_moe checkpoint with mlx-lm.
 
-    python3 tools/mlx_score.py --model DIR --tokens FILE [--hidden-out FILE.safetensors]
+    python3 tools/mlx_score.py --model DIR --tokens FILE [--device cpu|gpu] [--hidden-out FILE.safetensors]
 
 DIR is an mlx-lm checkpoint (config.json with an optional top-level `quantization` block and
 model*.safetensors), e.g. tests/fixtures/tiny-a/mlx or a checkpoint written by `lily`.
@@ -16,19 +16,36 @@ Every floating-point parameter (including quantisation scales and biases) is cas
 before the forward pass (bf16 -> f32 is exact), so the only approximation left relative to the
 dequantised weights is float32 arithmetic. The whole prompt runs as one forward call, without a
 cache, exactly like `Qwen3_5TextModel.__call__` (causal mask for attention, no SSM mask).
+
+--device gpu runs on MLX's GPU backend (the CUDA build on the GPU machine) with TF32 turned off
+(MLX_ENABLE_TF32=0), so float32 products stay float32. The CPU backend (the default) runs its
+quantised products on one core: the full-size 35B checkpoint takes many minutes there. Progress
+goes to stderr with elapsed seconds.
 """
 
 import argparse
 import json
 import math
+import os
 import sys
+import time
 from pathlib import Path
+
+# Read by MLX when it starts: keep float32 matrix products in float32 on the GPU.
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_map
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 from mlx_lm.utils import load_model
+
+
+T0 = time.time()
+
+
+def progress(msg):
+    print(f"[{time.time() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
 def load_f32(model_dir):
@@ -42,6 +59,7 @@ def load_f32(model_dir):
 
     model.update(tree_map(to_f32, model.parameters()))
     mx.eval(model.parameters())
+    progress(f"loaded {model_dir} (floating parameters as float32)")
     return model, config
 
 
@@ -65,11 +83,12 @@ def forward_with_hidden(model, tokens):
     fa_mask = create_attention_mask(h, None)
     ssm_mask = create_ssm_mask(h, None)
     hidden = []
-    for layer in tm.layers:
+    for i, layer in enumerate(tm.layers):
         mask = ssm_mask if layer.is_linear else fa_mask
         h = layer(h, mask=mask, cache=None)
         mx.eval(h)
         hidden.append(h)
+        progress(f"layer {i} done")
     final = tm.norm(h)
     if lm.args.tie_word_embeddings:
         logits = tm.embed_tokens.as_linear(final)
@@ -80,6 +99,7 @@ def forward_with_hidden(model, tokens):
     # The unrolled loop must reproduce the model's own __call__ exactly.
     ref = model(inputs)
     mx.eval(ref)
+    progress("model(inputs) done")
     if not mx.array_equal(ref, logits).item():
         diff = mx.max(mx.abs(ref - logits)).item()
         raise RuntimeError(f"unrolled MLX forward differs from model(inputs): max |diff| = {diff}")
@@ -125,8 +145,10 @@ def main():
     ap.add_argument("--model", required=True, help="MLX-format checkpoint directory")
     ap.add_argument("--tokens", required=True, help="JSON array of token ids")
     ap.add_argument("--hidden-out", help="optionally write hidden.{l}/final/logits (f32 safetensors)")
+    ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="MLX device (default cpu)")
     args = ap.parse_args()
-    mx.set_default_device(mx.cpu)
+    mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
+    progress(f"device {mx.default_device()}")
     tokens = json.loads(Path(args.tokens).read_text())
     result, tensors = score_mlx(args.model, tokens)
     if args.hidden_out:
