@@ -192,19 +192,30 @@ impl Backend for CpuModel {
     fn forward(&mut self, state: &mut State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>, BackendError> {
         self.forward_traced(state, tokens, logits, None)
     }
+    fn reserve(&mut self, state: &mut State, positions: usize) -> Result<(), BackendError> {
+        let row = self.w.config.num_key_value_heads * self.w.config.head_dim;
+        for l in &mut state.layers {
+            if let LayerState::Full(kv) = l {
+                for buf in [&mut kv.k, &mut kv.v] {
+                    buf.reserve((positions * row).saturating_sub(buf.len()));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 const MAGIC: &[u8; 8] = b"LILYST01";
 
 impl State {
-    /// Memory held, in bytes.
+    /// Memory held, in bytes (the KV caches' reserved room included).
     pub fn bytes(&self) -> usize {
         let floats: usize = self
             .layers
             .iter()
             .map(|l| match l {
                 LayerState::Linear { conv, ssm } => conv.len() + ssm.len(),
-                LayerState::Full(c) => c.k.len() + c.v.len(),
+                LayerState::Full(c) => c.k.capacity() + c.v.capacity(),
             })
             .sum();
         floats * 4

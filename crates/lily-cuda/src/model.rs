@@ -18,8 +18,11 @@
 //!
 //! Memory: weights are uploaded once; [`Activations`] holds every scratch buffer, allocated once at
 //! load for chunks of up to `max_chunk` tokens (longer calls are split); a [`CudaState`] holds the
-//! GDN conv and recurrent states and the f32 KV caches, which grow in steps of [`KV_STEP`] positions
-//! during prefill (a decode step allocates only when it crosses a step, once per 4096 tokens).
+//! GDN conv and recurrent states and the f32 KV caches. The engine sizes a session's caches once per
+//! request, before its prefill, for the prompt plus the most tokens it may generate
+//! ([`Backend::reserve`]), so a decode step allocates nothing; without a reserve they grow in steps
+//! of [`KV_STEP`] positions as tokens arrive. A clone (a prefix-cache snapshot) keeps only the
+//! positions held, rounded up to a step.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -34,7 +37,7 @@ use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, ge
 use crate::weights::{DeviceMatrix, Uploader};
 use crate::{CudaError, Device, Result};
 
-/// KV caches grow in steps of this many positions.
+/// KV caches are sized in multiples of this many positions.
 pub const KV_STEP: usize = 4096;
 /// GDN chunks of at least this many tokens use the chunked delta rule; shorter ones step.
 const GDN_CHUNKED_MIN_TOKENS: usize = 64;
@@ -183,11 +186,52 @@ struct Activations {
     pick_out: CudaSlice<u32>, // [1]
 }
 
+/// What [`CudaModel::counts`] reports.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// KV cache allocations: one per attention layer for a new state and for each growth (a clone's
+    /// copies are not counted).
+    pub kv_allocations: u64,
+    /// Captures of the decode-step graph (one per new set of state buffers).
+    pub graph_captures: u64,
+}
+
 /// One session on the GPU.
-#[derive(Clone)]
 pub struct CudaState {
     pos: usize,
     layers: Vec<DevLayerState>,
+}
+
+impl Clone for CudaState {
+    /// A copy of what the state holds: each KV cache cut to the positions held, rounded up to
+    /// [`KV_STEP`], so a snapshot of a session reserved for a long context stays small (a resumed
+    /// copy grows again at its request's reserve, before any decode step).
+    fn clone(&self) -> Self {
+        let keep = self.pos.div_ceil(KV_STEP).max(1) * KV_STEP;
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                DevLayerState::Attn { k, v, cap } if keep < *cap => {
+                    let row = k.len() / cap;
+                    let cut = |buf: &CudaSlice<f32>| {
+                        let stream = buf.stream();
+                        // Allocation failure here means the GPU is out of memory: there is no way on.
+                        let mut out = stream.alloc_zeros::<f32>(keep * row).expect("allocating a state copy on the GPU");
+                        if self.pos > 0 {
+                            stream
+                                .memcpy_dtod(&buf.slice(0..self.pos * row), &mut out.slice_mut(0..self.pos * row))
+                                .expect("copying a state on the GPU");
+                        }
+                        out
+                    };
+                    DevLayerState::Attn { k: cut(k), v: cut(v), cap: keep }
+                }
+                other => other.clone(),
+            })
+            .collect();
+        CudaState { pos: self.pos, layers }
+    }
 }
 
 #[derive(Clone)]
@@ -214,6 +258,8 @@ pub struct CudaModel {
     graphs: bool,
     /// The captured decode step and the state buffers it was captured against.
     decode_graph: Option<(Vec<u64>, StepGraph)>,
+    /// KV cache allocations and decode-graph captures so far (tests check a decode step makes none).
+    counts: std::cell::Cell<Counts>,
 }
 
 /// A captured decode step. The graph only names device buffers that live as long as the model (the
@@ -361,7 +407,7 @@ impl CudaModel {
             state_bytes_fixed: fixed,
         };
         let graphs = std::env::var_os("LILY_NO_GRAPHS").is_none();
-        Ok(CudaModel { dev, cfg, embed, lm_head, final_norm, layers, act, max_chunk, report, graphs, decode_graph: None })
+        Ok(CudaModel { dev, cfg, embed, lm_head, final_norm, layers, act, max_chunk, report, graphs, decode_graph: None, counts: Default::default() })
     }
 
     pub fn report(&self) -> &LoadReport {
@@ -380,6 +426,16 @@ impl CudaModel {
         self.decode_graph = None;
     }
 
+    /// KV cache allocations (a session's first, and each growth) and decode-graph captures so far.
+    pub fn counts(&self) -> Counts {
+        self.counts.get()
+    }
+    fn count(&self, f: impl FnOnce(&mut Counts)) {
+        let mut c = self.counts.get();
+        f(&mut c);
+        self.counts.set(c);
+    }
+
     /// A fresh state; its KV caches start with room for `reserve` positions.
     pub fn new_state_with(&self, reserve: usize) -> Result<CudaState> {
         let d = GdnDims::from_config(&self.cfg);
@@ -392,14 +448,17 @@ impl CudaModel {
                     conv: self.dev.zeros(d.conv_state_len().max(1))?,
                     ssm: self.dev.zeros(d.state_len())?,
                 },
-                LayerKind::FullAttention => DevLayerState::Attn { k: self.dev.zeros(cap * kv_row)?, v: self.dev.zeros(cap * kv_row)?, cap },
+                LayerKind::FullAttention => {
+                    self.count(|c| c.kv_allocations += 1);
+                    DevLayerState::Attn { k: self.dev.zeros(cap * kv_row)?, v: self.dev.zeros(cap * kv_row)?, cap }
+                }
             });
         }
         Ok(CudaState { pos: 0, layers })
     }
 
     /// Makes every KV cache of `s` hold at least `need` positions (copying what it holds).
-    fn reserve(&self, s: &mut CudaState, need: usize) -> Result<()> {
+    fn grow_kv(&self, s: &mut CudaState, need: usize) -> Result<()> {
         let kv_row = self.cfg.num_key_value_heads * self.cfg.head_dim;
         let pos = s.pos;
         for l in &mut s.layers {
@@ -408,6 +467,7 @@ impl CudaModel {
                     continue;
                 }
                 let new_cap = need.div_ceil(KV_STEP) * KV_STEP;
+                self.count(|c| c.kv_allocations += 1);
                 for buf in [&mut *k, &mut *v] {
                     let mut grown = self.dev.zeros::<f32>(new_cap * kv_row)?;
                     if pos > 0 {
@@ -437,7 +497,7 @@ impl CudaModel {
     fn run_chunk(&mut self, state: &mut CudaState, tokens: &[u32]) -> Result<()> {
         let t = tokens.len();
         debug_assert!(t >= 1 && t <= self.max_chunk);
-        self.reserve(state, state.pos + t)?;
+        self.grow_kv(state, state.pos + t)?;
         self.dev.upload_into(tokens, &mut self.act.ids)?;
         if t == 1 && self.graphs {
             let pos = i32::try_from(state.pos).map_err(|_| CudaError::Shape("position beyond i32".into()))?;
@@ -445,6 +505,7 @@ impl CudaModel {
             let key = state_key(&self.dev, state);
             if self.decode_graph.as_ref().map(|g| &g.0) != Some(&key) {
                 self.decode_graph = None;
+                self.count(|c| c.graph_captures += 1);
                 let stream = self.dev.stream().clone();
                 stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
                 let recorded = self.layers_pass(state, 1, true);
@@ -965,6 +1026,10 @@ impl Backend for CudaModel {
     }
     fn prefill_chunk(&self) -> usize {
         self.max_chunk
+    }
+    fn reserve(&mut self, state: &mut CudaState, positions: usize) -> Result<(), BackendError> {
+        self.check(state, &[])?;
+        self.grow_kv(state, positions).map_err(dev_err)
     }
     fn forward(&mut self, state: &mut CudaState, tokens: &[u32], logits: Logits) -> Result<Vec<f32>, BackendError> {
         self.check(state, tokens)?;

@@ -8,6 +8,8 @@
 //! - chunked prefill (chunks of 17 and 64 tokens, then token by token) vs one call on the GPU:
 //!   within 1e-3 (the same GEMM rounding; only the state carried between chunks differs);
 //! - `forward_pick` greedy == argmax of the same step's logits; a state clone resumes identically.
+//! - a reserved session decodes without allocating; caches grown inside a decode step and compact
+//!   clones give the same logits.
 //! Skips without a GPU.
 #![cfg(feature = "cuda")]
 
@@ -17,7 +19,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use lily_cpu::CpuModel;
-use lily_cuda::model::CudaModel;
+use lily_cuda::model::{CudaModel, CudaState, KV_STEP};
 use lily_cuda::Device;
 use lily_model::{Backend, DevicePick, LoadOptions, Logits, ModelWeights};
 use lily_sampler::Resolved;
@@ -195,4 +197,65 @@ fn bad_tokens_and_states_are_errors() {
     assert!(g.forward(&mut s, &[1, v], Logits::Last).is_err());
     assert_eq!(g.state_len(&s), 0);
     assert!(g.forward(&mut s, &[], Logits::Last).unwrap().is_empty());
+}
+
+/// A session reserved for its reach decodes without allocating (no KV allocation, at most one graph
+/// capture); one that is not reserved grows its caches inside the decode step that crosses a
+/// [`KV_STEP`] and still gives the reserved session's logits (the copy kept every position); a clone
+/// keeps only the positions held (fewer bytes) and resumes with the original's logits.
+#[test]
+fn reserved_sessions_decode_without_allocating_and_clones_are_compact() {
+    let Some(dev) = common::device() else { return };
+    let dev = Arc::new(dev);
+    let w = load("tiny-b", "mlx");
+    let v = w.config.vocab_size;
+    let toks = tokens("tiny-b");
+    let mut g = gpu(&dev, &w, 512);
+    // A prompt ending 3 positions before a KV step, so that 8 decode steps cross it.
+    let n = KV_STEP - 3;
+    let steps = 8;
+    let prompt: Vec<u32> = (0..n).map(|i| toks[(i * 7) % toks.len()]).collect();
+    let decode = |g: &mut CudaModel, s: &mut CudaState, steps: usize| -> Vec<f32> {
+        let mut t = toks[5];
+        let mut out = Vec::new();
+        for _ in 0..steps {
+            let l = g.forward(s, &[t], Logits::Last).unwrap();
+            t = lily_sampler::ops::argmax(&l);
+            out.extend(l);
+        }
+        out
+    };
+
+    let mut reserved = g.new_state();
+    g.reserve(&mut reserved, n + steps).unwrap();
+    g.forward(&mut reserved, &prompt, Logits::None).unwrap();
+    let before = g.counts();
+    let a = decode(&mut g, &mut reserved, steps);
+    let after = g.counts();
+    assert_eq!(after.kv_allocations, before.kv_allocations, "decode steps of a reserved session allocated KV memory");
+    assert!(after.graph_captures <= before.graph_captures + 1, "{before:?} -> {after:?}: the decode graph was captured more than once");
+
+    let mut grown = g.new_state();
+    g.forward(&mut grown, &prompt, Logits::None).unwrap();
+    let before = g.counts();
+    let b = decode(&mut g, &mut grown, steps);
+    assert!(g.counts().kv_allocations > before.kv_allocations, "crossing a KV step without a reserve should have grown the caches");
+    let e = row_err(&b, &a, v);
+    assert!(e <= 1e-5, "grown inside decode vs reserved: logits differ by {e:.2e} of the row max");
+
+    // A clone of a session reserved for three steps keeps one step; both go on alike.
+    let mut big = g.new_state();
+    g.reserve(&mut big, 3 * KV_STEP).unwrap();
+    g.forward(&mut big, &toks[..100], Logits::None).unwrap();
+    let mut small = big.clone();
+    assert!(
+        g.state_bytes(&small) < g.state_bytes(&big),
+        "the clone holds {} bytes, the original {}",
+        g.state_bytes(&small),
+        g.state_bytes(&big)
+    );
+    let x = decode(&mut g, &mut big, 10);
+    let y = decode(&mut g, &mut small, 10);
+    let e = row_err(&y, &x, v);
+    assert!(e <= 1e-5, "a compact clone resumes with other logits: {e:.2e} of the row max");
 }

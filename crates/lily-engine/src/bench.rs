@@ -1,6 +1,7 @@
 //! `lily bench`: prefill and decode throughput over a sweep of lengths, on any backend.
 //!
-//! For each length L: prefill a fresh session with L random token ids, chunked as serving chunks
+//! For each length L: size a fresh session for L + decode_tokens + 1 positions (`Backend::reserve`,
+//! inside the timed prefill, as a request does), prefill it with L random token ids, chunked as serving chunks
 //! (`Backend::prefill_chunk`; the last chunk gives the next token as serving does: the engine's own
 //! `prefill_and_next`), `repeats` times; then, from a copy of that state, decode `decode_tokens`
 //! tokens greedily through the engine's `next_token` (chosen on the device when the backend picks
@@ -86,8 +87,10 @@ pub fn bench<B: Backend>(b: &mut B, spec: &BenchSpec, mut on_row: impl FnMut(&Be
         let mut prefill_seconds = Vec::new();
         let mut kept = None;
         for _ in 0..repeats {
+            // As serving does: the session sized for the prompt and its decode, then the prefill.
             let mut s = b.new_state();
             let t0 = Instant::now();
+            b.reserve(&mut s, len + spec.decode_tokens + 1)?;
             let next = prefill_and_next(b, &mut s, &mut sampler, &ids)?.token;
             prefill_seconds.push(t0.elapsed().as_secs_f64());
             kept = Some((s, next));
@@ -95,7 +98,8 @@ pub fn bench<B: Backend>(b: &mut B, spec: &BenchSpec, mut on_row: impl FnMut(&Be
         let (after, first) = kept.expect("at least one repeat");
         let mut decode_seconds = Vec::new();
         for _ in 0..repeats {
-            let mut s = after.clone();
+            let mut s = after.clone(); // a clone keeps only the positions held: size it again
+            b.reserve(&mut s, len + spec.decode_tokens + 1)?;
             let mut t = first;
             let t0 = Instant::now();
             for _ in 0..spec.decode_tokens {

@@ -126,6 +126,13 @@ pub fn prefill_and_next<B: Backend>(backend: &mut B, state: &mut B::State, sampl
     next_token(backend, state, sampler, &tokens[last..])
 }
 
+/// Sizes `state` for all a request can reach: the prompt and at most `max_tokens` more (bounded by
+/// the model's positions), so that no decode step allocates.
+fn reserve_reach<B: Backend>(backend: &mut B, state: &mut B::State, prompt_len: usize, spec: &GenSpec) -> Result<(), BackendError> {
+    let reach = prompt_len.saturating_add(spec.max_tokens.unwrap_or(0));
+    backend.reserve(state, reach.min(backend.config().max_position_embeddings))
+}
+
 /// Runs `prompt[state_len..]` into `state`, then generates. `state` must hold a prefix of `prompt`
 /// (the caller's cache guarantees it). `on_step` sees every generated token.
 pub fn generate<B: Backend>(
@@ -148,8 +155,11 @@ pub fn generate<B: Backend>(
     let mut stop = StopChecker::new(spec.stop_strings.clone(), spec.stop_ids.clone(), spec.max_tokens);
     let mut detok = StreamDecoder::new(tokenizer, spec.skip_special);
 
-    // Prefill; the last chunk also gives the first token (unless none is wanted).
+    // Size the state once for all this request can reach (the prompt and at most max_tokens more),
+    // so that no decode step allocates; then prefill, the last chunk also giving the first token
+    // (unless none is wanted).
     let t0 = Instant::now();
+    reserve_reach(backend, state, prompt.len(), spec)?;
     let rest = &prompt[held..];
     let first = if spec.max_tokens == Some(0) {
         prefill(backend, state, rest)?;
@@ -226,9 +236,12 @@ pub fn generate_cached<B: Backend>(
     let mut history_run = 0;
     if history > cached && history < prompt.len() {
         history_run = history - cached;
+        reserve_reach(backend, &mut state, prompt.len(), spec)?;
         prefill(backend, &mut state, &prompt[cached..history])?;
-        let bytes = backend.state_bytes(&state);
-        cache.insert(prompt[..history].to_vec(), state.clone(), bytes);
+        // Snapshots are clones: they keep what the state holds, not the room reserved for the request.
+        let snap = state.clone();
+        let bytes = backend.state_bytes(&snap);
+        cache.insert(prompt[..history].to_vec(), snap, bytes);
     }
     let history_time = t.elapsed();
     let mut outcome = generate(backend, &mut state, prompt, tokenizer, spec, on_step)?;
@@ -237,8 +250,10 @@ pub fn generate_cached<B: Backend>(
     if let Some((_, kept)) = outcome.tokens.split_last() {
         let mut tokens = prompt.to_vec();
         tokens.extend_from_slice(kept);
-        let bytes = backend.state_bytes(&state);
-        cache.insert(tokens, state, bytes);
+        let snap = state.clone();
+        drop(state);
+        let bytes = backend.state_bytes(&snap);
+        cache.insert(tokens, snap, bytes);
     }
     Ok(Some(CachedOutcome { outcome, cached_tokens: cached }))
 }

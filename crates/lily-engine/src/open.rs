@@ -112,6 +112,15 @@ impl Backend for LoadedModel {
             _ => 0,
         }
     }
+    fn reserve(&mut self, state: &mut LoadedState, positions: usize) -> Result<(), BackendError> {
+        match (self, state) {
+            (LoadedModel::Cpu(m), LoadedState::Cpu(s)) => m.reserve(s, positions),
+            #[cfg(feature = "cuda")]
+            (LoadedModel::Cuda(m), LoadedState::Cuda(s)) => m.reserve(s, positions),
+            #[cfg(feature = "cuda")]
+            _ => Err(wrong_state()),
+        }
+    }
     fn prefill_chunk(&self) -> usize {
         match self {
             LoadedModel::Cpu(m) => m.prefill_chunk(),

@@ -45,6 +45,14 @@ pub trait Backend: Send {
     /// (row-major `[rows, vocab_size]` f32).
     fn forward(&mut self, state: &mut Self::State, tokens: &[u32], logits: Logits) -> Result<Vec<f32>, BackendError>;
 
+    /// Makes room in `state` for `positions` positions in all (what it holds and what will follow),
+    /// so that running that far allocates nothing more. The engine calls it once per request, before
+    /// the prefill, with the prompt plus the most tokens the request may generate: a decode step then
+    /// never allocates. A backend whose state does not grow ignores it.
+    fn reserve(&mut self, state: &mut Self::State, positions: usize) -> Result<(), BackendError> {
+        let _ = (state, positions);
+        Ok(())
+    }
     /// Prompt tokens per prefill call this backend prefers (the engine chunks prompts by it).
     fn prefill_chunk(&self) -> usize {
         512

@@ -275,6 +275,18 @@ fn run(cli: Cli) -> Result<()> {
             if ctx > max_pos || ctx < 2 {
                 bail!("--ctx-size {ctx} must be between 2 and the model's maximum ({max_pos})");
             }
+            // One session of the whole context, sized now: what each request's reserve asks for at
+            // most, and a clear error at start (not at the first long request) when it does not fit.
+            let mut m = m;
+            let mut probe = m.model.new_state();
+            m.model
+                .reserve(&mut probe, ctx)
+                .with_context(|| format!("a session of --ctx-size {ctx} tokens does not fit on the {} backend", m.model.name()))?;
+            eprintln!(
+                "a session of the full context ({ctx} tokens) holds {:.2} GB (KV caches and recurrent states; sized per request for its prompt and max_tokens)",
+                m.model.state_bytes(&probe) as f64 / 1e9
+            );
+            drop(probe);
             let id = model_id.unwrap_or_else(|| {
                 if m.demo {
                     "lily-demo".to_string()
