@@ -9,6 +9,9 @@
 # MODEL (default /tmp/q35) is made with `lily synth` when missing. MLX (for the parity reference) is
 # used when `python3 -c "import mlx_lm"` works (see ../shared/tools/fetch-mlx-wheels.sh); it scores
 # on MLX_DEVICE (default gpu), within MLX_TIMEOUT seconds (default 480).
+# parity: `lily score --backend cuda` on 193 random ids against MLX-LM (when installed); cpuref: the
+# same against `lily score --backend cpu`. bench: `lily bench` over LENGTHS (default the ten lengths
+# 256…128K), REPEATS (default 3), 64 decode tokens.
 # side: the side-by-side with MLX-LM on MODEL's bytes: ROUNDS (default 2) rounds, each MLX-LM's
 # mlx_baseline.py (path in MLX_BASELINE) then `lily bench`, over SIDE_LENGTHS (default 256,1024,4096),
 # 64 decode tokens, prefill in 2048-token steps for both; tools/side_table.py prints the table.
@@ -94,6 +97,13 @@ if [[ $suite == *,cpuref,* ]]; then
   fi
 fi
 
+if [[ $suite == *,bench,* ]]; then
+  "$dir/lily" bench --backend cuda --model "$model" --lengths "${LENGTHS:-256,512,1K,2K,4K,8K,16K,32K,64K,128K}" \
+    --decode-tokens 64 --repeats "${REPEATS:-3}" --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  grep -E "^\|" "$out/bench.log" >"$out/bench.md"
+fi
+
 if [[ $suite == *,side,* ]]; then
   side=${SIDE_LENGTHS:-256,1024,4096}
   for r in $(seq 1 "${ROUNDS:-2}"); do
@@ -114,5 +124,5 @@ fi
 (cd "$out" && tar czf logs.tar.gz --remove-files *.log *.err side* 2>/dev/null)
 echo "== summary"
 for s in "${summary[@]}"; do echo "| $s |"; done
-[ -f "$out/bench.log" ] && grep -E "^\|" "$out/bench.log"
+[ -f "$out/bench.md" ] && cat "$out/bench.md"
 exit $status
