@@ -736,6 +736,10 @@ enum AtPos {
 }
 
 /// The device addresses of every buffer of `s` (a captured decode graph is valid for these only).
+/// Addresses, not an id per state: the stream-ordered allocator often hands a new session (or a
+/// clone) the buffers its predecessor freed, and then the graph is replayed without a recapture.
+/// (An id per state, tried on 2026-11-29, recaptured for every new session: decode 1–2% slower in
+/// `lily bench`, whose decode repeats each start from a fresh clone; see docs/PERF.md.)
 fn state_key(dev: &Device, s: &CudaState) -> Vec<u64> {
     let st = dev.stream();
     s.layers
