@@ -33,7 +33,7 @@ use lily_model::weights::{DenseMlpWeights, Mixer, Mlp};
 use lily_model::{Backend, BackendError, DevicePick, GdnDims, LayerKind, Logits, ModelConfig, ModelWeights};
 
 use crate::ops::affine_gemv::{self, Select};
-use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, gemm, moe_dispatch, moe_route, rmsnorm, sample};
+use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, gemm, moe_dispatch, moe_route, rmsnorm, sample, Scalar};
 use crate::weights::{DeviceMatrix, Uploader};
 use crate::{CudaError, Device, Result};
 
@@ -631,32 +631,34 @@ fn swiglu_linear<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, g: &Devi
 fn gdn_mixer(dev: &Device, cfg: &ModelConfig, g: &GdnLayer, a: &mut Activations, t: usize, conv: &mut CudaSlice<f32>, ssm: &mut CudaSlice<f32>) -> Result<()> {
     let d = GdnDims::from_config(cfg);
     let (c, vd, hv) = (d.conv_dim(), d.value_dim(), d.num_v_heads);
-    if let (1, Some(fused)) = (t, &g.in_fused) {
-        // One token: [qkv | z | b | a] from one GEMV.
-        linear(dev, fused, &a.normed, 1, &mut a.proj1)?;
-        let p = &a.proj1;
-        let (x, z, b, av) = (p.slice(0..c), p.slice(c..c + vd), p.slice(c + vd..c + vd + hv), p.slice(c + vd + hv..c + vd + 2 * hv));
-        gdn::conv_qk(dev, &d, 1, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta)?;
-        gdn::delta_rule_recurrent(dev, &d, 1, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule)?;
-        gdn::gated_rmsnorm(dev, &d, 1, &a.rule, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
-        return linear(dev, &g.out, &a.normed_rule, 1, &mut a.mix);
-    }
-    linear(dev, &g.qkv, &a.normed, t, &mut a.qkv_raw)?; // [T, C] = q | k | v
-    linear(dev, &g.z, &a.normed, t, &mut a.z)?; // [T, Hv·Dv]
-    linear(dev, &g.b, &a.normed, t, &mut a.b)?; // [T, Hv]
-    linear(dev, &g.a, &a.normed, t, &mut a.a)?; // [T, Hv]
+    // The projections qkv [T, C] (= q | k | v), z [T, Hv·Dv], b and a [T, Hv]: one token takes them
+    // from one fused GEMV when the layer has it.
+    let (x, z, b, av) = match (t, &g.in_fused) {
+        (1, Some(fused)) => {
+            linear(dev, fused, &a.normed, 1, &mut a.proj1)?; // [qkv | z | b | a]
+            let p = &a.proj1;
+            (p.slice(0..c), p.slice(c..c + vd), p.slice(c + vd..c + vd + hv), p.slice(c + vd + hv..c + vd + 2 * hv))
+        }
+        _ => {
+            linear(dev, &g.qkv, &a.normed, t, &mut a.qkv_raw)?;
+            linear(dev, &g.z, &a.normed, t, &mut a.z)?;
+            linear(dev, &g.b, &a.normed, t, &mut a.b)?;
+            linear(dev, &g.a, &a.normed, t, &mut a.a)?;
+            (a.qkv_raw.slice(0..t * c), a.z.slice(0..t * vd), a.b.slice(0..t * hv), a.a.slice(0..t * hv))
+        }
+    };
     // causal conv + SiLU, q/k L2 norm, gates g and beta
-    gdn::conv_qk(dev, &d, t, &a.qkv_raw, &g.conv_w, conv, &a.a, &a.b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta)?;
+    gdn::conv_qk(dev, &d, t, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta)?;
     if t >= GDN_CHUNKED_MIN_TOKENS {
         gdn_chunked::delta_rule_chunked(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule, &mut a.gdn_scratch)?; // [T, Hv, Dv]
     } else {
         gdn::delta_rule_recurrent(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule)?; // [T, Hv, Dv]
     }
-    gdn::gated_rmsnorm(dev, &d, t, &a.rule, &a.z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
+    gdn::gated_rmsnorm(dev, &d, t, &a.rule, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
     linear(dev, &g.out, &a.normed_rule, t, &mut a.mix) // [T, H]
 }
 
-/// Gated attention on a.normed [T, H] at positions pos0.. → a.mix [T, H]; appends to the caches.
+/// Gated attention on a.normed [T, H] at its positions → a.mix [T, H]; appends to the caches.
 #[allow(clippy::too_many_arguments)]
 fn attn_mixer(
     dev: &Device,
@@ -669,62 +671,45 @@ fn attn_mixer(
     vc: &mut CudaSlice<f32>,
 ) -> Result<()> {
     let dims = attn_dims(cfg);
-    if let AtPos::Device { cap } = at {
-        // One token, its position on the device (a captured decode graph).
-        let (qn, kvn) = (dims.nh * dims.hd * if dims.gated { 2 } else { 1 }, dims.kvh * dims.hd);
-        let gate = if dims.gated { Some(&mut a.gate) } else { None };
-        let (pos, n) = (a.step_pos.slice(0..1), a.step_pos.slice(1..2));
-        match &w.qkv_fused {
-            Some(fused) => {
-                linear(dev, fused, &a.normed, 1, &mut a.proj1)?; // [q | k | v]
-                let p = &a.proj1;
-                let (q, k, v) = (p.slice(0..qn), p.slice(qn..qn + kvn), p.slice(qn + kvn..qn + 2 * kvn));
-                attn_prep::prep_device_pos(dev, &q, &k, &v, &w.q_norm, &w.k_norm, dims, &pos, cap - 1, 1, &mut a.q, gate, kc, vc)?;
-            }
-            None => {
-                linear(dev, &w.q, &a.normed, 1, &mut a.qg)?;
-                linear(dev, &w.k, &a.normed, 1, &mut a.k)?;
-                linear(dev, &w.v, &a.normed, 1, &mut a.v)?;
-                attn_prep::prep_device_pos(dev, &a.qg, &a.k, &a.v, &w.q_norm, &w.k_norm, dims, &pos, cap - 1, 1, &mut a.q, gate, kc, vc)?;
-            }
-        }
-        attention::decode_device_n(dev, &a.q, kc, vc, &n, cap, dims.nh, dims.kvh, dims.hd, &mut a.att, &mut a.att_scratch)?;
-        if dims.gated {
-            attn_prep::apply_gate(dev, &mut a.att, &a.gate, dims.nh * dims.hd)?;
-        }
-        return linear(dev, &w.o, &a.att, 1, &mut a.mix);
+    let gate = if dims.gated { Some(&mut a.gate) } else { None };
+    if t > 1 {
+        let AtPos::Host(pos0) = at else { return Err(CudaError::Shape("a device-side position takes one token".into())) };
+        linear(dev, &w.q, &a.normed, t, &mut a.qg)?; // [T, nh·hd·(1+gate)]
+        linear(dev, &w.k, &a.normed, t, &mut a.k)?; // [T, kvh·hd]
+        linear(dev, &w.v, &a.normed, t, &mut a.v)?; // [T, kvh·hd]
+        // q/k RMSNorm, partial RoPE, K/V appended at pos0..
+        attn_prep::prep(dev, &a.qg, &a.k, &a.v, &w.q_norm, &w.k_norm, dims, Scalar::Host(pos0), t, &mut a.q, gate, kc, vc)?;
+        let gate = if dims.gated { Some(&a.gate) } else { None };
+        attn_prefill::prefill(dev, &a.q, kc, vc, gate, dims.nh, dims.kvh, dims.hd, pos0, t, &mut a.att)?; // [T, nh, hd]
+        return linear(dev, &w.o, &a.att, t, &mut a.mix);
     }
-    let AtPos::Host(pos0) = at else { unreachable!("handled above") };
-    if t == 1 {
-
-        let (qn, kvn) = (dims.nh * dims.hd * if dims.gated { 2 } else { 1 }, dims.kvh * dims.hd);
-        let gate = if dims.gated { Some(&mut a.gate) } else { None };
-        if let Some(fused) = &w.qkv_fused {
+    // One token: q, k, v from one fused GEMV when the layer has it.
+    let (qn, kvn) = (dims.nh * dims.hd * if dims.gated { 2 } else { 1 }, dims.kvh * dims.hd);
+    let (q, k, v) = match &w.qkv_fused {
+        Some(fused) => {
             linear(dev, fused, &a.normed, 1, &mut a.proj1)?; // [q | k | v]
             let p = &a.proj1;
-            let (q, k, v) = (p.slice(0..qn), p.slice(qn..qn + kvn), p.slice(qn + kvn..qn + 2 * kvn));
-            attn_prep::prep(dev, &q, &k, &v, &w.q_norm, &w.k_norm, dims, pos0, 1, &mut a.q, gate, kc, vc)?;
-        } else {
+            (p.slice(0..qn), p.slice(qn..qn + kvn), p.slice(qn + kvn..qn + 2 * kvn))
+        }
+        None => {
             linear(dev, &w.q, &a.normed, 1, &mut a.qg)?;
             linear(dev, &w.k, &a.normed, 1, &mut a.k)?;
             linear(dev, &w.v, &a.normed, 1, &mut a.v)?;
-            attn_prep::prep(dev, &a.qg, &a.k, &a.v, &w.q_norm, &w.k_norm, dims, pos0, 1, &mut a.q, gate, kc, vc)?;
+            (a.qg.slice(0..qn), a.k.slice(0..kvn), a.v.slice(0..kvn))
         }
-        attention::decode(dev, &a.q, kc, vc, pos0 + 1, dims.nh, dims.kvh, dims.hd, &mut a.att, &mut a.att_scratch)?;
-        if dims.gated {
-            attn_prep::apply_gate(dev, &mut a.att, &a.gate, dims.nh * dims.hd)?;
-        }
-        return linear(dev, &w.o, &a.att, 1, &mut a.mix);
+    };
+    // The position and the length after it: from the host, or (a captured graph) from a.step_pos.
+    let (pos_at, n_at) = (a.step_pos.slice(0..1), a.step_pos.slice(1..2));
+    let (pos, n) = match at {
+        AtPos::Host(p) => (Scalar::Host(p), Scalar::Host(p + 1)),
+        AtPos::Device { cap } => (Scalar::Device { at: &pos_at, max: cap - 1 }, Scalar::Device { at: &n_at, max: cap }),
+    };
+    attn_prep::prep(dev, &q, &k, &v, &w.q_norm, &w.k_norm, dims, pos, 1, &mut a.q, gate, kc, vc)?;
+    attention::decode(dev, &a.q, kc, vc, n, dims.nh, dims.kvh, dims.hd, &mut a.att, &mut a.att_scratch)?;
+    if dims.gated {
+        attn_prep::apply_gate(dev, &mut a.att, &a.gate, dims.nh * dims.hd)?;
     }
-    linear(dev, &w.q, &a.normed, t, &mut a.qg)?; // [T, nh·hd·(1+gate)]
-    linear(dev, &w.k, &a.normed, t, &mut a.k)?; // [T, kvh·hd]
-    linear(dev, &w.v, &a.normed, t, &mut a.v)?; // [T, kvh·hd]
-    // q/k RMSNorm, partial RoPE, K/V appended at pos0..
-    let gate = if dims.gated { Some(&mut a.gate) } else { None };
-    attn_prep::prep(dev, &a.qg, &a.k, &a.v, &w.q_norm, &w.k_norm, dims, pos0, t, &mut a.q, gate, kc, vc)?;
-    let gate = if dims.gated { Some(&a.gate) } else { None };
-    attn_prefill::prefill(dev, &a.q, kc, vc, gate, dims.nh, dims.kvh, dims.hd, pos0, t, &mut a.att)?; // [T, nh, hd]
-    linear(dev, &w.o, &a.att, t, &mut a.mix)
+    linear(dev, &w.o, &a.att, 1, &mut a.mix)
 }
 
 /// Where an attention layer's first new position comes from.
@@ -783,27 +768,23 @@ fn moe(
     linear(dev, router, &a.normed, t, &mut a.router)?; // [T, E]
     moe_route::route(dev, &a.router, t, e, k, cfg.norm_topk_prob, &mut a.idx, &mut a.route_w)?; // [T, k]
     // The shared expert: [T, H] and its gate logit [T].
-    match shared {
-        Shared::None => {}
-        Shared::Separate { mlp, gate } => {
-            gemm::swiglu_gemm(dev, &mlp.gate, &mlp.up, 0, &a.normed, t, &mut a.shared_act)?; // [T, Is]
-            gemm::gemm(dev, &mlp.down, 0, &a.shared_act, t, &mut a.shared_out)?; // [T, H]
-            gemm::gemm(dev, gate, 0, &a.normed, t, &mut a.shared_gate)?; // [T, 1]
-        }
-        Shared::InStack { gate } => {
-            gemm::swiglu_gemm(dev, &ex.gate, &ex.up, e, &a.normed, t, &mut a.shared_act)?;
-            gemm::gemm(dev, &ex.down, e, &a.shared_act, t, &mut a.shared_out)?;
-            gemm::gemm(dev, gate, 0, &a.normed, t, &mut a.shared_gate)?;
-        }
-    }
-    let shared_terms = match shared {
+    // (gate, up, down, matrix index, gate row): its own matrices, or matrix E of the expert stacks.
+    let shared_mlp = match shared {
         Shared::None => None,
-        _ => Some((&a.shared_out, &a.shared_gate)),
+        Shared::Separate { mlp, gate } => Some((&mlp.gate, &mlp.up, &mlp.down, 0, gate)),
+        Shared::InStack { gate } => Some((&ex.gate, &ex.up, &ex.down, e, gate)),
     };
+    if let Some((sg, su, sd, m, gate)) = shared_mlp {
+        gemm::swiglu_gemm(dev, sg, su, m, &a.normed, t, &mut a.shared_act)?; // [T, Is]
+        gemm::gemm(dev, sd, m, &a.shared_act, t, &mut a.shared_out)?; // [T, H]
+        gemm::gemm(dev, gate, 0, &a.normed, t, &mut a.shared_gate)?; // [T, 1]
+    }
+    let shared_terms = shared_mlp.map(|_| (&a.shared_out, &a.shared_gate));
     // Sort the T·k slots by expert on the device, run each expert over its slots.
     moe_dispatch::plan(dev, &a.idx, t, k, e, &mut a.counts, &mut a.offsets, &mut a.rows, &mut a.slot_of)?;
-    gemm::grouped_swiglu_gemm_over(dev, &ex.gate, &ex.up, e, &a.offsets, Some(&a.rows), &a.normed, t * k, &mut a.act)?; // [T·k, I]
-    gemm::grouped_gemm_over(dev, &ex.down, e, &a.offsets, None, &a.act, t * k, &mut a.expert_out)?; // [T·k, H]
+    let routed = gemm::Opts { experts: Some(e), ..Default::default() }; // not the shared expert after them
+    gemm::grouped_swiglu_gemm_with(dev, &ex.gate, &ex.up, &a.offsets, Some(&a.rows), &a.normed, t * k, &mut a.act, routed)?; // [T·k, I]
+    gemm::grouped_gemm_with(dev, &ex.down, &a.offsets, None, &a.act, t * k, &mut a.expert_out, routed)?; // [T·k, H]
     moe_dispatch::combine(dev, &a.expert_out, &a.idx, Some(&a.slot_of), &a.route_w, shared_terms, t, k, h, &mut a.mlp)
 }
 

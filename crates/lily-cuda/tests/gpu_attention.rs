@@ -11,10 +11,8 @@
 
 mod common;
 
-use cudarc::driver::CudaSlice;
-use lily_cuda::ops::attention;
-use lily_cuda::ops::util;
-use common::{device, Rng};
+use lily_cuda::ops::{attention, Scalar};
+use common::{device, Rng, poisoned, time_op};
 use lily_cuda::Device;
 
 
@@ -30,12 +28,6 @@ fn rel_err(got: &[f32], want: &[f64], what: &str) -> f64 {
 }
 
 const TOL: f64 = 1e-5;
-
-fn poisoned(dev: &Device, n: usize) -> CudaSlice<f32> {
-    let mut y = dev.zeros::<f32>(n).unwrap();
-    util::fill(dev, &mut y, f32::NAN).unwrap();
-    y
-}
 
 /// The reference, in f64: the loop of `lily_cpu::attention::forward` for one token at position n-1.
 fn cpu_decode(q: &[f32], k: &[f32], v: &[f32], n: usize, nh: usize, kvh: usize, hd: usize) -> Vec<f64> {
@@ -83,7 +75,7 @@ fn check(dev: &Device, nh: usize, kvh: usize, hd: usize, n: usize, seed: u64) ->
     let (qd, kd, vd) = (dev.upload(&q).unwrap(), dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
     let mut out = poisoned(dev, nh * hd);
     let mut scratch = poisoned(dev, attention::scratch_len(nh, hd));
-    attention::decode(dev, &qd, &kd, &vd, n, nh, kvh, hd, &mut out, &mut scratch).unwrap();
+    attention::decode(dev, &qd, &kd, &vd, Scalar::Host(n), nh, kvh, hd, &mut out, &mut scratch).unwrap();
     let got = dev.download(&out).unwrap();
     let what = format!("nh {nh} kvh {kvh} hd {hd} n {n}");
     let e = rel_err(&got, &want, &what);
@@ -123,13 +115,13 @@ fn attention_rejects_bad_shapes() {
     let v = dev.zeros::<f32>(8 * 2 * 64).unwrap();
     let mut out = dev.zeros::<f32>(4 * 64).unwrap();
     let mut s = dev.zeros::<f32>(attention::scratch_len(4, 64)).unwrap();
-    assert!(attention::decode(&dev, &q, &k, &v, 8, 4, 2, 64, &mut out, &mut s).is_ok());
-    assert!(attention::decode(&dev, &q, &k, &v, 9, 4, 2, 64, &mut out, &mut s).is_err()); // cache too short
-    assert!(attention::decode(&dev, &q, &k, &v, 0, 4, 2, 64, &mut out, &mut s).is_err()); // n = 0
-    assert!(attention::decode(&dev, &q, &k, &v, 8, 3, 2, 64, &mut out, &mut s).is_err()); // nh % kvh
-    assert!(attention::decode(&dev, &q, &k, &v, 8, 4, 2, 48, &mut out, &mut s).is_err()); // hd
+    assert!(attention::decode(&dev, &q, &k, &v, Scalar::Host(8), 4, 2, 64, &mut out, &mut s).is_ok());
+    assert!(attention::decode(&dev, &q, &k, &v, Scalar::Host(9), 4, 2, 64, &mut out, &mut s).is_err()); // cache too short
+    assert!(attention::decode(&dev, &q, &k, &v, Scalar::Host(0), 4, 2, 64, &mut out, &mut s).is_err()); // n = 0
+    assert!(attention::decode(&dev, &q, &k, &v, Scalar::Host(8), 3, 2, 64, &mut out, &mut s).is_err()); // nh % kvh
+    assert!(attention::decode(&dev, &q, &k, &v, Scalar::Host(8), 4, 2, 48, &mut out, &mut s).is_err()); // hd
     let mut small = dev.zeros::<f32>(attention::scratch_len(4, 64) - 1).unwrap();
-    assert!(attention::decode(&dev, &q, &k, &v, 8, 4, 2, 64, &mut out, &mut small).is_err());
+    assert!(attention::decode(&dev, &q, &k, &v, Scalar::Host(8), 4, 2, 64, &mut out, &mut small).is_err());
     dev.synchronize().unwrap();
 }
 
@@ -143,33 +135,6 @@ fn attention_splits_cover_every_position() {
 
 // ---------------------------------------------------------------------------------------------------
 // Timing (run with `--ignored bench_attention_decode`)
-
-/// Median per-launch time in seconds of `op(i)`: `reps` batches of `batch` calls queued behind a GPU
-/// spin, each batch between two CUDA events (as in gpu_gdn.rs); also max/min batch.
-fn time_op(dev: &Device, reps: usize, batch: usize, mut op: impl FnMut(usize)) -> (f64, f64) {
-    use cudarc::driver::sys::CUevent_flags;
-    for i in 0..3 * batch {
-        op(i);
-    }
-    dev.synchronize().unwrap();
-    let ctx = dev.context();
-    let events: Vec<_> = (0..2 * reps).map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap()).collect();
-    util::spin(dev, 30_000_000).unwrap();
-    let mut i = 0;
-    for r in 0..reps {
-        events[2 * r].record(dev.stream()).unwrap();
-        for _ in 0..batch {
-            op(i);
-            i += 1;
-        }
-        events[2 * r + 1].record(dev.stream()).unwrap();
-    }
-    dev.synchronize().unwrap();
-    let mut t: Vec<f64> =
-        (0..reps).map(|r| events[2 * r].elapsed_ms(&events[2 * r + 1]).unwrap() as f64 * 1e-3 / batch as f64).collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    (t[reps / 2], t[reps - 1] / t[0])
-}
 
 #[test]
 #[ignore = "timing; run on the GPU machine"]
@@ -187,7 +152,7 @@ fn bench_attention_decode() {
         let v: Vec<_> = (0..layers).map(|_| dev.upload(&host).unwrap()).collect();
         let (t, spread) = time_op(&dev, 15, 2 * layers, |i| {
             let l = i % layers;
-            attention::decode(&dev, &q, &k[l], &v[l], n, nh, kvh, hd, &mut out, &mut scratch).unwrap();
+            attention::decode(&dev, &q, &k[l], &v[l], Scalar::Host(n), nh, kvh, hd, &mut out, &mut scratch).unwrap();
         });
         let bytes = 2.0 * (kvh * hd * 4 * n) as f64;
         let bw = bytes / t / 1e12;

@@ -29,21 +29,15 @@
 
 mod common;
 
-use common::{device, Rng};
+use common::{device, Rng, poisoned, time_op};
 use cudarc::driver::CudaSlice;
 use lily_cuda::ops::attn_prep::{self, AttnDims};
-use lily_cuda::ops::{attention, attn_prefill, util};
+use lily_cuda::ops::{attention, attn_prefill, Scalar};
 use lily_cuda::Device;
 
 const TOL_PREP: f64 = 2e-6;
 const TOL_ATTN: f64 = 1e-5;
 const SENTINEL: f32 = 7777.0;
-
-fn poisoned(dev: &Device, n: usize) -> CudaSlice<f32> {
-    let mut y = dev.zeros::<f32>(n).unwrap();
-    util::fill(dev, &mut y, f32::NAN).unwrap();
-    y
-}
 
 /// Worst over rows of `row` elements of max |got − want| / max |want|, after checking every element of
 /// `got` was written (finite).
@@ -142,7 +136,7 @@ fn check_prep(dev: &Device, d: AttnDims, pos0: usize, t: usize, seed: u64) -> (f
     let mut vc = dev.upload(&sentinel).unwrap();
     let gate_arg = if d.gated { Some(&mut gate_out) } else { None };
     attn_prep::prep(
-        dev, &qd, &kd, &vd, &qnd, &knd, d, pos0, t, &mut q_out, gate_arg, &mut kc, &mut vc,
+        dev, &qd, &kd, &vd, &qnd, &knd, d, Scalar::Host(pos0), t, &mut q_out, gate_arg, &mut kc, &mut vc,
     )
     .unwrap();
 
@@ -271,7 +265,7 @@ fn prep_rejects_bad_shapes() {
     let mut run = |d: AttnDims, pos0: usize, t: usize, gate: bool| {
         let g = if gate { Some(&mut g_out) } else { None };
         attn_prep::prep(
-            &dev, &qg, &k, &v, &w, &w, d, pos0, t, &mut q_out, g, &mut kc, &mut vc,
+            &dev, &qg, &k, &v, &w, &w, d, Scalar::Host(pos0), t, &mut q_out, g, &mut kc, &mut vc,
         )
     };
     assert!(run(d, 7, 3, true).is_ok());
@@ -520,7 +514,7 @@ fn check_chunked_vs_step(dev: &Device, d: AttnDims, pos0: usize, t: usize, seed:
         &qn,
         &kn,
         d,
-        pos0,
+        Scalar::Host(pos0),
         t,
         &mut q1,
         d.gated.then_some(&mut g1),
@@ -567,7 +561,7 @@ fn check_chunked_vs_step(dev: &Device, d: AttnDims, pos0: usize, t: usize, seed:
             &qn,
             &kn,
             d,
-            pos0 + i,
+            Scalar::Host(pos0 + i),
             1,
             &mut q_i,
             d.gated.then_some(&mut g_i),
@@ -581,7 +575,7 @@ fn check_chunked_vs_step(dev: &Device, d: AttnDims, pos0: usize, t: usize, seed:
             &q_i,
             &kc2,
             &vc2,
-            pos0 + i + 1,
+            Scalar::Host(pos0 + i + 1),
             nh,
             kvh,
             hd,
@@ -639,39 +633,6 @@ fn prefill_chunked_matches_decode_steps() {
 // ---------------------------------------------------------------------------------------------------
 // Timing (run with `--ignored bench_attn_prefill`)
 
-/// Median per-launch time in seconds of `op(i)`: `reps` batches of `batch` calls queued behind a GPU
-/// spin, each batch between two CUDA events (as gpu_attention.rs); also max/min batch.
-fn time_op(dev: &Device, reps: usize, batch: usize, mut op: impl FnMut(usize)) -> (f64, f64) {
-    use cudarc::driver::sys::CUevent_flags;
-    for i in 0..2 * batch {
-        op(i);
-    }
-    dev.synchronize().unwrap();
-    let ctx = dev.context();
-    let events: Vec<_> = (0..2 * reps)
-        .map(|_| {
-            ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .unwrap()
-        })
-        .collect();
-    util::spin(dev, 30_000_000).unwrap();
-    let mut i = 0;
-    for r in 0..reps {
-        events[2 * r].record(dev.stream()).unwrap();
-        for _ in 0..batch {
-            op(i);
-            i += 1;
-        }
-        events[2 * r + 1].record(dev.stream()).unwrap();
-    }
-    dev.synchronize().unwrap();
-    let mut t: Vec<f64> = (0..reps)
-        .map(|r| events[2 * r].elapsed_ms(&events[2 * r + 1]).unwrap() as f64 * 1e-3 / batch as f64)
-        .collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    (t[reps / 2], t[reps - 1] / t[0])
-}
-
 #[test]
 #[ignore = "timing; run on the GPU machine"]
 fn bench_attn_prefill() {
@@ -719,7 +680,7 @@ fn bench_attn_prefill() {
             &w,
             &w,
             d,
-            3584,
+            Scalar::Host(3584),
             t,
             &mut q_out,
             Some(&mut g_out),

@@ -10,11 +10,9 @@
 
 mod common;
 
-use cudarc::driver::CudaSlice;
 use lily_cpu::gdn as cpu;
 use lily_cuda::ops::gdn::{self, GdnDims};
-use lily_cuda::ops::util;
-use common::{device, Rng};
+use common::{device, Rng, poisoned, time_op};
 use lily_cuda::Device;
 
 
@@ -36,12 +34,6 @@ fn check(got: &[f32], want: &[f32], what: &str) -> f64 {
     let e = rel_err(got, want, what);
     assert!(e <= TOL, "{what}: relative max error {e:.3e} > {TOL:.0e}");
     e
-}
-
-fn poisoned(dev: &Device, n: usize) -> CudaSlice<f32> {
-    let mut y = dev.zeros::<f32>(n).unwrap();
-    util::fill(dev, &mut y, f32::NAN).unwrap();
-    y
 }
 
 /// A_log = ln U(1, 16); dt_bias: even heads U(0.5, 2) (fast decay), odd heads the Mamba init
@@ -270,33 +262,6 @@ fn gdn_rejects_bad_shapes() {
 
 // ---------------------------------------------------------------------------------------------------
 // Timing (run with `--ignored bench_gdn_decode`)
-
-/// Median per-launch time in seconds of `op(i)`: `reps` batches of `batch` launches queued behind a GPU
-/// spin, each batch between two CUDA events (as `bench_ops` in gpu_ops.rs); also max/min batch.
-fn time_op(dev: &Device, reps: usize, batch: usize, mut op: impl FnMut(usize)) -> (f64, f64) {
-    use cudarc::driver::sys::CUevent_flags;
-    for i in 0..3 * batch {
-        op(i);
-    }
-    dev.synchronize().unwrap();
-    let ctx = dev.context();
-    let events: Vec<_> = (0..2 * reps).map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap()).collect();
-    util::spin(dev, 30_000_000).unwrap();
-    let mut i = 0;
-    for r in 0..reps {
-        events[2 * r].record(dev.stream()).unwrap();
-        for _ in 0..batch {
-            op(i);
-            i += 1;
-        }
-        events[2 * r + 1].record(dev.stream()).unwrap();
-    }
-    dev.synchronize().unwrap();
-    let mut t: Vec<f64> =
-        (0..reps).map(|r| events[2 * r].elapsed_ms(&events[2 * r + 1]).unwrap() as f64 * 1e-3 / batch as f64).collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    (t[reps / 2], t[reps - 1] / t[0])
-}
 
 #[test]
 #[ignore = "timing; run on the GPU machine"]

@@ -14,12 +14,11 @@
 
 mod common;
 
-use common::{device, Rng};
+use common::{device, Rng, poisoned, time_op};
 use cudarc::driver::CudaSlice;
 use lily_cpu::gdn as cpu;
 use lily_cuda::ops::gdn::{self, GdnDims};
 use lily_cuda::ops::gdn_chunked::{self as chunked, scratch_len};
-use lily_cuda::ops::util;
 use lily_cuda::Device;
 
 /// max |got − want| / max |want|, after checking every element was written (no NaN).
@@ -38,12 +37,6 @@ fn check(got: &[f32], want: &[f32], tol: f64, what: &str) -> f64 {
     let e = rel_err(got, want, what);
     assert!(e <= tol, "{what}: relative max error {e:.3e} > {tol:.0e}");
     e
-}
-
-fn poisoned(dev: &Device, n: usize) -> CudaSlice<f32> {
-    let mut y = dev.zeros::<f32>(n.max(1)).unwrap();
-    util::fill(dev, &mut y, f32::NAN).unwrap();
-    y
 }
 
 fn dims(hk: usize, hv: usize, dk: usize, dv: usize) -> GdnDims {
@@ -247,31 +240,6 @@ fn gdn_chunked_rejects_bad_shapes() {
 // ---------------------------------------------------------------------------------------------------
 // Timing (run with `--ignored bench_gdn_chunked --nocapture`)
 
-/// Median per-launch time in seconds of `op()`: `reps` batches of `batch` launches queued behind a GPU
-/// spin, each batch between two CUDA events (as in gpu_gdn.rs); also max/min batch.
-fn time_op(dev: &Device, reps: usize, batch: usize, mut op: impl FnMut()) -> (f64, f64) {
-    use cudarc::driver::sys::CUevent_flags;
-    for _ in 0..2 {
-        op();
-    }
-    dev.synchronize().unwrap();
-    let ctx = dev.context();
-    let events: Vec<_> = (0..2 * reps).map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap()).collect();
-    util::spin(dev, 30_000_000).unwrap();
-    for r in 0..reps {
-        events[2 * r].record(dev.stream()).unwrap();
-        for _ in 0..batch {
-            op();
-        }
-        events[2 * r + 1].record(dev.stream()).unwrap();
-    }
-    dev.synchronize().unwrap();
-    let mut t: Vec<f64> =
-        (0..reps).map(|r| events[2 * r].elapsed_ms(&events[2 * r + 1]).unwrap() as f64 * 1e-3 / batch as f64).collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    (t[reps / 2], t[reps - 1] / t[0])
-}
-
 #[test]
 #[ignore = "timing; run on the GPU machine"]
 fn bench_gdn_chunked() {
@@ -286,12 +254,12 @@ fn bench_gdn_chunked() {
         let mut out = dev.zeros::<f32>(t * d.value_dim()).unwrap();
         let mut scratch = dev.zeros::<f32>(scratch_len(&d, t)).unwrap();
         let (reps, batch) = (7, 3);
-        let (tr, sr) = time_op(&dev, reps, batch, || {
+        let (tr, sr) = time_op(&dev, reps, batch, |_| {
             gdn::delta_rule_recurrent(&dev, &d, t, &qkv, &g, &beta, &mut state, &mut out).unwrap();
         });
         let mut line = format!("  T={t:5}: recurrent {:9.1} µs (spread {sr:.2})", tr * 1e6);
         for tile in [16usize, 32] {
-            let (tc, sc) = time_op(&dev, reps, batch, || {
+            let (tc, sc) = time_op(&dev, reps, batch, |_| {
                 chunked::delta_rule_chunked_with(
                     &dev,
                     &d,

@@ -30,10 +30,10 @@
 
 mod common;
 
-use common::{device, Rng};
+use common::{device, Rng, poisoned};
 use cudarc::driver::CudaSlice;
 use half::bf16;
-use lily_cuda::ops::gemm::{self, Precision, Tile};
+use lily_cuda::ops::gemm::{self, Opts, Precision, Tile};
 use lily_cuda::ops::util;
 use lily_cuda::weights::{upload_matrix, DeviceMatrix, Uploader};
 use lily_cuda::Device;
@@ -142,13 +142,6 @@ fn check(got: &[f32], want: &[f64], tol: f64, what: &str) -> f64 {
     let e = rel_err(got, want, what);
     assert!(e <= tol, "{what}: relative max error {e:.3e} > {tol:.0e}");
     e
-}
-
-/// A device buffer of `n` NaNs.
-fn poisoned(dev: &Device, n: usize) -> CudaSlice<f32> {
-    let mut y = dev.zeros::<f32>(n).unwrap();
-    util::fill(dev, &mut y, f32::NAN).unwrap();
-    y
 }
 
 /// Downloads the first `n` outputs and checks that the spare elements after them are still NaN.
@@ -260,7 +253,7 @@ fn plain_case(dev: &Device, w: &Matrix, m: usize, xd: &CudaSlice<f32>, refs: &Re
     for p in PRECISIONS {
         for tile in TILES {
             let mut y = poisoned(dev, t * w.rows + SPARE);
-            gemm::gemm_with(dev, &dw, m, xd, t, &mut y, tile, p).unwrap();
+            gemm::gemm_with(dev, &dw, m, xd, t, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap();
             let what = format!("{what} {p:?} {tile:?}");
             let got = download_checked(dev, &y, t * w.rows, &what);
             compare(&got, refs, p, worst, &what);
@@ -330,7 +323,7 @@ fn exact_is_the_default_and_beats_fast() {
     let mut y = poisoned(&dev, t * rows);
     gemm::gemm(&dev, &dw, 0, &xd, t, &mut y).unwrap();
     let e_default = rel_err(&dev.download(&y).unwrap(), &refs.exact, "gemm default");
-    gemm::gemm_with(&dev, &dw, 0, &xd, t, &mut y, Tile::Auto, Precision::Fast).unwrap();
+    gemm::gemm_with(&dev, &dw, 0, &xd, t, &mut y, Opts { precision: Precision::Fast, ..Default::default() }).unwrap();
     let e_fast = rel_err(&dev.download(&y).unwrap(), &refs.exact, "gemm fast");
     println!("gemm {f} [{rows}x{cols}] t={t}: default {e_default:.2e}, fast {e_fast:.2e} vs the f64 reference of the unrounded operands");
     assert!(e_default <= TOL_EXACT, "the default gemm is not Exact: {e_default:.3e}");
@@ -351,7 +344,7 @@ fn exact_is_the_default_and_beats_fast() {
     let mut y = poisoned(&dev, n * rows);
     gemm::grouped_gemm(&dev, &dw, &off, None, &xd, n, &mut y).unwrap();
     let e_default = rel_err(&dev.download(&y).unwrap(), &want, "grouped default");
-    gemm::grouped_gemm_with(&dev, &dw, &off, None, &xd, n, &mut y, Tile::Auto, Precision::Fast).unwrap();
+    gemm::grouped_gemm_with(&dev, &dw, &off, None, &xd, n, &mut y, Opts { precision: Precision::Fast, ..Default::default() }).unwrap();
     let e_fast = rel_err(&dev.download(&y).unwrap(), &want, "grouped fast");
     println!("grouped_gemm {f} E=2 [{rows}x{cols}] n={n}: default {e_default:.2e}, fast {e_fast:.2e}");
     assert!(e_default <= TOL_EXACT, "the default grouped_gemm is not Exact: {e_default:.3e}");
@@ -393,7 +386,7 @@ fn swiglu_gemm_matches_reference() {
             for p in PRECISIONS {
                 for tile in TILES {
                     let mut y = poisoned(&dev, t * rows + SPARE);
-                    gemm::swiglu_gemm_with(&dev, &dg, &du, m, &xd, t, &mut y, tile, p).unwrap();
+                    gemm::swiglu_gemm_with(&dev, &dg, &du, m, &xd, t, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap();
                     let what = format!("swiglu_gemm {f} [{count}x{rows}x{cols}] m={m} t={t} {p:?} {tile:?}");
                     let got = download_checked(&dev, &y, t * rows, &what);
                     compare(&got, &refs, p, &mut worst, &what);
@@ -497,8 +490,8 @@ fn grouped_case(
             let mut y = poisoned(dev, n * rows + SPARE);
             let gather = gather_rows.map(|_| &src_d);
             match &du {
-                Some(du) => gemm::grouped_swiglu_gemm_with(dev, &dg, du, &off_d, gather, &xd, n, &mut y, tile, p).unwrap(),
-                None => gemm::grouped_gemm_with(dev, &dg, &off_d, gather, &xd, n, &mut y, tile, p).unwrap(),
+                Some(du) => gemm::grouped_swiglu_gemm_with(dev, &dg, du, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap(),
+                None => gemm::grouped_gemm_with(dev, &dg, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap(),
             }
             let what = format!(
                 "grouped{} {f} E={e_count} [{rows}x{cols}] n={n} gather={:?} {p:?} {tile:?}",
@@ -585,7 +578,7 @@ fn grouped_gather_past_x_gives_nan_rows_only() {
     for p in PRECISIONS {
         let mut y = poisoned(&dev, n * rows);
         util::fill(&dev, &mut y, 0.5).unwrap();
-        gemm::grouped_gemm_with(&dev, &dw, &off_d, Some(&src_d), &xd, n, &mut y, Tile::Auto, p).unwrap();
+        gemm::grouped_gemm_with(&dev, &dw, &off_d, Some(&src_d), &xd, n, &mut y, Opts { precision: p, ..Default::default() }).unwrap();
         let got = dev.download(&y).unwrap();
         for i in 0..n {
             let row = &got[i * rows..(i + 1) * rows];
@@ -731,7 +724,7 @@ fn bench_gemm() {
         let w = bench_affine(&mut up, &mut rng, 1, rows, cols, bits, gs);
         for t in [512usize, 4096] {
             bench_both(&dev, &format!("gemm q{bits} g{gs} [{rows}x{cols}] t={t} ({name})"), 2.0 * (t * rows * cols) as f64, |tile, p| {
-                gemm::gemm_with(&dev, &w, 0, &x, t, &mut y, tile, p).unwrap()
+                gemm::gemm_with(&dev, &w, 0, &x, t, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap()
             });
         }
     }
@@ -740,7 +733,7 @@ fn bench_gemm() {
         let (g, u) = (bench_affine(&mut up, &mut rng, 1, 512, 2048, 4, 64), bench_affine(&mut up, &mut rng, 1, 512, 2048, 4, 64));
         for t in [512usize, 4096] {
             bench_both(&dev, &format!("swiglu q4 g64 [512x2048] t={t} (shared expert)"), 4.0 * (t * 512 * 2048) as f64, |tile, p| {
-                gemm::swiglu_gemm_with(&dev, &g, &u, 0, &x, t, &mut y, tile, p).unwrap()
+                gemm::swiglu_gemm_with(&dev, &g, &u, 0, &x, t, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap()
             });
         }
     }
@@ -770,10 +763,10 @@ fn bench_gemm() {
             let src = dev.upload(&pairs.iter().map(|p| p.1).collect::<Vec<u32>>()).unwrap();
             let mut h = dev.zeros::<f32>(n * 512).unwrap();
             bench_both(&dev, &format!("grouped swiglu q4 E=256 [512x2048] n={n}"), 4.0 * (n * 512 * 2048) as f64, |tile, p| {
-                gemm::grouped_swiglu_gemm_with(&dev, &g, &u, &off, Some(&src), &x, n, &mut h, tile, p).unwrap()
+                gemm::grouped_swiglu_gemm_with(&dev, &g, &u, &off, Some(&src), &x, n, &mut h, Opts { tile, precision: p, ..Default::default() }).unwrap()
             });
             bench_both(&dev, &format!("grouped q4 E=256 [2048x512] n={n} (down)"), 2.0 * (n * 2048 * 512) as f64, |tile, p| {
-                gemm::grouped_gemm_with(&dev, &d, &off, None, &h, n, &mut y, tile, p).unwrap()
+                gemm::grouped_gemm_with(&dev, &d, &off, None, &h, n, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap()
             });
         }
     }

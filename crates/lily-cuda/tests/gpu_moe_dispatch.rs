@@ -18,7 +18,7 @@
 
 mod common;
 
-use common::{device, Rng};
+use common::{device, Rng, time_op};
 use cudarc::driver::CudaSlice;
 use lily_cuda::ops::{moe_dispatch, util};
 use lily_cuda::Device;
@@ -446,30 +446,6 @@ fn small_f32(dev: &Device) -> CudaSlice<f32> {
 // ---------------------------------------------------------------------------------------------------
 // Timing (run with `--ignored bench_moe_dispatch`)
 
-/// Median per-launch time in seconds of `op()`: `reps` batches of `batch` launches queued behind a GPU
-/// spin, each batch between two CUDA events (as in gpu_moe_route.rs); also max/min batch.
-fn time_op(dev: &Device, reps: usize, batch: usize, mut op: impl FnMut()) -> (f64, f64) {
-    use cudarc::driver::sys::CUevent_flags;
-    for _ in 0..3 * batch {
-        op();
-    }
-    dev.synchronize().unwrap();
-    let ctx = dev.context();
-    let events: Vec<_> = (0..2 * reps).map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap()).collect();
-    util::spin(dev, 30_000_000).unwrap();
-    for r in 0..reps {
-        events[2 * r].record(dev.stream()).unwrap();
-        for _ in 0..batch {
-            op();
-        }
-        events[2 * r + 1].record(dev.stream()).unwrap();
-    }
-    dev.synchronize().unwrap();
-    let mut t: Vec<f64> = (0..reps).map(|r| events[2 * r].elapsed_ms(&events[2 * r + 1]).unwrap() as f64 * 1e-3 / batch as f64).collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    (t[reps / 2], t[reps - 1] / t[0])
-}
-
 #[test]
 #[ignore = "timing; run on the GPU machine"]
 fn bench_moe_dispatch() {
@@ -485,7 +461,7 @@ fn bench_moe_dispatch() {
         let mut off = dev.zeros::<u32>(e + 1).unwrap();
         let mut rows = dev.zeros::<u32>(n).unwrap();
         let mut slot = dev.zeros::<u32>(n).unwrap();
-        let (plan_t, plan_s) = time_op(&dev, 15, 50, || {
+        let (plan_t, plan_s) = time_op(&dev, 15, 50, |_| {
             moe_dispatch::plan(&dev, &d_idx, t, k, e, &mut scratch, &mut off, &mut rows, &mut slot).unwrap();
         });
         let y = dev.upload(&(0..n * h).map(|_| rng.range(-1.0, 1.0)).collect::<Vec<f32>>()).unwrap();
@@ -494,7 +470,7 @@ fn bench_moe_dispatch() {
         let g = dev.upload(&(0..t).map(|_| rng.normal(1.0)).collect::<Vec<f32>>()).unwrap();
         let mut out = dev.zeros::<f32>(t * h).unwrap();
         let slot_arg = if t == 1 { None } else { Some(&slot) };
-        let (comb_t, comb_s) = time_op(&dev, 15, 50, || {
+        let (comb_t, comb_s) = time_op(&dev, 15, 50, |_| {
             moe_dispatch::combine(&dev, &y, &d_idx, slot_arg, &w, Some((&sh, &g)), t, k, h, &mut out).unwrap();
         });
         let gbs = ((n + 2 * t) * h * 4) as f64 / comb_t / 1e9;

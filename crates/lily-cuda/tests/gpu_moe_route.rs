@@ -14,8 +14,7 @@ mod common;
 
 use lily_cpu::moe as cpu;
 use lily_cuda::ops::moe_route;
-use lily_cuda::ops::util;
-use common::{device, Rng};
+use common::{device, Rng, time_op};
 use lily_cuda::Device;
 
 
@@ -136,31 +135,6 @@ fn moe_route_rejects_bad_shapes() {
 // ---------------------------------------------------------------------------------------------------
 // Timing (run with `--ignored bench_moe_route`)
 
-/// Median per-launch time in seconds of `op()`: `reps` batches of `batch` launches queued behind a GPU
-/// spin, each batch between two CUDA events (as in gpu_gdn.rs); also max/min batch.
-fn time_op(dev: &Device, reps: usize, batch: usize, mut op: impl FnMut()) -> (f64, f64) {
-    use cudarc::driver::sys::CUevent_flags;
-    for _ in 0..3 * batch {
-        op();
-    }
-    dev.synchronize().unwrap();
-    let ctx = dev.context();
-    let events: Vec<_> = (0..2 * reps).map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap()).collect();
-    util::spin(dev, 30_000_000).unwrap();
-    for r in 0..reps {
-        events[2 * r].record(dev.stream()).unwrap();
-        for _ in 0..batch {
-            op();
-        }
-        events[2 * r + 1].record(dev.stream()).unwrap();
-    }
-    dev.synchronize().unwrap();
-    let mut t: Vec<f64> =
-        (0..reps).map(|r| events[2 * r].elapsed_ms(&events[2 * r + 1]).unwrap() as f64 * 1e-3 / batch as f64).collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    (t[reps / 2], t[reps - 1] / t[0])
-}
-
 #[test]
 #[ignore = "timing; run on the GPU machine"]
 fn bench_moe_route() {
@@ -173,7 +147,7 @@ fn bench_moe_route() {
         let d_logits = dev.upload(&logits).unwrap();
         let mut idx = dev.zeros::<u32>(t * k).unwrap();
         let mut w = dev.zeros::<f32>(t * k).unwrap();
-        let (med, spread) = time_op(&dev, 15, 100, || {
+        let (med, spread) = time_op(&dev, 15, 100, |_| {
             moe_route::route(&dev, &d_logits, t, e, k, true, &mut idx, &mut w).unwrap();
         });
         let gbs = (t * e * 4) as f64 / med / 1e9;

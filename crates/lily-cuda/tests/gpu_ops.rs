@@ -11,7 +11,7 @@
 
 mod common;
 
-use common::device;
+use common::{device, poisoned, time_op};
 use cudarc::driver::CudaSlice;
 use half::{bf16, f16};
 use lily_cuda::ops::affine_gemv::{self, Q4Decode, Select};
@@ -135,13 +135,6 @@ fn check(got: &[f32], want: &[f64], tol: f64, what: &str) -> f64 {
     let e = rel_err(got, want, what);
     assert!(e <= tol, "{what}: relative max error {e:.3e} > {tol:.0e}");
     e
-}
-
-/// A device buffer of `n` NaNs (the poison).
-fn poisoned(dev: &Device, n: usize) -> CudaSlice<f32> {
-    let mut y = dev.zeros::<f32>(n).unwrap();
-    util::fill(dev, &mut y, f32::NAN).unwrap();
-    y
 }
 
 /// Tolerance of the f32 GEMV paths against the exact f64 result, relative to the largest output.
@@ -565,33 +558,6 @@ fn bench_affine(up: &mut Uploader, rng: &mut Rng, count: usize, rows: usize, col
         },
     })
     .unwrap()
-}
-
-/// Times `op(i)` (i = 0, 1, ...): `reps` batches of `batch` back-to-back launches queued behind a GPU
-/// spin, each batch between two CUDA events. Returns the median per-launch time in seconds, and the
-/// spread (max/min batch) for judging noise.
-fn time_op(dev: &Device, reps: usize, batch: usize, mut op: impl FnMut(usize)) -> (f64, f64) {
-    use cudarc::driver::sys::CUevent_flags;
-    for i in 0..3 * batch {
-        op(i); // warm-up
-    }
-    dev.synchronize().unwrap();
-    let ctx = dev.context();
-    let events: Vec<_> = (0..2 * reps).map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap()).collect();
-    util::spin(dev, 30_000_000).unwrap(); // 30 ms: the host queues everything meanwhile
-    let mut i = 0;
-    for r in 0..reps {
-        events[2 * r].record(dev.stream()).unwrap();
-        for _ in 0..batch {
-            op(i);
-            i += 1;
-        }
-        events[2 * r + 1].record(dev.stream()).unwrap();
-    }
-    dev.synchronize().unwrap();
-    let mut t: Vec<f64> = (0..reps).map(|r| events[2 * r].elapsed_ms(&events[2 * r + 1]).unwrap() as f64 * 1e-3 / batch as f64).collect();
-    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    (t[reps / 2], t[reps - 1] / t[0])
 }
 
 struct Row {

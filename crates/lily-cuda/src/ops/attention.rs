@@ -11,7 +11,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
-use super::{addr, addr_mut, launch};
+use super::{addr, addr_mut, launch, Scalar};
 use crate::{CudaError, Device, Result};
 
 /// Must match `struct AttnDecodeParams` in `kernels/attention.cu`.
@@ -68,14 +68,16 @@ pub fn scratch_len(nh: usize, hd: usize) -> usize {
 /// `out[h] = Σ_p softmax_p(q[h]·k[p, h/(nh/kvh)] / √hd) · v[p, h/(nh/kvh)]` over positions `0..n` of the
 /// caches. q, out: [nh, hd]; k_cache, v_cache: [≥ n, kvh, hd]; scratch: ≥ [`scratch_len`]`(nh, hd)`.
 /// hd ∈ {32, 64, 128, 256}; nh a multiple of kvh; n ≥ 1. `out` must not alias the inputs.
+/// n may be read on the device instead ([`Scalar::Device`], bounded by `max`: the caches must hold `max`
+/// rows); the grid then covers [`MAX_SPLITS`] splits, and those past the device n's split count exit at once.
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.85
+#[allow(clippy::manual_is_multiple_of)]
 pub fn decode<Q, K, V, O, S>(
     dev: &Device,
     q: &Q,
     k_cache: &K,
     v_cache: &V,
-    n: usize,
+    n: Scalar<'_>,
     nh: usize,
     kvh: usize,
     hd: usize,
@@ -89,59 +91,7 @@ where
     O: DevicePtrMut<f32>,
     S: DevicePtrMut<f32>,
 {
-    decode_impl(dev, q, k_cache, v_cache, n, 0, nh, kvh, hd, out, scratch)
-}
-
-/// [`decode`] with n read on the device from `n_dev[0]` when the kernels run (so a captured CUDA graph
-/// replays at each step's length); `n_max` bounds it (the caches must hold `n_max` rows). The grid
-/// covers [`MAX_SPLITS`] splits; those past the device n's split count exit at once.
-#[allow(clippy::too_many_arguments)]
-pub fn decode_device_n<Q, K, V, O, S>(
-    dev: &Device,
-    q: &Q,
-    k_cache: &K,
-    v_cache: &V,
-    n_dev: &cudarc::driver::CudaView<'_, i32>,
-    n_max: usize,
-    nh: usize,
-    kvh: usize,
-    hd: usize,
-    out: &mut O,
-    scratch: &mut S,
-) -> Result<()>
-where
-    Q: DevicePtr<f32>,
-    K: DevicePtr<f32>,
-    V: DevicePtr<f32>,
-    O: DevicePtrMut<f32>,
-    S: DevicePtrMut<f32>,
-{
-    let nd = addr(dev, n_dev, 1, "attention decode n_dev")?;
-    decode_impl(dev, q, k_cache, v_cache, n_max, nd, nh, kvh, hd, out, scratch)
-}
-
-#[allow(clippy::too_many_arguments)]
-#[allow(clippy::manual_is_multiple_of)]
-fn decode_impl<Q, K, V, O, S>(
-    dev: &Device,
-    q: &Q,
-    k_cache: &K,
-    v_cache: &V,
-    n: usize,
-    n_dev: u64,
-    nh: usize,
-    kvh: usize,
-    hd: usize,
-    out: &mut O,
-    scratch: &mut S,
-) -> Result<()>
-where
-    Q: DevicePtr<f32>,
-    K: DevicePtr<f32>,
-    V: DevicePtr<f32>,
-    O: DevicePtrMut<f32>,
-    S: DevicePtrMut<f32>,
-{
+    let (n, n_dev) = n.split(dev, "attention decode n")?;
     let name = match hd {
         32 => "attn_decode_split_d32",
         64 => "attn_decode_split_d64",

@@ -11,7 +11,7 @@
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
-use super::{addr, addr_mut, launch};
+use super::{addr, addr_mut, launch, Scalar};
 use crate::{CudaError, Device, Result};
 
 /// The shape of one full-attention layer (from `lily_model::ModelConfig`: num_attention_heads,
@@ -80,8 +80,10 @@ pub const MAX_HEAD_DIM: usize = 1024;
 /// halves of `qg`; required iff `dims.gated`), and rows `pos0..pos0+t` of `k_cache` (RMSNorm·k_norm, then
 /// RoPE) and `v_cache` (v as is); the caches are [capacity ≥ pos0+t, kvh, hd] and their other rows are
 /// untouched. `q_norm`, `k_norm`: [hd], the folded weights. hd ≤ [`MAX_HEAD_DIM`], rot even and ≤ hd.
+/// The position may be read on the device instead ([`Scalar::Device`], bounded by `max`: the caches
+/// must then hold `max + t` rows).
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.85
+#[allow(clippy::manual_is_multiple_of)]
 pub fn prep<QG, K, V, QN, KN, QO, GO, KC, VC>(
     dev: &Device,
     qg: &QG,
@@ -90,7 +92,7 @@ pub fn prep<QG, K, V, QN, KN, QO, GO, KC, VC>(
     q_norm: &QN,
     k_norm: &KN,
     dims: AttnDims,
-    pos0: usize,
+    pos0: Scalar<'_>,
     t: usize,
     q_out: &mut QO,
     gate_out: Option<&mut GO>,
@@ -108,73 +110,7 @@ where
     KC: DevicePtrMut<f32>,
     VC: DevicePtrMut<f32>,
 {
-    prep_impl(dev, qg, k, v, q_norm, k_norm, dims, pos0, 0, t, q_out, gate_out, k_cache, v_cache)
-}
-
-/// [`prep`] with the position read on the device from `pos_dev[0]` when the kernel runs (so a captured
-/// CUDA graph replays at each step's position). `pos_max` bounds that position: the caches must hold
-/// `pos_max + t` rows.
-#[allow(clippy::too_many_arguments)]
-pub fn prep_device_pos<QG, K, V, QN, KN, QO, GO, KC, VC>(
-    dev: &Device,
-    qg: &QG,
-    k: &K,
-    v: &V,
-    q_norm: &QN,
-    k_norm: &KN,
-    dims: AttnDims,
-    pos_dev: &cudarc::driver::CudaView<'_, i32>,
-    pos_max: usize,
-    t: usize,
-    q_out: &mut QO,
-    gate_out: Option<&mut GO>,
-    k_cache: &mut KC,
-    v_cache: &mut VC,
-) -> Result<()>
-where
-    QG: DevicePtr<f32>,
-    K: DevicePtr<f32>,
-    V: DevicePtr<f32>,
-    QN: DevicePtr<f32>,
-    KN: DevicePtr<f32>,
-    QO: DevicePtrMut<f32>,
-    GO: DevicePtrMut<f32>,
-    KC: DevicePtrMut<f32>,
-    VC: DevicePtrMut<f32>,
-{
-    let pd = addr(dev, pos_dev, 1, "attention prep pos_dev")?;
-    prep_impl(dev, qg, k, v, q_norm, k_norm, dims, pos_max, pd, t, q_out, gate_out, k_cache, v_cache)
-}
-
-#[allow(clippy::too_many_arguments)]
-#[allow(clippy::manual_is_multiple_of)]
-fn prep_impl<QG, K, V, QN, KN, QO, GO, KC, VC>(
-    dev: &Device,
-    qg: &QG,
-    k: &K,
-    v: &V,
-    q_norm: &QN,
-    k_norm: &KN,
-    dims: AttnDims,
-    pos0: usize,
-    pos_dev: u64,
-    t: usize,
-    q_out: &mut QO,
-    gate_out: Option<&mut GO>,
-    k_cache: &mut KC,
-    v_cache: &mut VC,
-) -> Result<()>
-where
-    QG: DevicePtr<f32>,
-    K: DevicePtr<f32>,
-    V: DevicePtr<f32>,
-    QN: DevicePtr<f32>,
-    KN: DevicePtr<f32>,
-    QO: DevicePtrMut<f32>,
-    GO: DevicePtrMut<f32>,
-    KC: DevicePtrMut<f32>,
-    VC: DevicePtrMut<f32>,
-{
+    let (pos0, pos_dev) = pos0.split(dev, "attention prep position")?;
     let AttnDims {
         nh,
         kvh,

@@ -164,39 +164,26 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     Ok(())
 }
 
+/// How a GEMM call runs (see the module doc); `Default` is what the model uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Opts {
+    pub tile: Tile,
+    pub precision: Precision,
+    /// Grouped forms: the experts `offsets` covers (`offsets` has `experts + 1` entries), the first
+    /// matrices of the stack; `None`: all of them. A stack can carry more matrices after the routed
+    /// experts (the shared expert).
+    pub experts: Option<usize>,
+}
+
 /// `Y[t, rows] = X[t, cols] · W[m]ᵀ` (matrix `m` of the stack; like `lily_cpu::linear::matmul(w, m, ..)`).
 /// x: `[t, cols]` f32 (16-byte aligned), y: `[t, rows]` f32. [`Precision::Exact`]; see the module doc.
 pub fn gemm<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMatrix, m: usize, x: &X, t: usize, y: &mut Y) -> Result<()> {
-    gemm_with(dev, w, m, x, t, y, Tile::Auto, Precision::Exact)
+    gemm_with(dev, w, m, x, t, y, Opts::default())
 }
 
-/// [`gemm`] with a chosen tile (benchmarks and tests).
-#[doc(hidden)]
-pub fn gemm_tiled<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
-    dev: &Device,
-    w: &DeviceMatrix,
-    m: usize,
-    x: &X,
-    t: usize,
-    y: &mut Y,
-    tile: Tile,
-) -> Result<()> {
-    gemm_with(dev, w, m, x, t, y, tile, Precision::Exact)
-}
-
-/// [`gemm`] with a chosen tile and precision.
-#[allow(clippy::too_many_arguments)]
-pub fn gemm_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
-    dev: &Device,
-    w: &DeviceMatrix,
-    m: usize,
-    x: &X,
-    t: usize,
-    y: &mut Y,
-    tile: Tile,
-    precision: Precision,
-) -> Result<()> {
-    run(dev, w, None, Group::Plain(m), x, t, y, tile, precision)
+/// [`gemm`] with chosen [`Opts`].
+pub fn gemm_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMatrix, m: usize, x: &X, t: usize, y: &mut Y, o: Opts) -> Result<()> {
+    run(dev, w, None, Group::Plain(m), x, t, y, o.tile, o.precision)
 }
 
 /// `Y[t, rows] = silu(X · G[m]ᵀ) ⊙ (X · U[m]ᵀ)`: the first half of the SwiGLU MLP, `gate` and `up` of one
@@ -210,26 +197,10 @@ pub fn swiglu_gemm<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     t: usize,
     y: &mut Y,
 ) -> Result<()> {
-    swiglu_gemm_with(dev, gate, up, m, x, t, y, Tile::Auto, Precision::Exact)
+    swiglu_gemm_with(dev, gate, up, m, x, t, y, Opts::default())
 }
 
-/// [`swiglu_gemm`] with a chosen tile.
-#[doc(hidden)]
-#[allow(clippy::too_many_arguments)]
-pub fn swiglu_gemm_tiled<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
-    dev: &Device,
-    gate: &DeviceMatrix,
-    up: &DeviceMatrix,
-    m: usize,
-    x: &X,
-    t: usize,
-    y: &mut Y,
-    tile: Tile,
-) -> Result<()> {
-    swiglu_gemm_with(dev, gate, up, m, x, t, y, tile, Precision::Exact)
-}
-
-/// [`swiglu_gemm`] with a chosen tile and precision.
+/// [`swiglu_gemm`] with chosen [`Opts`].
 #[allow(clippy::too_many_arguments)]
 pub fn swiglu_gemm_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     dev: &Device,
@@ -239,15 +210,14 @@ pub fn swiglu_gemm_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     x: &X,
     t: usize,
     y: &mut Y,
-    tile: Tile,
-    precision: Precision,
+    o: Opts,
 ) -> Result<()> {
-    run(dev, gate, Some(up), Group::Plain(m), x, t, y, tile, precision)
+    run(dev, gate, Some(up), Group::Plain(m), x, t, y, o.tile, o.precision)
 }
 
 /// Grouped GEMM (MoE prefill). `n` sorted slots; `offsets` is a device array of `E + 1` u32
-/// (`E = w.count <= 512`), non-decreasing, `offsets[0] = 0`, `offsets[E] = n`: slots
-/// `offsets[e] .. offsets[e+1]` belong to expert `e`. For every slot `i`:
+/// (`E = w.count <= 512`, or [`Opts::experts`]), non-decreasing, `offsets[0] = 0`, `offsets[E] = n`:
+/// slots `offsets[e] .. offsets[e+1]` belong to expert `e`. For every slot `i`:
 /// `Y[i, :] = W[e(i)] · X[r(i), :]`, where `r(i) = rows[i]` (a device array of `n` source-row indices
 /// into x) when `rows` is given, else `i`. y: `[n, w.rows]`; x: `[≥ max r + 1, cols]` (without `rows`,
 /// `[n, cols]`). [`Precision::Exact`].
@@ -264,26 +234,10 @@ pub fn grouped_gemm<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     n: usize,
     y: &mut Y,
 ) -> Result<()> {
-    grouped_gemm_with(dev, w, offsets, rows, x, n, y, Tile::Auto, Precision::Exact)
+    grouped_gemm_with(dev, w, offsets, rows, x, n, y, Opts::default())
 }
 
-/// [`grouped_gemm`] with a chosen tile.
-#[doc(hidden)]
-#[allow(clippy::too_many_arguments)]
-pub fn grouped_gemm_tiled<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
-    dev: &Device,
-    w: &DeviceMatrix,
-    offsets: &O,
-    rows: Option<&CudaSlice<u32>>,
-    x: &X,
-    n: usize,
-    y: &mut Y,
-    tile: Tile,
-) -> Result<()> {
-    grouped_gemm_with(dev, w, offsets, rows, x, n, y, tile, Precision::Exact)
-}
-
-/// [`grouped_gemm`] with a chosen tile and precision.
+/// [`grouped_gemm`] with chosen [`Opts`].
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     dev: &Device,
@@ -293,45 +247,10 @@ pub fn grouped_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f
     x: &X,
     n: usize,
     y: &mut Y,
-    tile: Tile,
-    precision: Precision,
+    o: Opts,
 ) -> Result<()> {
-    let g = group(dev, w, w.count, offsets, rows, n)?;
-    run(dev, w, None, g, x, n, y, tile, precision)
-}
-
-/// [`grouped_gemm`] over the first `experts` matrices of the stack only (`offsets` has `experts + 1`
-/// entries): a stack that carries more matrices after the routed experts (the shared expert).
-#[allow(clippy::too_many_arguments)]
-pub fn grouped_gemm_over<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
-    dev: &Device,
-    w: &DeviceMatrix,
-    experts: usize,
-    offsets: &O,
-    rows: Option<&CudaSlice<u32>>,
-    x: &X,
-    n: usize,
-    y: &mut Y,
-) -> Result<()> {
-    let g = group(dev, w, experts, offsets, rows, n)?;
-    run(dev, w, None, g, x, n, y, Tile::Auto, Precision::Exact)
-}
-
-/// [`grouped_swiglu_gemm`] over the first `experts` matrices of the stacks only.
-#[allow(clippy::too_many_arguments)]
-pub fn grouped_swiglu_gemm_over<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
-    dev: &Device,
-    gate: &DeviceMatrix,
-    up: &DeviceMatrix,
-    experts: usize,
-    offsets: &O,
-    rows: Option<&CudaSlice<u32>>,
-    x: &X,
-    n: usize,
-    y: &mut Y,
-) -> Result<()> {
-    let g = group(dev, gate, experts, offsets, rows, n)?;
-    run(dev, gate, Some(up), g, x, n, y, Tile::Auto, Precision::Exact)
+    let g = group(dev, w, o.experts.unwrap_or(w.count), offsets, rows, n)?;
+    run(dev, w, None, g, x, n, y, o.tile, o.precision)
 }
 
 /// [`grouped_gemm`] with the fused SwiGLU of [`swiglu_gemm`]:
@@ -347,27 +266,10 @@ pub fn grouped_swiglu_gemm<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut
     n: usize,
     y: &mut Y,
 ) -> Result<()> {
-    grouped_swiglu_gemm_with(dev, gate, up, offsets, rows, x, n, y, Tile::Auto, Precision::Exact)
+    grouped_swiglu_gemm_with(dev, gate, up, offsets, rows, x, n, y, Opts::default())
 }
 
-/// [`grouped_swiglu_gemm`] with a chosen tile.
-#[doc(hidden)]
-#[allow(clippy::too_many_arguments)]
-pub fn grouped_swiglu_gemm_tiled<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
-    dev: &Device,
-    gate: &DeviceMatrix,
-    up: &DeviceMatrix,
-    offsets: &O,
-    rows: Option<&CudaSlice<u32>>,
-    x: &X,
-    n: usize,
-    y: &mut Y,
-    tile: Tile,
-) -> Result<()> {
-    grouped_swiglu_gemm_with(dev, gate, up, offsets, rows, x, n, y, tile, Precision::Exact)
-}
-
-/// [`grouped_swiglu_gemm`] with a chosen tile and precision.
+/// [`grouped_swiglu_gemm`] with chosen [`Opts`].
 #[allow(clippy::too_many_arguments)]
 pub fn grouped_swiglu_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     dev: &Device,
@@ -378,11 +280,10 @@ pub fn grouped_swiglu_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DeviceP
     x: &X,
     n: usize,
     y: &mut Y,
-    tile: Tile,
-    precision: Precision,
+    o: Opts,
 ) -> Result<()> {
-    let g = group(dev, gate, gate.count, offsets, rows, n)?;
-    run(dev, gate, Some(up), g, x, n, y, tile, precision)
+    let g = group(dev, gate, o.experts.unwrap_or(gate.count), offsets, rows, n)?;
+    run(dev, gate, Some(up), g, x, n, y, o.tile, o.precision)
 }
 
 /// Which rows of X and which matrix each output row uses.

@@ -47,6 +47,25 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     attn_prefill::configure(dev)
 }
 
+/// A position or a length a kernel takes: known on the host at launch, or read from device memory
+/// when the kernel runs (so a captured decode graph replays at each step's value).
+#[derive(Clone, Copy)]
+pub enum Scalar<'a> {
+    Host(usize),
+    /// `at[0]` holds the value when the kernel runs; `max` bounds it (the buffers are sized for it).
+    Device { at: &'a cudarc::driver::CudaView<'a, i32>, max: usize },
+}
+
+impl Scalar<'_> {
+    /// (the host value or the device value's bound, the device address or 0).
+    pub(crate) fn split(self, dev: &Device, what: &str) -> Result<(usize, u64)> {
+        match self {
+            Scalar::Host(v) => Ok((v, 0)),
+            Scalar::Device { at, max } => Ok((max, addr(dev, at, 1, what)?)),
+        }
+    }
+}
+
 /// The device address of `s`, which must hold at least `need` elements.
 pub(crate) fn addr<T, S: DevicePtr<T>>(dev: &Device, s: &S, need: usize, what: &str) -> Result<u64> {
     if s.len() < need {

@@ -1,7 +1,10 @@
-//! What the GPU test files share: opening the GPU (or skipping cleanly without one) and a small
-//! seeded generator of test inputs (xorshift64* with Box–Muller normals, as `lily-cpu/tests/gdn.rs`).
+//! What the GPU test files share: opening the GPU (or skipping cleanly without one), a small seeded
+//! generator of test inputs (xorshift64* with Box–Muller normals, as `lily-cpu/tests/gdn.rs`),
+//! NaN-poisoned output buffers, and the launch timer of the `#[ignore]` timing tests.
 #![allow(dead_code)]
 
+use cudarc::driver::CudaSlice;
+use lily_cuda::ops::util;
 use lily_cuda::{probe, Device};
 
 /// The GPU, or None (after printing "no GPU, skipped") on a machine without one.
@@ -44,4 +47,39 @@ impl Rng {
     pub fn normals(&mut self, n: usize, std: f64) -> Vec<f32> {
         (0..n).map(|_| self.normal(std)).collect()
     }
+}
+
+/// An output buffer of `n` (at least 1) f32 filled with NaN, so an element a kernel fails to write shows.
+pub fn poisoned(dev: &Device, n: usize) -> CudaSlice<f32> {
+    let mut y = dev.zeros::<f32>(n.max(1)).unwrap();
+    util::fill(dev, &mut y, f32::NAN).unwrap();
+    y
+}
+
+/// Median per-launch time in seconds of `op(i)`, and the max/min batch ratio: after `3 · batch`
+/// warm-up calls, `reps` batches of `batch` calls queued behind a GPU spin (so launch gaps do not
+/// count), each batch between two CUDA events.
+pub fn time_op(dev: &Device, reps: usize, batch: usize, mut op: impl FnMut(usize)) -> (f64, f64) {
+    use cudarc::driver::sys::CUevent_flags;
+    for i in 0..3 * batch {
+        op(i);
+    }
+    dev.synchronize().unwrap();
+    let ctx = dev.context();
+    let events: Vec<_> = (0..2 * reps).map(|_| ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).unwrap()).collect();
+    util::spin(dev, 30_000_000).unwrap();
+    let mut i = 0;
+    for r in 0..reps {
+        events[2 * r].record(dev.stream()).unwrap();
+        for _ in 0..batch {
+            op(i);
+            i += 1;
+        }
+        events[2 * r + 1].record(dev.stream()).unwrap();
+    }
+    dev.synchronize().unwrap();
+    let mut t: Vec<f64> =
+        (0..reps).map(|r| events[2 * r].elapsed_ms(&events[2 * r + 1]).unwrap() as f64 * 1e-3 / batch as f64).collect();
+    t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    (t[reps / 2], t[reps - 1] / t[0])
 }
