@@ -34,6 +34,8 @@ pub struct Device {
     functions: HashMap<&'static str, CudaFunction>,
     /// (kernel, threads per block, dynamic smem) -> resident blocks per SM.
     occupancy: Mutex<HashMap<(&'static str, u32, u32), u32>>,
+    /// While recording (`profile.rs`): the marks so far and the current layer.
+    pub(crate) recorder: Mutex<Option<(Vec<crate::profile::Mark>, i32)>>,
 }
 
 pub(crate) fn describe(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<DeviceInfo> {
@@ -125,7 +127,17 @@ impl Device {
                 functions.insert(*name, f);
             }
         }
-        let dev = Device { ctx, stream, info, sm_count, max_smem_optin, modules, functions, occupancy: Mutex::new(HashMap::new()) };
+        let dev = Device {
+            ctx,
+            stream,
+            info,
+            sm_count,
+            max_smem_optin,
+            modules,
+            functions,
+            occupancy: Mutex::new(HashMap::new()),
+            recorder: Mutex::new(None),
+        };
         ops::configure(&dev)?;
         Ok(dev)
     }

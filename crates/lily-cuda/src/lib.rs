@@ -95,6 +95,8 @@ pub mod model;
 #[cfg(feature = "cuda")]
 pub mod ops;
 #[cfg(feature = "cuda")]
+pub mod profile;
+#[cfg(feature = "cuda")]
 pub mod weights;
 
 /// Looks for GPU `ordinal` without panicking when the driver is absent.

@@ -37,6 +37,9 @@ use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, ge
 use crate::weights::{DeviceMatrix, Uploader};
 use crate::{CudaError, Device, Result};
 
+mod ledger;
+pub use ledger::{DecodeLedger, PrefillLedger};
+
 /// KV caches are sized in multiples of this many positions.
 pub const KV_STEP: usize = 4096;
 /// GDN chunks of at least this many tokens use the chunked delta rule; shorter ones step.
@@ -530,9 +533,15 @@ impl CudaModel {
         let dev: &Device = dev;
         let eps = cfg.rms_norm_eps;
         let pos0 = state.pos;
+        let h = cfg.hidden_size as u64;
+        let tt = t as u64;
+        dev.set_layer(-1);
+        dev.mark("embed", tt * (table.bytes_per_matrix() / table.rows) as u64 + 4 * tt * h, 0)?;
         embed::embed(dev, table, &a.ids.slice(0..t), &mut a.x)?; // x: [T, H]
         for (li, (l, ls)) in layers.iter().zip(state.layers.iter_mut()).enumerate() {
+            dev.set_layer(li as i32);
             // h = RMSNorm(x += previous MLP output)
+            dev.mark("norm", 4 * tt * h * if li == 0 { 2 } else { 4 }, 0)?;
             if li == 0 {
                 rmsnorm::rms_norm(dev, &a.x, &l.input_norm, eps, t, &mut a.normed)?;
             } else {
@@ -546,17 +555,22 @@ impl CudaModel {
                 }
                 _ => return Err(CudaError::Shape(format!("layer {li}: state kind does not match the layer"))),
             }
+            dev.mark("norm", 16 * tt * h, 0)?;
             rmsnorm::add_rms_norm(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed)?;
             match &l.mlp {
                 DevMlp::Moe { router, router_plus, experts, shared } => {
                     moe(dev, cfg, router, router_plus.as_ref(), experts, shared, a, t)?
                 }
                 DevMlp::Dense(m) => {
+                    mark_swiglu(dev, "mlp.gate_up", &m.gate, 1, t)?;
                     swiglu_linear(dev, &m.gate, &m.up, &a.normed, t, &mut a.act)?;
+                    mark_linear(dev, "mlp.down", &m.down, t)?;
                     linear(dev, &m.down, &a.act, t, &mut a.mlp)?;
                 }
             }
         }
+        dev.set_layer(-1);
+        dev.mark("norm", 16 * tt * h, 0)?;
         rmsnorm::add_rms_norm(dev, &a.mlp, &mut a.x, final_norm, eps, t, &mut a.normed)
     }
 
@@ -565,6 +579,7 @@ impl CudaModel {
         let h = self.cfg.hidden_size;
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let x = self.act.normed.slice(r0 * h..r1 * h);
+        mark_linear(&self.dev, "lm_head", head, r1 - r0)?;
         linear(&self.dev, head, &x, r1 - r0, &mut self.act.logits)
     }
 
@@ -603,6 +618,7 @@ impl CudaModel {
         let t = (tokens.len() - 1) % self.max_chunk + 1;
         self.logits_rows(t - 1, t)?;
         let a = &mut self.act;
+        self.dev.mark("pick", 4 * self.cfg.vocab_size as u64, 0)?;
         sample::pick(&self.dev, &a.logits, pick, &mut a.pick_edits, &mut a.pick_scratch, &mut a.pick_out)?;
         let id = self.dev.download(&a.pick_out)?;
         Ok(id[0])
@@ -635,26 +651,40 @@ fn gdn_mixer(dev: &Device, cfg: &ModelConfig, g: &GdnLayer, a: &mut Activations,
     // from one fused GEMV when the layer has it.
     let (x, z, b, av) = match (t, &g.in_fused) {
         (1, Some(fused)) => {
+            mark_linear(dev, "gdn.in_proj", fused, 1)?;
             linear(dev, fused, &a.normed, 1, &mut a.proj1)?; // [qkv | z | b | a]
             let p = &a.proj1;
             (p.slice(0..c), p.slice(c..c + vd), p.slice(c + vd..c + vd + hv), p.slice(c + vd + hv..c + vd + 2 * hv))
         }
         _ => {
+            mark_linear(dev, "gdn.in_proj", &g.qkv, t)?;
             linear(dev, &g.qkv, &a.normed, t, &mut a.qkv_raw)?;
+            mark_linear(dev, "gdn.in_proj", &g.z, t)?;
             linear(dev, &g.z, &a.normed, t, &mut a.z)?;
+            mark_linear(dev, "gdn.in_proj", &g.b, t)?;
             linear(dev, &g.b, &a.normed, t, &mut a.b)?;
+            mark_linear(dev, "gdn.in_proj", &g.a, t)?;
             linear(dev, &g.a, &a.normed, t, &mut a.a)?;
             (a.qkv_raw.slice(0..t * c), a.z.slice(0..t * vd), a.b.slice(0..t * hv), a.a.slice(0..t * hv))
         }
     };
     // causal conv + SiLU, q/k L2 norm, gates g and beta
+    let (tt, c64, vd64, hv64) = (t as u64, c as u64, vd as u64, hv as u64);
+    let kk = d.conv_kernel as u64;
+    dev.mark("gdn.conv", 4 * (2 * tt * c64 + 2 * (kk - 1) * c64 + kk * c64 + 4 * tt * hv64), 0)?;
     gdn::conv_qk(dev, &d, t, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta)?;
+    let (dk64, dv64) = (d.head_k_dim as u64, d.head_v_dim as u64);
+    let state_bytes = 8 * hv64 * dk64 * dv64; // read and written
+    // per token and value head: S·k, the rank-1 update and Sᵀq over [Dk, Dv] (recurrent form)
+    dev.mark("gdn.rule", state_bytes + 4 * tt * (c64 + vd64 + 2 * hv64), 6 * tt * hv64 * dk64 * dv64)?;
     if t >= GDN_CHUNKED_MIN_TOKENS {
         gdn_chunked::delta_rule_chunked(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule, &mut a.gdn_scratch)?; // [T, Hv, Dv]
     } else {
         gdn::delta_rule_recurrent(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule)?; // [T, Hv, Dv]
     }
+    dev.mark("gdn.norm", 12 * tt * vd64, 0)?;
     gdn::gated_rmsnorm(dev, &d, t, &a.rule, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
+    mark_linear(dev, "gdn.out_proj", &g.out, t)?;
     linear(dev, &g.out, &a.normed_rule, t, &mut a.mix) // [T, H]
 }
 
@@ -674,26 +704,40 @@ fn attn_mixer(
     let gate = if dims.gated { Some(&mut a.gate) } else { None };
     if t > 1 {
         let AtPos::Host(pos0) = at else { return Err(CudaError::Shape("a device-side position takes one token".into())) };
+        mark_linear(dev, "attn.qkv", &w.q, t)?;
         linear(dev, &w.q, &a.normed, t, &mut a.qg)?; // [T, nh·hd·(1+gate)]
+        mark_linear(dev, "attn.qkv", &w.k, t)?;
         linear(dev, &w.k, &a.normed, t, &mut a.k)?; // [T, kvh·hd]
+        mark_linear(dev, "attn.qkv", &w.v, t)?;
         linear(dev, &w.v, &a.normed, t, &mut a.v)?; // [T, kvh·hd]
         // q/k RMSNorm, partial RoPE, K/V appended at pos0..
+        mark_attn_prep(dev, &dims, t)?;
         attn_prep::prep(dev, &a.qg, &a.k, &a.v, &w.q_norm, &w.k_norm, dims, Scalar::Host(pos0), t, &mut a.q, gate, kc, vc)?;
         let gate = if dims.gated { Some(&a.gate) } else { None };
+        // causal: query i sees pos0 + i + 1 positions
+        let (tt, p0) = (t as u64, pos0 as u64);
+        let seen = tt * p0 + tt * (tt + 1) / 2;
+        let (nh, kvh, hd) = (dims.nh as u64, dims.kvh as u64, dims.hd as u64);
+        dev.mark("attn.core", 4 * tt * nh * hd * 3 + KV_BYTES * 2 * (p0 + tt) * kvh * hd, 4 * nh * hd * seen)?;
         attn_prefill::prefill(dev, &a.q, kc, vc, gate, dims.nh, dims.kvh, dims.hd, pos0, t, &mut a.att)?; // [T, nh, hd]
+        mark_linear(dev, "attn.o_proj", &w.o, t)?;
         return linear(dev, &w.o, &a.att, t, &mut a.mix);
     }
     // One token: q, k, v from one fused GEMV when the layer has it.
     let (qn, kvn) = (dims.nh * dims.hd * if dims.gated { 2 } else { 1 }, dims.kvh * dims.hd);
     let (q, k, v) = match &w.qkv_fused {
         Some(fused) => {
+            mark_linear(dev, "attn.qkv", fused, 1)?;
             linear(dev, fused, &a.normed, 1, &mut a.proj1)?; // [q | k | v]
             let p = &a.proj1;
             (p.slice(0..qn), p.slice(qn..qn + kvn), p.slice(qn + kvn..qn + 2 * kvn))
         }
         None => {
+            mark_linear(dev, "attn.qkv", &w.q, 1)?;
             linear(dev, &w.q, &a.normed, 1, &mut a.qg)?;
+            mark_linear(dev, "attn.qkv", &w.k, 1)?;
             linear(dev, &w.k, &a.normed, 1, &mut a.k)?;
+            mark_linear(dev, "attn.qkv", &w.v, 1)?;
             linear(dev, &w.v, &a.normed, 1, &mut a.v)?;
             (a.qg.slice(0..qn), a.k.slice(0..kvn), a.v.slice(0..kvn))
         }
@@ -704,11 +748,22 @@ fn attn_mixer(
         AtPos::Host(p) => (Scalar::Host(p), Scalar::Host(p + 1)),
         AtPos::Device { cap } => (Scalar::Device { at: &pos_at, max: cap - 1 }, Scalar::Device { at: &n_at, max: cap }),
     };
+    mark_attn_prep(dev, &dims, 1)?;
     attn_prep::prep(dev, &q, &k, &v, &w.q_norm, &w.k_norm, dims, pos, 1, &mut a.q, gate, kc, vc)?;
+    if dev.recording() {
+        let n = match n {
+            Scalar::Host(n) => n as u64,
+            Scalar::Device { max, .. } => max as u64,
+        };
+        let (nh, kvh, hd) = (dims.nh as u64, dims.kvh as u64, dims.hd as u64);
+        dev.mark("attn.core", 8 * nh * hd + KV_BYTES * 2 * n * kvh * hd, 4 * nh * hd * n)?;
+    }
     attention::decode(dev, &a.q, kc, vc, n, dims.nh, dims.kvh, dims.hd, &mut a.att, &mut a.att_scratch)?;
     if dims.gated {
+        dev.mark("attn.gate", 12 * (dims.nh * dims.hd) as u64, 0)?;
         attn_prep::apply_gate(dev, &mut a.att, &a.gate, dims.nh * dims.hd)?;
     }
+    mark_linear(dev, "attn.o_proj", &w.o, 1)?;
     linear(dev, &w.o, &a.att, 1, &mut a.mix)
 }
 
@@ -765,7 +820,9 @@ fn moe(
     if t == 1 {
         return moe_decode(dev, cfg, router, router_plus, ex, shared, a);
     }
+    mark_linear(dev, "moe.router", router, t)?;
     linear(dev, router, &a.normed, t, &mut a.router)?; // [T, E]
+    dev.mark("moe.route", 4 * (t * e + 2 * t * k) as u64, 0)?;
     moe_route::route(dev, &a.router, t, e, k, cfg.norm_topk_prob, &mut a.idx, &mut a.route_w)?; // [T, k]
     // The shared expert: [T, H] and its gate logit [T].
     // (gate, up, down, matrix index, gate row): its own matrices, or matrix E of the expert stacks.
@@ -775,16 +832,24 @@ fn moe(
         Shared::InStack { gate } => Some((&ex.gate, &ex.up, &ex.down, e, gate)),
     };
     if let Some((sg, su, sd, m, gate)) = shared_mlp {
+        mark_swiglu(dev, "moe.shared", sg, 1, t)?;
         gemm::swiglu_gemm(dev, sg, su, m, &a.normed, t, &mut a.shared_act)?; // [T, Is]
+        mark_linear(dev, "moe.shared", sd, t)?;
         gemm::gemm(dev, sd, m, &a.shared_act, t, &mut a.shared_out)?; // [T, H]
+        mark_linear(dev, "moe.shared", gate, t)?;
         gemm::gemm(dev, gate, 0, &a.normed, t, &mut a.shared_gate)?; // [T, 1]
     }
     let shared_terms = shared_mlp.map(|_| (&a.shared_out, &a.shared_gate));
     // Sort the T·k slots by expert on the device, run each expert over its slots.
+    dev.mark("moe.plan", 4 * 4 * (t * k) as u64, 0)?;
     moe_dispatch::plan(dev, &a.idx, t, k, e, &mut a.counts, &mut a.offsets, &mut a.rows, &mut a.slot_of)?;
     let routed = gemm::Opts { experts: Some(e), ..Default::default() }; // not the shared expert after them
+    let used = e.min(t * k); // experts with at least one slot (at most)
+    mark_grouped(dev, "moe.gate_up", &ex.gate, 2, used, t * k)?;
     gemm::grouped_swiglu_gemm_with(dev, &ex.gate, &ex.up, &a.offsets, Some(&a.rows), &a.normed, t * k, &mut a.act, routed)?; // [T·k, I]
+    mark_grouped(dev, "moe.down", &ex.down, 1, used, t * k)?;
     gemm::grouped_gemm_with(dev, &ex.down, &a.offsets, None, &a.act, t * k, &mut a.expert_out, routed)?; // [T·k, H]
+    dev.mark("moe.combine", 4 * ((t * k + 2 * t) * h) as u64, 2 * (t * (k + 1) * h) as u64)?;
     moe_dispatch::combine(dev, &a.expert_out, &a.idx, Some(&a.slot_of), &a.route_w, shared_terms, t, k, h, &mut a.mlp)
 }
 
@@ -802,7 +867,9 @@ fn moe_decode(
 ) -> Result<()> {
     let (h, e, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
     let fused_gate = router_plus.is_some() && !matches!(shared, Shared::None);
+    mark_linear(dev, "moe.router", router_plus.unwrap_or(router), 1)?;
     linear(dev, router_plus.unwrap_or(router), &a.normed, 1, &mut a.router)?; // [E (+1)]
+    dev.mark("moe.route", 4 * (e + 2 * k) as u64, 0)?;
     moe_route::route(dev, &a.router, 1, e, k, cfg.norm_topk_prob, &mut a.idx1, &mut a.route_w)?; // idx1[..k]
     let slots = match shared {
         Shared::InStack { .. } => k + 1,
@@ -810,17 +877,22 @@ fn moe_decode(
     };
     let idx = a.idx1.slice(0..slots);
     let sel = Select::indexed(dev, &idx);
+    mark_swiglu(dev, "moe.gate_up", &ex.gate, slots, 1)?;
     affine_gemv::swiglu(dev, &ex.gate, &ex.up, sel, &a.normed, false, &mut a.act)?; // [slots, I]
+    mark_grouped(dev, "moe.down", &ex.down, 1, slots, slots)?;
     affine_gemv::gemv(dev, &ex.down, sel, &a.act, true, &mut a.expert_out)?; // [slots, H]
     match shared {
         Shared::Separate { mlp, .. } => {
+            mark_swiglu(dev, "moe.shared", &mlp.gate, 1, 1)?;
             affine_gemv::swiglu(dev, &mlp.gate, &mlp.up, Select::matrix(0), &a.normed, false, &mut a.shared_act)?;
+            mark_linear(dev, "moe.shared", &mlp.down, 1)?;
             affine_gemv::gemv(dev, &mlp.down, Select::matrix(0), &a.shared_act, false, &mut a.shared_out)?;
         }
         Shared::InStack { .. } | Shared::None => {}
     }
     if !fused_gate {
         if let Shared::Separate { gate, .. } | Shared::InStack { gate } = shared {
+            mark_linear(dev, "moe.shared", gate, 1)?;
             linear(dev, gate, &a.normed, 1, &mut a.shared_gate)?;
         }
     }
@@ -834,7 +906,36 @@ fn moe_decode(
         _ => Some((&shared_row, &gate_logit)),
     };
     let y = a.expert_out.slice(0..k * h);
+    dev.mark("moe.combine", 4 * ((k + 3) * h) as u64, 2 * ((k + 1) * h) as u64)?;
     moe_dispatch::combine(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, shared_terms, 1, k, h, &mut a.mlp)
+}
+
+/// Bytes per element of the KV caches.
+const KV_BYTES: u64 = 4;
+
+/// Marks a `y = x·Wᵀ` of T rows for the profile: its weights, x and y; 2·T·rows·cols operations.
+fn mark_linear(dev: &Device, label: &'static str, w: &DeviceMatrix, t: usize) -> Result<()> {
+    let (t, r, c) = (t as u64, w.rows as u64, w.cols as u64);
+    dev.mark(label, w.bytes_per_matrix() as u64 + 4 * t * (r + c), 2 * t * r * c)
+}
+
+/// Marks a SwiGLU over `mats` matrices of each of gate and up, for T rows.
+fn mark_swiglu(dev: &Device, label: &'static str, gate: &DeviceMatrix, mats: usize, t: usize) -> Result<()> {
+    let (t, r, c, m) = (t as u64, gate.rows as u64, gate.cols as u64, mats as u64);
+    dev.mark(label, 2 * m * gate.bytes_per_matrix() as u64 + 4 * t * (c + m * r), 4 * m * t * r * c)
+}
+
+/// Marks a grouped product reading `used` matrices (of `per` stacks) for `slots` rows in all.
+fn mark_grouped(dev: &Device, label: &'static str, w: &DeviceMatrix, per: usize, used: usize, slots: usize) -> Result<()> {
+    let (n, r, c, p) = (slots as u64, w.rows as u64, w.cols as u64, per as u64);
+    dev.mark(label, p * used as u64 * w.bytes_per_matrix() as u64 + 4 * n * (p * c + r), 2 * p * n * r * c)
+}
+
+/// Marks the attention prep of T tokens (q/k norm, RoPE, cache append).
+fn mark_attn_prep(dev: &Device, d: &attn_prep::AttnDims, t: usize) -> Result<()> {
+    let (t, nh, kvh, hd) = (t as u64, d.nh as u64, d.kvh as u64, d.hd as u64);
+    let g = if d.gated { 2 } else { 1 };
+    dev.mark("attn.prep", 4 * t * (nh * hd * (2 * g) + 2 * kvh * hd) + KV_BYTES * t * 2 * kvh * hd, 0)
 }
 
 fn count_bytes(w: &ModelWeights) -> u64 {

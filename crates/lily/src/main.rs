@@ -2,6 +2,7 @@
 //! explained here, at the edge, and never panic.
 
 mod converse;
+mod profile;
 
 use std::io::{IsTerminal, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -158,6 +159,28 @@ enum Command {
         #[arg(long, default_value_t = 3)]
         repeats: usize,
         /// Also write the rows as JSON to this file.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        #[command(flatten)]
+        load: LoadArgs,
+    },
+    /// The decode and prefill ledgers (CUDA): one decode step at each --context, op by op (time,
+    /// bytes, share of the measured copy bandwidth) against the step's replayed graph; and the
+    /// prefill of each --prompt, phase by phase (time, TFLOP/s). Markdown tables on stdout.
+    Profile {
+        /// Checkpoint directory (e.g. one written by `lily synth --config qwen3.6-35b-a3b`).
+        #[arg(long)]
+        model: PathBuf,
+        /// Context lengths for the decode ledger, comma-separated (K suffix allowed).
+        #[arg(long, value_delimiter = ',', default_value = "4K", value_parser = parse_length)]
+        context: Vec<usize>,
+        /// Prompt lengths for the prefill ledger, comma-separated (none by default).
+        #[arg(long, value_delimiter = ',', value_parser = parse_length)]
+        prompt: Vec<usize>,
+        /// Decode steps profiled (the median per op is reported).
+        #[arg(long, default_value_t = 5)]
+        repeats: usize,
+        /// Also write every op of every layer as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
         #[command(flatten)]
@@ -394,6 +417,10 @@ fn run(cli: Cli) -> Result<()> {
                 });
                 std::fs::write(&path, serde_json::to_string_pretty(&doc)? + "\n").with_context(|| format!("writing {}", path.display()))?;
             }
+        }
+        Command::Profile { model, context, prompt, repeats, json, load } => {
+            let mut m = open(&model, load.backend, &load.options())?;
+            profile::run(&mut m, &model, &context, &prompt, repeats, json.as_deref())?;
         }
         Command::Info { model, load } => {
             let cfg = lily_model::ModelConfig::from_dir(&model)?;
