@@ -51,8 +51,9 @@ pub fn rope(x: &mut [f32], heads: usize, head_dim: usize, rot: usize, theta: f64
 }
 
 /// One attention layer on normed input x [T, H] at positions `cache.len()..`; appends to the cache.
-/// Returns [T, H].
-pub fn forward(w: &AttnWeights, cfg: &ModelConfig, x: &[f32], cache: &mut KvCache) -> Vec<f32> {
+/// Returns [T, H]. With `kv_bf16` the appended keys and values are rounded to bf16 first (to nearest
+/// even), as the CUDA backend stores its cache: the reference its GPU tests compare against.
+pub fn forward(w: &AttnWeights, cfg: &ModelConfig, x: &[f32], cache: &mut KvCache, kv_bf16: bool) -> Vec<f32> {
     let (nh, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
     let t = x.len() / cfg.hidden_size;
     let pos0 = cache.len(cfg);
@@ -78,8 +79,14 @@ pub fn forward(w: &AttnWeights, cfg: &ModelConfig, x: &[f32], cache: &mut KvCach
     rms_norm_inplace(&mut k, &w.k_norm, cfg.rms_norm_eps);
     rope(&mut q, nh, hd, cfg.rotary_dim, cfg.rope_theta, pos0);
     rope(&mut k, kvh, hd, cfg.rotary_dim, cfg.rope_theta, pos0);
-    cache.k.extend_from_slice(&k);
-    cache.v.extend_from_slice(&v);
+    if kv_bf16 {
+        let round = |x: f32| half::bf16::from_f32(x).to_f32();
+        cache.k.extend(k.iter().map(|&x| round(x)));
+        cache.v.extend(v.iter().map(|&x| round(x)));
+    } else {
+        cache.k.extend_from_slice(&k);
+        cache.v.extend_from_slice(&v);
+    }
 
     // Softmax attention per (token, query head); query head h reads KV head h / (nh/kvh).
     let group = nh / kvh;

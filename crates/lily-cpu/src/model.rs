@@ -55,11 +55,19 @@ pub struct Trace {
 #[derive(Clone)]
 pub struct CpuModel {
     w: Arc<ModelWeights>,
+    /// Round the KV cache to bf16 as it is appended (the CUDA backend's storage; for its tests).
+    kv_bf16: bool,
 }
 
 impl CpuModel {
     pub fn new(w: Arc<ModelWeights>) -> Self {
-        CpuModel { w }
+        CpuModel { w, kv_bf16: false }
+    }
+    /// This model with its KV cache stored as bf16 (rounded to nearest even), as the CUDA backend
+    /// stores it: the reference the GPU's whole-model tests compare against.
+    pub fn with_bf16_kv(mut self, on: bool) -> Self {
+        self.kv_bf16 = on;
+        self
     }
     pub fn weights(&self) -> &ModelWeights {
         &self.w
@@ -113,7 +121,7 @@ impl CpuModel {
             rms_norm(&x, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
             let mixed = match (&layer.mixer, &mut state.layers[l]) {
                 (Mixer::Linear(w), LayerState::Linear { conv, ssm }) => gdn_layer(w, cfg, &normed, conv, ssm),
-                (Mixer::Full(w), LayerState::Full(cache)) => attention::forward(w, cfg, &normed, cache),
+                (Mixer::Full(w), LayerState::Full(cache)) => attention::forward(w, cfg, &normed, cache, self.kv_bf16),
                 _ => return Err(BackendError::BadState(format!("layer {l} kind does not match"))),
             };
             x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);

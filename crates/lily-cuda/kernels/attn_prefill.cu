@@ -1,81 +1,64 @@
-// Causal prefill attention over an f32 KV cache (flash-attention style, f32 SIMT), the softmax part of
-// lily_cpu::attention::forward for T new tokens at positions pos0..pos0+T whose K/V are already in the
-// cache: query (t, h) attends to positions 0..=pos0+t of KV head h / G (G = nh / kvh), scores
-// (q·k)·scale, softmax in f32, o = Σ p·v; with a gate, o ← o · sigmoid(gate).
-// Layouts: q, gate, out [T, nh, hd]; K and V caches [capacity, kvh, hd] (position-major).
+// Causal prefill attention on the tensor cores (flash-attention 2 style, mma.sync m16n8k16 bf16 with
+// f32 accumulation), the softmax part of lily_cpu::attention::forward for T new tokens at positions
+// pos0..pos0+T whose K/V are already in the bf16 cache: query (t, h) attends to positions 0..=pos0+t of
+// KV head h / G (G = nh / kvh), scores (q·k)·scale, softmax in f32, o = Σ p·v; with a gate,
+// o ← o · sigmoid(gate). q and p enter the tensor cores as bf16 (K and V are bf16 already); scores,
+// the softmax and the output accumulate in f32.
+// Layouts: q, gate, out [T, nh, hd] f32; K cache [cap, kvh, hd] bf16; V cache [kvh, hd, cap] bf16
+// (transposed, as kernels/attention.cu).
 //
-// attn_prefill_d{HD}: one block of 256 threads (8 warps) per (tile of 64 query rows, KV head), where the
-// rows of KV head kv are the T·G pairs (token t, head kv·G + g) in the order r = t·G + g, so a tile holds
-// 64/G tokens × all G heads of the group and every K/V tile brought into shared memory serves all of them.
-// Blocks run heaviest tile (latest tokens) first. Per block: the Q tile [64, HD] is loaded once; then for
-// each KV tile of 64 positions 0..kv_end (kv_end = pos0 + last token of the tile + 1):
-//   1. S = Q·Kᵀ·scale (warp tile 32×16, thread tile 4 rows × 4 positions, float4 along hd), masked to
-//      −inf where position > the row's query position, stored to shared memory;
-//   2. online softmax: warp w owns rows 8w..8w+8 (running max m, per-lane partial sums l), P = e^(S−m)
-//      written back in place, the accumulator rows rescaled;
-//   3. O += P·V: a lane holds 8 rows × HD/32 dims of O in registers (the dim map of kernels/attention.cu).
-// K and V tiles are fetched with cp.async, zero-filled past kv_end: the next K tile streams in during the
-// softmax and P·V, the next V tile during Q·Kᵀ. Position 0 is never masked, so each row's running max is
-// finite from the first tile on. Rows past T·G (a partial last tile) compute on q = 0 and are not stored.
-// Shared memory: Q [64][HD+4], K [64][HD+4], V [64][HD], S [64][68] floats (211 KiB at HD 256: the
-// wrapper's configure() raises the dynamic shared memory limit).
+// attn_prefill_d{HD}: one block of 4 warps per (tile of 64 query rows, KV head), where the rows of KV
+// head kv are the T·G pairs (token t, head kv·G + g) in the order r = t·G + g, so a tile holds 64/G
+// tokens × the group's heads and every K/V tile brought into shared memory serves all of them. Blocks
+// run the heaviest tiles (latest tokens) first. The Q tile [64][HD] is converted to bf16 into shared
+// memory once; K [32][HD] and Vᵀ [HD][32] tiles stream through a 2-stage cp.async ring (positions past
+// the tile's last query position zero-filled, so cache rows beyond pos0+T are never read). Warp w owns
+// rows 16w..16w+16: per KV tile, S = Q·Kᵀ (4 n-tiles × HD/16 k-steps; A and B by ldmatrix), the
+// causal mask and the online softmax in registers (two rows per lane), P re-packed from the S
+// accumulators as the A fragments of O += P·V (B from Vᵀ by ldmatrix), O [16 × HD] in registers.
+// Shared-memory rows are padded by 16 bytes (ldmatrix conflict-free).
 
-#include <stdint.h>
+#include "mma.cuh"
 
 struct AttnPrefillParams {
-    const float* q;     // [T, nh, hd]
-    const float* k;     // [capacity, kvh, hd]
-    const float* v;     // [capacity, kvh, hd]
-    const float* gate;  // [T, nh, hd] or null
-    float* out;         // [T, nh, hd]
+    const float* q;      // [T, nh, hd]
+    const uint16_t* k;   // [cap, kvh, hd] bf16
+    const uint16_t* vt;  // [kvh, hd, cap] bf16
+    const float* gate;   // [T, nh, hd] or null
+    float* out;          // [T, nh, hd]
     int t;
     int nh;
     int kvh;
     int pos0;
     int ntiles;  // ceil(T·G / 64)
+    int cap;
     float scale;
+    int pad_;
 };
 
-#define PF_BR 64
-#define PF_BK 64
-#define PF_THREADS 256
-#define PF_SST (PF_BK + 4)
+#define PF_BR 64  // query rows per block (= ops::attn_prefill::ROWS_PER_BLOCK)
+#define PF_BK 32  // positions per KV tile (= ops::attn_prefill::KV_TILE)
+#define PF_THREADS 128
 
-__device__ __forceinline__ void pf_cp_async16(float* dst, const float* src, bool ok) {
-    const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-    const int n = ok ? 16 : 0;  // 0: nothing is read, the 16 bytes are zero-filled
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(n) : "memory");
-}
-__device__ __forceinline__ void pf_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void pf_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
-// Rows [j·BK, j·BK + BK) of one KV head's cache into dst[BK][st]; positions ≥ kv_end become zeros.
 template <int HD>
-__device__ __forceinline__ void pf_load_kv(float* dst, int st, const float* base, long long stride, int j, int kv_end) {
-    constexpr int C4 = HD / 4;
-    for (int c = threadIdx.x; c < PF_BK * C4; c += PF_THREADS) {
-        const int r = c / C4, c4 = c % C4;
-        const int pos = j * PF_BK + r;
-        const bool ok = pos < kv_end;
-        pf_cp_async16(dst + r * st + c4 * 4, ok ? base + (long long)pos * stride + c4 * 4 : base, ok);
-    }
-}
-
-__device__ __forceinline__ float pf_comp(const float4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+struct PfLayout {
+    static constexpr int QP = HD * 2 + 16;    // Q row pitch (bytes)
+    static constexpr int KP = HD * 2 + 16;    // K row pitch
+    static constexpr int VP = PF_BK * 2 + 16; // Vᵀ row pitch
+    static constexpr int Q_BYTES = PF_BR * QP;
+    static constexpr int K_BYTES = PF_BK * KP;
+    static constexpr int V_BYTES = HD * VP;
+    static constexpr int STAGE = K_BYTES + V_BYTES;
+    static constexpr int TOTAL = Q_BYTES + 2 * STAGE;  // = ops::attn_prefill::smem_bytes
+};
 
 template <int HD>
 __device__ __forceinline__ void attn_prefill(const AttnPrefillParams& p) {
-    constexpr int NPL = HD / 32;
-    constexpr int QST = HD + 4, KST = HD + 4, VST = HD;
-    static_assert(PF_BK == 64 && PF_BR == 64 && PF_THREADS == 256, "the thread maps below assume these");
-    extern __shared__ __align__(16) float smem[];
-    float* Qs = smem;
-    float* Ks = Qs + PF_BR * QST;
-    float* Vs = Ks + PF_BK * KST;
-    float* Ss = Vs + PF_BK * VST;
+    using L = PfLayout<HD>;
+    constexpr int NT = HD / 8;  // n-tiles of O
+    extern __shared__ __align__(16) unsigned char smem[];
+    const uint32_t qs = smem_addr(smem);
+    const uint32_t stage0 = qs + L::Q_BYTES;
 
     const int kv = blockIdx.x % p.kvh;
     const int tile = p.ntiles - 1 - (int)(blockIdx.x / p.kvh);  // heaviest first
@@ -85,185 +68,171 @@ __device__ __forceinline__ void attn_prefill(const AttnPrefillParams& p) {
     const int rend = min(nrows, r0 + PF_BR);
     const int kv_end = p.pos0 + (rend - 1) / G + 1;
     const int ntile_kv = (kv_end + PF_BK - 1) / PF_BK;
-    const long long stride = (long long)p.kvh * HD;
-    const float* kbase = p.k + (long long)kv * HD;
-    const float* vbase = p.v + (long long)kv * HD;
 
-    // Q tile (group 1), K tile 0 (group 2), V tile 0 (group 3).
-    for (int c = threadIdx.x; c < PF_BR * (HD / 4); c += PF_THREADS) {
-        const int r = c / (HD / 4), c4 = c % (HD / 4);
+    auto issue = [&](int j, int buf) {
+        const uint32_t ks = stage0 + buf * L::STAGE, vs = ks + L::K_BYTES;
+        const int base = j * PF_BK;
+        constexpr int KCH = HD / 8;
+        for (int c = threadIdx.x; c < PF_BK * KCH; c += PF_THREADS) {
+            const int r = c / KCH, ch = c % KCH;
+            const int pos = base + r;
+            const bool ok = pos < kv_end;
+            const uint16_t* src = ok ? p.k + ((long long)pos * p.kvh + kv) * HD + ch * 8 : p.k;
+            cp_async16z(ks + r * L::KP + ch * 16, src, ok ? 16 : 0);
+        }
+        for (int c = threadIdx.x; c < HD * (PF_BK / 8); c += PF_THREADS) {
+            const int d = c / (PF_BK / 8), ch = c % (PF_BK / 8);
+            const int pos = base + ch * 8;
+            const int valid = min(max(kv_end - pos, 0), 8);
+            const uint16_t* src = valid > 0 ? p.vt + ((long long)kv * HD + d) * p.cap + pos : p.vt;
+            cp_async16z(vs + d * L::VP + ch * 16, src, valid * 2);
+        }
+    };
+    issue(0, 0);
+    cp_async_commit_group();
+
+    // Q tile -> bf16 in shared memory (rows past the last (token, head) pair are zeros).
+    for (int c = threadIdx.x; c < PF_BR * (HD / 8); c += PF_THREADS) {
+        const int r = c / (HD / 8), ch = c % (HD / 8);
         const int gr = r0 + r;
-        const bool ok = gr < nrows;
-        const float* src = p.q;
-        if (ok) src = p.q + ((long long)(gr / G) * p.nh + kv * G + gr % G) * HD + c4 * 4;
-        pf_cp_async16(Qs + r * QST + c4 * 4, src, ok);
-    }
-    pf_commit();
-    pf_load_kv<HD>(Ks, KST, kbase, stride, 0, kv_end);
-    pf_commit();
-    pf_load_kv<HD>(Vs, VST, vbase, stride, 0, kv_end);
-    pf_commit();
-
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    // Q·Kᵀ map: warp (wr, wc) of a 2×4 grid, lane (lr, lc) of 8×4; rows wr·32 + lr + 8i, columns wc·16 + lc + 4j.
-    const int wr = warp >> 2, wc = warp & 3, lr = lane & 7, lc = lane >> 3;
-    int qpos[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        const int gr = r0 + wr * 32 + lr + 8 * i;
-        qpos[i] = gr < nrows ? p.pos0 + gr / G : kv_end - 1;
-    }
-    // Softmax and P·V map: warp w owns rows 8w..8w+8.
-    float m[8], l[8], acc[8][NPL];
-#pragma unroll
-    for (int rr = 0; rr < 8; ++rr) {
-        m[rr] = -INFINITY;
-        l[rr] = 0.0f;
-#pragma unroll
-        for (int i = 0; i < NPL; ++i) acc[rr][i] = 0.0f;
+        uint4 w = make_uint4(0, 0, 0, 0);
+        if (gr < nrows) {
+            const float* src = p.q + ((long long)(gr / G) * p.nh + kv * G + gr % G) * HD + ch * 8;
+            const float4 a = __ldg(reinterpret_cast<const float4*>(src));
+            const float4 b = __ldg(reinterpret_cast<const float4*>(src + 4));
+            w = make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
+        }
+        sts128(qs + r * L::QP + ch * 16, w);
     }
 
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    // This lane's two rows (g and g + 8 of the warp's 16) and their query positions.
+    int qpos[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int gr = r0 + warp * 16 + g + 8 * h;
+        qpos[h] = gr < nrows ? p.pos0 + gr / G : kv_end - 1;
+    }
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+
+    // ldmatrix addresses: A (Q rows 16w + lane%16, k half lane/16); B from K (position (mi/2)·8 + lane%8,
+    // dim half mi%2) and from Vᵀ (dim (mi/2)·8 + lane%8, position half mi%2), mi = lane / 8.
+    const uint32_t qa_addr = qs + (warp * 16 + (lane & 15)) * L::QP + (lane >> 4) * 16;
+    const int mi = lane >> 3;
+    const int kb_row = (mi >> 1) * 8 + (lane & 7), kb_half = mi & 1;
+
+    int buf = 0;
     for (int j = 0; j < ntile_kv; ++j) {
-        pf_wait<1>();  // everything but the latest group (V_j): Q and K_j are here
+        if (j + 1 < ntile_kv) issue(j + 1, buf ^ 1);
+        cp_async_commit_group();
+        cp_async_wait_group<1>();
         __syncthreads();
+        const uint32_t ks = stage0 + buf * L::STAGE, vs = ks + L::K_BYTES;
 
-        // 1. S = Q·Kᵀ · scale, masked.
+        // S = Q·Kᵀ: 4 n-tiles of 8 positions.
         float s[4][4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < 4; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
 #pragma unroll
-            for (int jj = 0; jj < 4; ++jj) s[i][jj] = 0.0f;
-        const float* qrow = Qs + (wr * 32 + lr) * QST;
-        const float* krow = Ks + (wc * 16 + lc) * KST;
-#pragma unroll 2
-        for (int k = 0; k < HD; k += 4) {
-            float4 a[4], b[4];
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            uint32_t a0, a1, a2, a3;
+            ldmatrix_x4(qa_addr + kk * 32, a0, a1, a2, a3);
 #pragma unroll
-            for (int i = 0; i < 4; ++i) a[i] = *reinterpret_cast<const float4*>(qrow + 8 * i * QST + k);
-#pragma unroll
-            for (int jj = 0; jj < 4; ++jj) b[jj] = *reinterpret_cast<const float4*>(krow + 4 * jj * KST + k);
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
-                    float x = s[i][jj];
-                    x = fmaf(a[i].x, b[jj].x, x);
-                    x = fmaf(a[i].y, b[jj].y, x);
-                    x = fmaf(a[i].z, b[jj].z, x);
-                    x = fmaf(a[i].w, b[jj].w, x);
-                    s[i][jj] = x;
-                }
+            for (int np = 0; np < 2; ++np) {  // n-tiles 2np, 2np+1
+                uint32_t b0, b1, b2, b3;
+                ldmatrix_x4(ks + (np * 16 + kb_row) * L::KP + kk * 32 + kb_half * 16, b0, b1, b2, b3);
+                // matrices: (pos 0-7, k lo), (pos 0-7, k hi), (pos 8-15, k lo), (pos 8-15, k hi)
+                mma_bf16(s[2 * np], a0, a1, a2, a3, b0, b1);
+                mma_bf16(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
             }
         }
-        const int kv0 = j * PF_BK;
+        // Scale, mask, online softmax (rows g: s[.][0..1], g+8: s[.][2..3]).
+        const int base = j * PF_BK;
+        float alpha[2];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int h = 0; h < 2; ++h) {
+            float mx = -INFINITY;
 #pragma unroll
-            for (int jj = 0; jj < 4; ++jj) {
-                const int c = wc * 16 + lc + 4 * jj;
-                Ss[(wr * 32 + lr + 8 * i) * PF_SST + c] = kv0 + c > qpos[i] ? -INFINITY : s[i][jj] * p.scale;
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int pos = base + 8 * i + 2 * t + e;
+                    const float v = pos > qpos[h] ? -INFINITY : s[i][2 * h + e] * p.scale;
+                    s[i][2 * h + e] = v;
+                    mx = fmaxf(mx, v);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mn = fmaxf(m[h], mx);  // finite: position 0 is in tile 0 and never masked
+            alpha[h] = expf(m[h] - mn);
+            float ps = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float pv = expf(s[i][2 * h + e] - mn);
+                    s[i][2 * h + e] = pv;
+                    ps += pv;
+                }
+            l[h] = l[h] * alpha[h] + ps;
+            m[h] = mn;
+        }
+#pragma unroll
+        for (int i = 0; i < NT; ++i) {
+            o[i][0] *= alpha[0];
+            o[i][1] *= alpha[0];
+            o[i][2] *= alpha[1];
+            o[i][3] *= alpha[1];
+        }
+        // O += P·V: k-step ks covers positions 16ks..16ks+16 (S n-tiles 2ks, 2ks+1).
+#pragma unroll
+        for (int ks2 = 0; ks2 < 2; ++ks2) {
+            const uint32_t pa0 = pack_bf16(s[2 * ks2][0], s[2 * ks2][1]);
+            const uint32_t pa1 = pack_bf16(s[2 * ks2][2], s[2 * ks2][3]);
+            const uint32_t pa2 = pack_bf16(s[2 * ks2 + 1][0], s[2 * ks2 + 1][1]);
+            const uint32_t pa3 = pack_bf16(s[2 * ks2 + 1][2], s[2 * ks2 + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < NT / 2; ++dp) {  // dim tiles 2dp, 2dp+1
+                uint32_t b0, b1, b2, b3;
+                ldmatrix_x4(vs + (dp * 16 + kb_row) * L::VP + ks2 * 32 + kb_half * 16, b0, b1, b2, b3);
+                // matrices: (dims 0-7, pos lo), (dims 0-7, pos hi), (dims 8-15, pos lo), (dims 8-15, pos hi)
+                mma_bf16(o[2 * dp], pa0, pa1, pa2, pa3, b0, b1);
+                mma_bf16(o[2 * dp + 1], pa0, pa1, pa2, pa3, b2, b3);
             }
         }
-        __syncthreads();  // S complete; K_j no longer read
-        if (j + 1 < ntile_kv) pf_load_kv<HD>(Ks, KST, kbase, stride, j + 1, kv_end);
-        pf_commit();
-
-        // 2. Online softmax over this warp's rows.
-#pragma unroll
-        for (int rr = 0; rr < 8; ++rr) {
-            float* srow = Ss + (warp * 8 + rr) * PF_SST;
-            const float x0 = srow[lane], x1 = srow[lane + 32];
-            float mx = fmaxf(x0, x1);
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-            const float mn = fmaxf(m[rr], mx);  // finite: position 0 is in tile 0 and never masked
-            const float c = expf(m[rr] - mn);   // m = −inf at the first tile: c = 0
-            const float p0 = expf(x0 - mn), p1 = expf(x1 - mn);
-            srow[lane] = p0;
-            srow[lane + 32] = p1;
-            l[rr] = l[rr] * c + (p0 + p1);
-            m[rr] = mn;
-#pragma unroll
-            for (int i = 0; i < NPL; ++i) acc[rr][i] *= c;
-        }
-        pf_wait<1>();  // everything but K_{j+1}: V_j is here
-        __syncthreads();
-
-        // 3. O += P·V.
-        const float* prow = Ss + warp * 8 * PF_SST;
-#pragma unroll 1
-        for (int k = 0; k < PF_BK; k += 4) {
-            float4 pr[8];
-#pragma unroll
-            for (int rr = 0; rr < 8; ++rr) pr[rr] = *reinterpret_cast<const float4*>(prow + rr * PF_SST + k);
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {
-                const float* vrow = Vs + (k + kk) * VST;
-                float vv[NPL];
-                if constexpr (NPL % 4 == 0) {
-#pragma unroll
-                    for (int q4 = 0; q4 < NPL / 4; ++q4) {
-                        const float4 x = *reinterpret_cast<const float4*>(vrow + q4 * 128 + lane * 4);
-                        vv[4 * q4] = x.x;
-                        vv[4 * q4 + 1] = x.y;
-                        vv[4 * q4 + 2] = x.z;
-                        vv[4 * q4 + 3] = x.w;
-                    }
-                } else {
-#pragma unroll
-                    for (int i = 0; i < NPL; ++i) vv[i] = vrow[i * 32 + lane];
-                }
-#pragma unroll
-                for (int rr = 0; rr < 8; ++rr) {
-                    const float pk = pf_comp(pr[rr], kk);
-#pragma unroll
-                    for (int i = 0; i < NPL; ++i) acc[rr][i] = fmaf(pk, vv[i], acc[rr][i]);
-                }
-            }
-        }
-        __syncthreads();  // P and V_j no longer read
-        if (j + 1 < ntile_kv) pf_load_kv<HD>(Vs, VST, vbase, stride, j + 1, kv_end);
-        pf_commit();
+        __syncthreads();  // this buffer is refilled next iteration
+        buf ^= 1;
     }
-    pf_wait<0>();
+    cp_async_wait_group<0>();
 
-    // o = acc / l (· sigmoid(gate)), this warp's valid rows.
+    // o = acc / l (· sigmoid(gate)) for this lane's valid rows.
 #pragma unroll
-    for (int rr = 0; rr < 8; ++rr) {
-        float L = l[rr];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-        const int gr = r0 + warp * 8 + rr;
+    for (int h = 0; h < 2; ++h) {
+        float L2 = l[h];
+        L2 += __shfl_xor_sync(0xffffffffu, L2, 1);
+        L2 += __shfl_xor_sync(0xffffffffu, L2, 2);
+        const int gr = r0 + warp * 16 + g + 8 * h;
         if (gr >= nrows) continue;
         const long long off = ((long long)(gr / G) * p.nh + kv * G + gr % G) * HD;
-        if constexpr (NPL % 4 == 0) {
+        const float inv = 1.0f / L2;
 #pragma unroll
-            for (int q4 = 0; q4 < NPL / 4; ++q4) {
-                const int d = q4 * 128 + lane * 4;
-                float4 o = make_float4(acc[rr][4 * q4] / L, acc[rr][4 * q4 + 1] / L, acc[rr][4 * q4 + 2] / L,
-                                       acc[rr][4 * q4 + 3] / L);
-                if (p.gate) {
-                    const float4 g = *reinterpret_cast<const float4*>(p.gate + off + d);
-                    o.x = o.x * (1.0f / (1.0f + expf(-g.x)));
-                    o.y = o.y * (1.0f / (1.0f + expf(-g.y)));
-                    o.z = o.z * (1.0f / (1.0f + expf(-g.z)));
-                    o.w = o.w * (1.0f / (1.0f + expf(-g.w)));
-                }
-                *reinterpret_cast<float4*>(p.out + off + d) = o;
+        for (int i = 0; i < NT; ++i) {
+            const int d = 8 * i + 2 * t;
+            float y0 = o[i][2 * h] * inv, y1 = o[i][2 * h + 1] * inv;
+            if (p.gate) {
+                const float2 gt = *reinterpret_cast<const float2*>(p.gate + off + d);
+                y0 = y0 * (1.0f / (1.0f + expf(-gt.x)));
+                y1 = y1 * (1.0f / (1.0f + expf(-gt.y)));
             }
-        } else {
-#pragma unroll
-            for (int i = 0; i < NPL; ++i) {
-                const int d = i * 32 + lane;
-                float o = acc[rr][i] / L;
-                if (p.gate) o = o * (1.0f / (1.0f + expf(-p.gate[off + d])));
-                p.out[off + d] = o;
-            }
+            *reinterpret_cast<float2*>(p.out + off + d) = make_float2(y0, y1);
         }
     }
 }
 
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) attn_prefill_d32(const AttnPrefillParams p) { attn_prefill<32>(p); }
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) attn_prefill_d64(const AttnPrefillParams p) { attn_prefill<64>(p); }
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) attn_prefill_d128(const AttnPrefillParams p) { attn_prefill<128>(p); }
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 1) attn_prefill_d256(const AttnPrefillParams p) { attn_prefill<256>(p); }
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d32(const AttnPrefillParams p) { attn_prefill<32>(p); }
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d64(const AttnPrefillParams p) { attn_prefill<64>(p); }
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d128(const AttnPrefillParams p) { attn_prefill<128>(p); }
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d256(const AttnPrefillParams p) { attn_prefill<256>(p); }

@@ -2,18 +2,21 @@
 // projections and the softmax: for T tokens at positions pos0..pos0+T,
 //   q    = RMSNorm(query part of qg) · q_norm, then partial NeoX RoPE  -> q_out [T, nh, hd]
 //   gate = gate part of qg (when gated)                                 -> gate_out [T, nh, hd]
-//   k    = RMSNorm(k) · k_norm, then partial NeoX RoPE                  -> k_cache row pos0+t
-//   v                                                                   -> v_cache row pos0+t
-// qg is [T, nh, hd·(1+gated)] with each head's row [query(hd) | gate(hd)]; k, v are [T, kvh, hd]; the
-// caches are [capacity, kvh, hd] (position-major, as lily_cpu::attention::KvCache).
+//   k    = RMSNorm(k) · k_norm, then partial NeoX RoPE                  -> k_cache row pos0+t (bf16)
+//   v                                                                   -> v_cache column pos0+t (bf16)
+// qg is [T, nh, hd·(1+gated)] with each head's row [query(hd) | gate(hd)]; k, v are [T, kvh, hd]. The
+// caches hold bf16 (rounded to nearest even): K [capacity, kvh, hd] (position-major, as
+// lily_cpu::attention::KvCache), V transposed, [kvh, hd, capacity] (see kernels/attention.cu).
 // RoPE rotates pairs (i, i + rot/2), i < rot/2, by angle (pos0+t)·theta^(-2i/rot); the angle, its cos and
 // sin are computed in f64 and cast to f32, as the CPU does. Products are rounded separately (no FMA
 // contraction) so each rotated element is computed exactly as lily_cpu::attention::rope does.
 //
-//   attn_prep:  grid (T, nh + kvh), one block per (token, head) row of hd elements, one thread per element.
-//   attn_gate:  o[i] *= sigmoid(gate[i]) (decode applies it after the split-KV decode kernel).
+//   attn_prep:     grid (T, nh + kvh), one block per (token, head) row of hd elements, one thread per element.
+//   kv_copy_rows:  dst[r·dst_pitch + i] = src[r·src_pitch + i] for i < len (bf16 elements): growing or
+//                  cutting a transposed V cache to another capacity.
 
 #include <stdint.h>
+#include <cuda_bf16.h>
 
 struct AttnPrepParams {
     const float* qg;      // [T, nh, hd·(1+gated)]
@@ -23,8 +26,8 @@ struct AttnPrepParams {
     const float* k_norm;  // [hd]
     float* q_out;         // [T, nh, hd]
     float* gate_out;      // [T, nh, hd], or null when not gated
-    float* k_cache;       // [capacity, kvh, hd]
-    float* v_cache;       // [capacity, kvh, hd]
+    uint16_t* k_cache;    // [capacity, kvh, hd] bf16
+    uint16_t* v_cache;    // [kvh, hd, capacity] bf16
     double theta;
     int t;
     int nh;
@@ -35,13 +38,20 @@ struct AttnPrepParams {
     int gated;
     float eps;
     const int* pos_dev;   // when not null, pos0 is read from here (CUDA-graph decode: the position lives on the device)
+    int capacity;         // positions the caches hold
+    int pad_;
 };
 
-struct AttnGateParams {
-    float* o;           // [n]
-    const float* gate;  // [n]
-    long long n;
+struct KvCopyParams {
+    const uint16_t* src;
+    uint16_t* dst;
+    long long src_pitch;  // elements
+    long long dst_pitch;
+    long long rows;
+    long long len;
 };
+
+__device__ __forceinline__ uint16_t to_bf16(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
 
 #define PREP_MAX_HD 1024
 
@@ -70,7 +80,8 @@ extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPr
 
     const float* src;
     const float* w;
-    float* dst;
+    float* dst = nullptr;      // q
+    uint16_t* kdst = nullptr;  // k cache row
     if (is_q) {
         const long long per_head = p.gated ? 2LL * hd : (long long)hd;
         src = p.qg + ((long long)t * p.nh + head) * per_head;
@@ -83,8 +94,8 @@ extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPr
         const long long cache_off = ((long long)(pos0 + t) * p.kvh + kv) * hd;
         src = p.k + in_off;
         w = p.k_norm;
-        dst = p.k_cache + cache_off;
-        if (live) p.v_cache[cache_off + d] = p.v[in_off + d];
+        kdst = p.k_cache + cache_off;
+        if (live) p.v_cache[((long long)kv * hd + d) * p.capacity + pos0 + t] = to_bf16(p.v[in_off + d]);
     }
 
     // RMSNorm: y = x · (1 / sqrt(mean(x²) + eps)) · w, rounded as (x · inv) · w like the CPU.
@@ -109,12 +120,17 @@ extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPr
         // h[i] = a·cos − b·sin; h[i + half] = b·cos + a·sin
         out = d < half ? __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)) : __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
     }
-    dst[d] = out;
+    if (is_q) {
+        dst[d] = out;
+    } else {
+        kdst[d] = to_bf16(out);
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(256) attn_gate(const AttnGateParams p) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < p.n; i += (long long)gridDim.x * blockDim.x) {
-        const float g = p.gate[i];
-        p.o[i] = p.o[i] * (1.0f / (1.0f + expf(-g)));
+extern "C" __global__ void __launch_bounds__(256) kv_copy_rows(const KvCopyParams p) {
+    const long long total = p.rows * p.len;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
+        const long long r = i / p.len, c = i - r * p.len;
+        p.dst[r * p.dst_pitch + c] = p.src[r * p.src_pitch + c];
     }
 }

@@ -18,7 +18,8 @@
 //!
 //! Memory: weights are uploaded once; [`Activations`] holds every scratch buffer, allocated once at
 //! load for chunks of up to `max_chunk` tokens (longer calls are split); a [`CudaState`] holds the
-//! GDN conv and recurrent states and the f32 KV caches. The engine sizes a session's caches once per
+//! GDN conv and recurrent states and the bf16 KV caches (K position-major, V transposed; see
+//! `ops::attn_prep`). The engine sizes a session's caches once per
 //! request, before its prefill, for the prompt plus the most tokens it may generate
 //! ([`Backend::reserve`]), so a decode step allocates nothing; without a reserve they grow in steps
 //! of [`KV_STEP`] positions as tokens arrive. A clone (a prefix-cache snapshot) keeps only the
@@ -29,6 +30,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use half::bf16;
 use lily_model::weights::{DenseMlpWeights, Mixer, Mlp};
 use lily_model::{Backend, BackendError, DevicePick, GdnDims, LayerKind, Logits, ModelConfig, ModelWeights};
 
@@ -203,6 +205,9 @@ pub struct Counts {
 pub struct CudaState {
     pos: usize,
     layers: Vec<DevLayerState>,
+    dev: Arc<Device>,
+    /// KV heads × head dim (the rows of a transposed V cache).
+    kv_row: usize,
 }
 
 impl Clone for CudaState {
@@ -216,24 +221,14 @@ impl Clone for CudaState {
             .iter()
             .map(|l| match l {
                 DevLayerState::Attn { k, v, cap } if keep < *cap => {
-                    let row = k.len() / cap;
-                    let cut = |buf: &CudaSlice<f32>| {
-                        let stream = buf.stream();
-                        // Allocation failure here means the GPU is out of memory: there is no way on.
-                        let mut out = stream.alloc_zeros::<f32>(keep * row).expect("allocating a state copy on the GPU");
-                        if self.pos > 0 {
-                            stream
-                                .memcpy_dtod(&buf.slice(0..self.pos * row), &mut out.slice_mut(0..self.pos * row))
-                                .expect("copying a state on the GPU");
-                        }
-                        out
-                    };
-                    DevLayerState::Attn { k: cut(k), v: cut(v), cap: keep }
+                    // Allocation failure here means the GPU is out of memory: there is no way on.
+                    let (k, v) = resize_kv(&self.dev, k, v, *cap, keep, self.pos, self.kv_row).expect("copying a state on the GPU");
+                    DevLayerState::Attn { k, v, cap: keep }
                 }
                 other => other.clone(),
             })
             .collect();
-        CudaState { pos: self.pos, layers }
+        CudaState { pos: self.pos, layers, dev: Arc::clone(&self.dev), kv_row: self.kv_row }
     }
 }
 
@@ -241,8 +236,20 @@ impl Clone for CudaState {
 enum DevLayerState {
     /// conv: [K-1, C]; ssm: [Hv, Dk, Dv].
     Gdn { conv: CudaSlice<f32>, ssm: CudaSlice<f32> },
-    /// k, v: [cap, kvh, hd] (positions 0..pos are valid).
-    Attn { k: CudaSlice<f32>, v: CudaSlice<f32>, cap: usize },
+    /// bf16 caches, k: [cap, kvh, hd], v: [kvh, hd, cap] (positions 0..pos are valid).
+    Attn { k: CudaSlice<bf16>, v: CudaSlice<bf16>, cap: usize },
+}
+
+/// Caches of capacity `cap` holding `pos` positions, copied into new zeroed ones of capacity `to`.
+fn resize_kv(dev: &Device, k: &CudaSlice<bf16>, v: &CudaSlice<bf16>, cap: usize, to: usize, pos: usize, kv_row: usize) -> Result<(CudaSlice<bf16>, CudaSlice<bf16>)> {
+    let mut nk = dev.zeros::<bf16>(to * kv_row)?;
+    let mut nv = dev.zeros::<bf16>(to * kv_row)?;
+    let keep = pos.min(to).min(cap);
+    if keep > 0 {
+        dev.stream().memcpy_dtod(&k.slice(0..keep * kv_row), &mut nk.slice_mut(0..keep * kv_row))?;
+        attn_prep::copy_rows(dev, v, cap, &mut nv, to, kv_row, keep)?;
+    }
+    Ok((nk, nv))
 }
 
 /// The model on one GPU.
@@ -399,7 +406,7 @@ impl CudaModel {
             * 2
             * cfg.num_key_value_heads
             * cfg.head_dim
-            * 4;
+            * KV_BYTES as usize;
         let fixed = cfg.layer_types.iter().filter(|k| **k == LayerKind::LinearAttention).count() * (d.conv_state_len() + d.state_len()) * 4;
         let report = LoadReport {
             device: dev.info().name.clone(),
@@ -457,7 +464,7 @@ impl CudaModel {
                 }
             });
         }
-        Ok(CudaState { pos: 0, layers })
+        Ok(CudaState { pos: 0, layers, dev: Arc::clone(&self.dev), kv_row })
     }
 
     /// Makes every KV cache of `s` hold at least `need` positions (copying what it holds).
@@ -471,13 +478,9 @@ impl CudaModel {
                 }
                 let new_cap = need.div_ceil(KV_STEP) * KV_STEP;
                 self.count(|c| c.kv_allocations += 1);
-                for buf in [&mut *k, &mut *v] {
-                    let mut grown = self.dev.zeros::<f32>(new_cap * kv_row)?;
-                    if pos > 0 {
-                        self.dev.stream().memcpy_dtod(&buf.slice(0..pos * kv_row), &mut grown.slice_mut(0..pos * kv_row))?;
-                    }
-                    *buf = grown;
-                }
+                let (nk, nv) = resize_kv(&self.dev, k, v, *cap, new_cap, pos, kv_row)?;
+                *k = nk;
+                *v = nv;
                 *cap = new_cap;
             }
         }
@@ -551,7 +554,7 @@ impl CudaModel {
                 (DevMixer::Gdn(g), DevLayerState::Gdn { conv, ssm }) => gdn_mixer(dev, cfg, g, a, t, conv, ssm)?,
                 (DevMixer::Attn(at), DevLayerState::Attn { k, v, cap }) => {
                     let at_pos = if device_pos { AtPos::Device { cap: *cap } } else { AtPos::Host(pos0) };
-                    attn_mixer(dev, cfg, at, a, t, at_pos, k, v)?
+                    attn_mixer(dev, cfg, at, a, t, at_pos, k, v, *cap)?
                 }
                 _ => return Err(CudaError::Shape(format!("layer {li}: state kind does not match the layer"))),
             }
@@ -697,8 +700,9 @@ fn attn_mixer(
     a: &mut Activations,
     t: usize,
     at: AtPos,
-    kc: &mut CudaSlice<f32>,
-    vc: &mut CudaSlice<f32>,
+    kc: &mut CudaSlice<bf16>,
+    vc: &mut CudaSlice<bf16>,
+    cap: usize,
 ) -> Result<()> {
     let dims = attn_dims(cfg);
     let gate = if dims.gated { Some(&mut a.gate) } else { None };
@@ -712,14 +716,14 @@ fn attn_mixer(
         linear(dev, &w.v, &a.normed, t, &mut a.v)?; // [T, kvh·hd]
         // q/k RMSNorm, partial RoPE, K/V appended at pos0..
         mark_attn_prep(dev, &dims, t)?;
-        attn_prep::prep(dev, &a.qg, &a.k, &a.v, &w.q_norm, &w.k_norm, dims, Scalar::Host(pos0), t, &mut a.q, gate, kc, vc)?;
+        attn_prep::prep(dev, &a.qg, &a.k, &a.v, &w.q_norm, &w.k_norm, dims, Scalar::Host(pos0), t, &mut a.q, gate, kc, vc, cap)?;
         let gate = if dims.gated { Some(&a.gate) } else { None };
         // causal: query i sees pos0 + i + 1 positions
         let (tt, p0) = (t as u64, pos0 as u64);
         let seen = tt * p0 + tt * (tt + 1) / 2;
         let (nh, kvh, hd) = (dims.nh as u64, dims.kvh as u64, dims.hd as u64);
         dev.mark("attn.core", 4 * tt * nh * hd * 3 + KV_BYTES * 2 * (p0 + tt) * kvh * hd, 4 * nh * hd * seen)?;
-        attn_prefill::prefill(dev, &a.q, kc, vc, gate, dims.nh, dims.kvh, dims.hd, pos0, t, &mut a.att)?; // [T, nh, hd]
+        attn_prefill::prefill(dev, &a.q, kc, vc, cap, gate, dims.nh, dims.kvh, dims.hd, pos0, t, &mut a.att)?; // [T, nh, hd]
         mark_linear(dev, "attn.o_proj", &w.o, t)?;
         return linear(dev, &w.o, &a.att, t, &mut a.mix);
     }
@@ -749,7 +753,7 @@ fn attn_mixer(
         AtPos::Device { cap } => (Scalar::Device { at: &pos_at, max: cap - 1 }, Scalar::Device { at: &n_at, max: cap }),
     };
     mark_attn_prep(dev, &dims, 1)?;
-    attn_prep::prep(dev, &q, &k, &v, &w.q_norm, &w.k_norm, dims, pos, 1, &mut a.q, gate, kc, vc)?;
+    attn_prep::prep(dev, &q, &k, &v, &w.q_norm, &w.k_norm, dims, pos, 1, &mut a.q, gate, kc, vc, cap)?;
     if dev.recording() {
         let n = match n {
             Scalar::Host(n) => n as u64,
@@ -758,11 +762,8 @@ fn attn_mixer(
         let (nh, kvh, hd) = (dims.nh as u64, dims.kvh as u64, dims.hd as u64);
         dev.mark("attn.core", 8 * nh * hd + KV_BYTES * 2 * n * kvh * hd, 4 * nh * hd * n)?;
     }
-    attention::decode(dev, &a.q, kc, vc, n, dims.nh, dims.kvh, dims.hd, &mut a.att, &mut a.att_scratch)?;
-    if dims.gated {
-        dev.mark("attn.gate", 12 * (dims.nh * dims.hd) as u64, 0)?;
-        attn_prep::apply_gate(dev, &mut a.att, &a.gate, dims.nh * dims.hd)?;
-    }
+    let gate = if dims.gated { Some(&a.gate) } else { None };
+    attention::decode(dev, &a.q, kc, vc, cap, n, dims.nh, dims.kvh, dims.hd, gate, &mut a.att, &mut a.att_scratch)?;
     mark_linear(dev, "attn.o_proj", &w.o, 1)?;
     linear(dev, &w.o, &a.att, 1, &mut a.mix)
 }
@@ -910,8 +911,8 @@ fn moe_decode(
     moe_dispatch::combine(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, shared_terms, 1, k, h, &mut a.mlp)
 }
 
-/// Bytes per element of the KV caches.
-const KV_BYTES: u64 = 4;
+/// Bytes per element of the KV caches (bf16).
+const KV_BYTES: u64 = 2;
 
 /// Marks a `y = x·Wᵀ` of T rows for the profile: its weights, x and y; 2·T·rows·cols operations.
 fn mark_linear(dev: &Device, label: &'static str, w: &DeviceMatrix, t: usize) -> Result<()> {
@@ -1106,7 +1107,7 @@ impl Backend for CudaModel {
             .iter()
             .map(|l| match l {
                 DevLayerState::Gdn { conv, ssm } => 4 * (conv.len() + ssm.len()),
-                DevLayerState::Attn { k, v, .. } => 4 * (k.len() + v.len()),
+                DevLayerState::Attn { k, v, .. } => 2 * (k.len() + v.len()),
             })
             .sum()
     }

@@ -1,12 +1,15 @@
 //! The whole model on the GPU against the CPU backend, on the reference fixtures
 //! (`tests/fixtures/tiny-{a,b,c}`: three configs differing in layer pattern, heads, GQA ratio, experts
-//! and quantisation), teacher-forced over their 192+ tokens:
-//! - decode path (one token per call: GEMVs, f32 throughout) vs the CPU: logits within 1e-4 of the
-//!   row's largest |logit| (a wrong index or a missing term moves them by ≥ 1e-2);
-//! - prefill path (one call: tensor-core GEMMs with bf16-rounded inputs) vs the CPU: perplexity within
-//!   0.1% and the same argmax at ≥ 97% of positions (the bar), logits within 2e-2;
-//! - chunked prefill (chunks of 17 and 64 tokens, then token by token) vs one call on the GPU:
-//!   within 1e-3 (the same GEMM rounding; only the state carried between chunks differs);
+//! and quantisation), teacher-forced over their 192+ tokens. The CPU reference stores its KV cache in
+//! bf16 as the GPU does (`CpuModel::with_bf16_kv`); everything else on the CPU is f32.
+//! - decode path (one token per call: GEMVs, f32 activations, attention near f32 over the bf16 cache)
+//!   vs the CPU: logits within 1e-4 of the row's largest |logit| (a wrong index or a missing term moves
+//!   them by ≥ 1e-2);
+//! - prefill path (one call: tensor-core GEMMs, attention with bf16 q and p) vs the CPU: perplexity
+//!   within 0.1% and the same argmax at ≥ 97% of positions (the bar), logits within 5e-2;
+//! - chunked prefill (chunks of 17 and 64 tokens) vs one call on the GPU: within 1e-3 (the same
+//!   per-row arithmetic; only the state carried between chunks differs); then 20 tokens one by one
+//!   vs the CPU within the prefill's 2e-2;
 //! - `forward_pick` greedy == argmax of the same step's logits; a state clone resumes identically.
 //! - a reserved session decodes without allocating; caches grown inside a decode step and compact
 //!   clones give the same logits.
@@ -98,7 +101,7 @@ fn whole_model_matches_the_cpu() {
         let n = toks.len() - 1;
         let (inputs, next) = (&toks[..n], &toks[1..]);
         let v = w.config.vocab_size;
-        let mut cpu = CpuModel::new(Arc::clone(&w));
+        let mut cpu = CpuModel::new(Arc::clone(&w)).with_bf16_kv(true);
         let mut cs = cpu.new_state();
         let want = cpu.forward(&mut cs, inputs, Logits::All).unwrap();
         let (lp_cpu, am_cpu) = score(&want, v, next);
@@ -140,24 +143,31 @@ fn whole_model_matches_the_cpu() {
         println!("{name}/{sub} prefill: logits rel err {e_pre:.2e}, ppl rel diff {dppl:.2e}, argmax {:.1}%", 100.0 * agree);
         check(dppl <= 1e-3, format!("{name}/{sub}: prefill perplexity off by {dppl:.2e}"));
         check(agree >= 0.97, format!("{name}/{sub}: prefill argmax agreement {agree}"));
-        check(e_pre <= 2e-2, format!("{name}/{sub}: prefill logits differ from the CPU by {e_pre:.2e}"));
+        // bf16 q and p in the prefill attention: tiny-b (8 query heads of 32 dims on one KV head) peaks at
+        // 2.7e-2 (its mean over positions 4.4e-4); the others stay below 1e-3.
+        check(e_pre <= 5e-2, format!("{name}/{sub}: prefill logits differ from the CPU by {e_pre:.2e}"));
         // Where the prefill error comes from: the first position (no history) and the error growth.
         let v0 = row_err(&one[..v], &want[..v], v);
         let mean: f64 = (0..n).map(|i| row_err(&one[i * v..(i + 1) * v], &want[i * v..(i + 1) * v], v)).sum::<f64>() / n as f64;
         println!("{name}/{sub} prefill: position 0 rel err {v0:.2e}, mean over positions {mean:.2e}");
 
-        // Chunked prefill and a decode tail vs the one-call GPU run.
+        // Chunked prefill vs the one-call GPU run (the same per-row arithmetic: only the state carried
+        // between chunks, and the GDN rule's form for short chunks, differ), then a decode tail vs the CPU
+        // (its context came from the prefill, so the prefill's tolerance).
         for chunk in [17usize, 64] {
             let mut gc = gpu(&dev, &w, chunk);
             let mut sc = gc.new_state();
             let split = n - 20;
-            let mut rows = gc.forward(&mut sc, &inputs[..split], Logits::All).unwrap();
+            let rows = gc.forward(&mut sc, &inputs[..split], Logits::All).unwrap();
+            let mut tail = Vec::new();
             for &t in &inputs[split..] {
-                rows.extend(gc.forward(&mut sc, &[t], Logits::Last).unwrap());
+                tail.extend(gc.forward(&mut sc, &[t], Logits::Last).unwrap());
             }
-            let e = row_err(&rows, &one, v);
-            println!("{name}/{sub} chunks of {chunk} + 20 decode steps vs one call: {e:.2e}");
+            let e = row_err(&rows, &one[..split * v], v);
+            let et = row_err(&tail, &want[split * v..], v);
+            println!("{name}/{sub} chunks of {chunk} vs one call: {e:.2e}; then 20 decode steps vs the CPU: {et:.2e}");
             check(e <= 1e-3, format!("{name}/{sub}: chunked ({chunk}) differs from one call by {e:.2e}"));
+            check(et <= 2e-2, format!("{name}/{sub}: the decode tail after chunks of {chunk} differs from the CPU by {et:.2e}"));
         }
     }
     assert!(failures.is_empty(), "{} failures: {failures:#?}", failures.len());

@@ -1,14 +1,14 @@
-//! Causal prefill attention over an f32 KV cache (`kernels/attn_prefill.cu`): the softmax part of
-//! `lily_cpu::attention::forward` for T new tokens at positions `pos0..pos0+T` whose K/V rows are already
+//! Causal prefill attention over the bf16 KV cache (`kernels/attn_prefill.cu`): the softmax part of
+//! `lily_cpu::attention::forward` for T new tokens at positions `pos0..pos0+T` whose K/V are already
 //! in the cache (written by `ops::attn_prep::prep`). Query (t, h) attends to positions `0..=pos0+t` of KV
 //! head h / (nh/kvh), scores `(q·k)/√hd`, softmax in f32, `o = Σ p·v`, and with a gate
 //! `o ← o · sigmoid(gate)` (fused).
 //!
-//! Flash-attention style in f32 (SIMT, no tensor cores, so results match the CPU to f32 rounding): one
-//! block per (tile of 64 (token, head) rows of one GQA group, KV head), so each K/V tile of 64 positions
-//! is loaded into shared memory once for all the group's heads and 64/G tokens; online softmax; no split
-//! over the KV length. The head-dim-256 variant needs 211 KiB of dynamic shared memory ([`configure`]
-//! raises the limit at device open).
+//! Flash-attention 2 style on the tensor cores (mma.sync, bf16 q and p, f32 accumulation and softmax):
+//! one block of 4 warps per (tile of 64 (token, head) rows of one GQA group, KV head), so each K/V
+//! tile of 32 positions is loaded into shared memory once for all the group's heads and 64/G tokens;
+//! online softmax; no split over the KV length. The head-dim-256 variant needs 106 KiB of dynamic
+//! shared memory ([`configure`] raises the limit at device open); two blocks fit an SM.
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -22,7 +22,7 @@ use crate::{CudaError, Device, Result};
 struct AttnPrefillParams {
     q: u64,
     k: u64,
-    v: u64,
+    vt: u64,
     gate: u64,
     out: u64,
     t: i32,
@@ -30,7 +30,9 @@ struct AttnPrefillParams {
     kvh: i32,
     pos0: i32,
     ntiles: i32,
+    cap: i32,
     scale: f32,
+    pad: i32,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for AttnPrefillParams {}
@@ -53,15 +55,14 @@ pub(crate) const KERNELS: &[&str] = &[
 /// Query rows ((token, head) pairs of one GQA group) per block.
 pub const ROWS_PER_BLOCK: usize = 64;
 /// KV positions per shared-memory tile.
-pub const KV_TILE: usize = 64;
-const THREADS: u32 = 256;
+pub const KV_TILE: usize = 32;
+const THREADS: u32 = 128;
 
-/// Dynamic shared memory of the head-dim-`hd` kernel: Q [64][hd+4], K [64][hd+4], V [64][hd], S [64][68].
+/// Dynamic shared memory of the head-dim-`hd` kernel (bf16, rows padded by 16 bytes): Q [64][hd] and two
+/// stages of K [32][hd] and Vᵀ [hd][32].
 pub fn smem_bytes(hd: usize) -> usize {
-    4 * (ROWS_PER_BLOCK * (hd + 4)
-        + KV_TILE * (hd + 4)
-        + KV_TILE * hd
-        + ROWS_PER_BLOCK * (KV_TILE + 4))
+    let row = 2 * hd + 16;
+    ROWS_PER_BLOCK * row + 2 * (KV_TILE * row + hd * (2 * KV_TILE + 16))
 }
 
 /// One-time function attributes (called by `Device::open`): lets each variant use the dynamic shared
@@ -81,11 +82,12 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
 }
 
 /// Causal attention of the T = `t` queries `q` [T, nh, hd] (positions `pos0..pos0+t`, normed and
-/// rotated, their K/V already in the caches) over cache rows `0..pos0+t`: `out` [T, nh, hd], with
+/// rotated, their K/V already in the caches) over cache positions `0..pos0+t`: `out` [T, nh, hd], with
 /// `out[t, h] = Σ_{p ≤ pos0+t} softmax_p(q[t, h]·k[p, h/(nh/kvh)] / √hd) · v[p, h/(nh/kvh)]`, times
-/// `sigmoid(gate[t, h])` elementwise when `gate` [T, nh, hd] is given. Caches: [capacity ≥ pos0+t, kvh,
-/// hd]; rows past pos0+t are never read. hd ∈ {32, 64, 128, 256}; nh a multiple of kvh; all buffers
-/// 16-byte aligned (any `CudaSlice`, or a view at a multiple of 4 elements).
+/// `sigmoid(gate[t, h])` elementwise when `gate` [T, nh, hd] is given. Caches (bf16): K [cap, kvh, hd],
+/// V [kvh, hd, cap], cap ≥ pos0+t a multiple of 32; positions past pos0+t are never read. hd ∈ {32, 64,
+/// 128, 256}; nh a multiple of kvh; all buffers 16-byte aligned (any `CudaSlice`, or a view at a multiple
+/// of 4 elements).
 #[allow(clippy::too_many_arguments)]
 #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.85
 pub fn prefill<Q, K, V, G, O>(
@@ -93,6 +95,7 @@ pub fn prefill<Q, K, V, G, O>(
     q: &Q,
     k_cache: &K,
     v_cache: &V,
+    cap: usize,
     gate: Option<&G>,
     nh: usize,
     kvh: usize,
@@ -103,8 +106,8 @@ pub fn prefill<Q, K, V, G, O>(
 ) -> Result<()>
 where
     Q: DevicePtr<f32>,
-    K: DevicePtr<f32>,
-    V: DevicePtr<f32>,
+    K: DevicePtr<half::bf16>,
+    V: DevicePtr<half::bf16>,
     G: DevicePtr<f32>,
     O: DevicePtrMut<f32>,
 {
@@ -125,6 +128,9 @@ where
     let (Some(rows), Some(end)) = (rows, end) else {
         return bad("too many tokens or positions");
     };
+    if end > cap || cap % KV_TILE != 0 || cap.checked_mul(kvh * hd).is_none_or(|c| c > i32::MAX as usize) {
+        return bad(&format!("cache capacity {cap} (a multiple of {KV_TILE}, at least pos0 + t)"));
+    }
     let ntiles = rows.div_ceil(ROWS_PER_BLOCK);
     if ntiles
         .checked_mul(kvh)
@@ -140,11 +146,11 @@ where
         ));
     }
     let n = t * nh * hd;
-    let cache = end * kvh * hd;
+    let cache = cap * kvh * hd;
     let p = AttnPrefillParams {
         q: addr(dev, q, n, "attention prefill q")?,
         k: addr(dev, k_cache, cache, "attention prefill k_cache")?,
-        v: addr(dev, v_cache, cache, "attention prefill v_cache")?,
+        vt: addr(dev, v_cache, cache, "attention prefill v_cache")?,
         gate: match gate {
             Some(g) => addr(dev, g, n, "attention prefill gate")?,
             None => 0,
@@ -155,9 +161,11 @@ where
         kvh: kvh as i32,
         pos0: pos0 as i32,
         ntiles: ntiles as i32,
+        cap: cap as i32,
         scale: 1.0 / (hd as f32).sqrt(),
+        pad: 0,
     };
-    if [p.q, p.k, p.v, p.gate, p.out].iter().any(|a| a % 16 != 0) {
+    if [p.q, p.k, p.vt, p.gate, p.out].iter().any(|a| a % 16 != 0) {
         return bad("q, caches, gate and out must be 16-byte aligned");
     }
     let cfg = LaunchConfig {

@@ -3,13 +3,16 @@
 //! positions `pos0..pos0+T` (T = 1 in decode): per-head RMSNorm of q and k with the folded weights,
 //! partial NeoX RoPE on the first `rot` dims (angles computed in f64 from `pos0` in the kernel, as
 //! `lily_cpu::attention::rope`; no table), the gate split out of q_proj's output, and K/V appended to the
-//! caches. Also [`apply_gate`], the sigmoid output gate decode applies after `ops::attention::decode`.
+//! caches. Also [`copy_rows`], which moves a cache to another capacity.
 //!
 //! Layouts: `qg` [T, nh, hd·(1+gated)] (each head's row `[query(hd) | gate(hd)]` when gated), `k`, `v`
-//! [T, kvh, hd]; `q_out`, `gate_out` [T, nh, hd]; the caches [capacity, kvh, hd] (position-major, as
-//! `lily_cpu::attention::KvCache` and `ops::attention`).
+//! [T, kvh, hd]; `q_out`, `gate_out` [T, nh, hd]. The KV cache is bf16 (rounded to nearest even):
+//! K [capacity, kvh, hd] (position-major, as `lily_cpu::attention::KvCache`), V transposed,
+//! [kvh, hd, capacity], so that decode and prefill attention (`ops::attention`, `ops::attn_prefill`)
+//! load both as tensor-core fragments without a transpose.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+use half::bf16;
 
 use super::{addr, addr_mut, launch, Scalar};
 use crate::{CudaError, Device, Result};
@@ -55,33 +58,38 @@ struct AttnPrepParams {
     gated: i32,
     eps: f32,
     pos_dev: u64,
+    capacity: i32,
+    pad: i32,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for AttnPrepParams {}
 
-/// Must match `struct AttnGateParams` in `kernels/attn_prep.cu`.
+/// Must match `struct KvCopyParams` in `kernels/attn_prep.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
-struct AttnGateParams {
-    o: u64,
-    gate: u64,
-    n: i64,
+struct KvCopyParams {
+    src: u64,
+    dst: u64,
+    src_pitch: i64,
+    dst_pitch: i64,
+    rows: i64,
+    len: i64,
 }
 // SAFETY: plain old data with the kernel's layout.
-unsafe impl DeviceRepr for AttnGateParams {}
+unsafe impl DeviceRepr for KvCopyParams {}
 
-pub(crate) const KERNELS: &[&str] = &["attn_prep", "attn_gate"];
+pub(crate) const KERNELS: &[&str] = &["attn_prep", "kv_copy_rows"];
 
 /// Largest head dim of [`prep`] (one thread per element).
 pub const MAX_HEAD_DIM: usize = 1024;
 
 /// For T tokens at positions `pos0..pos0+t`, from the projections `qg` [T, nh·hd·(1+gated)], `k` and `v`
 /// [T, kvh·hd]: writes `q_out` [T, nh, hd] (RMSNorm·q_norm, then RoPE), `gate_out` [T, nh, hd] (the gate
-/// halves of `qg`; required iff `dims.gated`), and rows `pos0..pos0+t` of `k_cache` (RMSNorm·k_norm, then
-/// RoPE) and `v_cache` (v as is); the caches are [capacity ≥ pos0+t, kvh, hd] and their other rows are
-/// untouched. `q_norm`, `k_norm`: [hd], the folded weights. hd ≤ [`MAX_HEAD_DIM`], rot even and ≤ hd.
-/// The position may be read on the device instead ([`Scalar::Device`], bounded by `max`: the caches
-/// must then hold `max + t` rows).
+/// halves of `qg`; required iff `dims.gated`), and positions `pos0..pos0+t` of `k_cache` [capacity, kvh,
+/// hd] (RMSNorm·k_norm, then RoPE) and `v_cache` [kvh, hd, capacity] (v as is), both bf16 with
+/// capacity ≥ pos0+t; their other positions are untouched. `q_norm`, `k_norm`: [hd], the folded
+/// weights. hd ≤ [`MAX_HEAD_DIM`], rot even and ≤ hd. The position may be read on the device instead
+/// ([`Scalar::Device`], bounded by `max`: the capacity must then be at least `max + t`).
 #[allow(clippy::too_many_arguments)]
 #[allow(clippy::manual_is_multiple_of)]
 pub fn prep<QG, K, V, QN, KN, QO, GO, KC, VC>(
@@ -98,6 +106,7 @@ pub fn prep<QG, K, V, QN, KN, QO, GO, KC, VC>(
     gate_out: Option<&mut GO>,
     k_cache: &mut KC,
     v_cache: &mut VC,
+    capacity: usize,
 ) -> Result<()>
 where
     QG: DevicePtr<f32>,
@@ -107,8 +116,8 @@ where
     KN: DevicePtr<f32>,
     QO: DevicePtrMut<f32>,
     GO: DevicePtrMut<f32>,
-    KC: DevicePtrMut<f32>,
-    VC: DevicePtrMut<f32>,
+    KC: DevicePtrMut<bf16>,
+    VC: DevicePtrMut<bf16>,
 {
     let (pos0, pos_dev) = pos0.split(dev, "attention prep position")?;
     let AttnDims {
@@ -141,6 +150,9 @@ where
     let Some(end) = end else {
         return bad("positions overflow i32");
     };
+    if end > capacity || capacity.checked_mul(kvh * hd).is_none_or(|c| c > i32::MAX as usize) {
+        return bad(&format!("the caches' capacity {capacity} is below pos0 + t"));
+    }
     if !(theta.is_finite() && theta > 0.0 && eps.is_finite()) {
         return bad("theta must be finite and > 0, eps finite");
     }
@@ -157,18 +169,8 @@ where
         k_norm: addr(dev, k_norm, hd, "attention prep k_norm")?,
         q_out: addr_mut(dev, q_out, t * nh * hd, "attention prep q_out")?,
         gate_out: gate_addr,
-        k_cache: addr_mut(
-            dev,
-            k_cache,
-            end * kvh * hd,
-            "attention prep k_cache (capacity)",
-        )?,
-        v_cache: addr_mut(
-            dev,
-            v_cache,
-            end * kvh * hd,
-            "attention prep v_cache (capacity)",
-        )?,
+        k_cache: addr_mut(dev, k_cache, capacity * kvh * hd, "attention prep k_cache (capacity)")?,
+        v_cache: addr_mut(dev, v_cache, capacity * kvh * hd, "attention prep v_cache (capacity)")?,
         theta,
         t: t as i32,
         nh: nh as i32,
@@ -179,6 +181,8 @@ where
         gated: gated as i32,
         eps,
         pos_dev,
+        capacity: capacity as i32,
+        pad: 0,
     };
     let threads = hd.div_ceil(32) as u32 * 32;
     let cfg = LaunchConfig {
@@ -189,27 +193,33 @@ where
     launch(dev, "attn_prep", cfg, &p)
 }
 
-/// `o[i] ← o[i] · sigmoid(gate[i])` for `i < n` (`o`, `gate`: [T·nh·hd]); decode applies it after
-/// `ops::attention::decode` ([`crate::ops::attn_prefill::prefill`] fuses it).
-pub fn apply_gate<O: DevicePtrMut<f32>, G: DevicePtr<f32>>(
+/// Copies the first `len` elements of each of `rows` rows: `dst[r·dst_pitch + i] = src[r·src_pitch + i]`
+/// (a transposed V cache moved to another capacity: rows = kvh·hd, pitches the capacities, len the
+/// positions held).
+pub fn copy_rows<S: DevicePtr<bf16>, D: DevicePtrMut<bf16>>(
     dev: &Device,
-    o: &mut O,
-    gate: &G,
-    n: usize,
+    src: &S,
+    src_pitch: usize,
+    dst: &mut D,
+    dst_pitch: usize,
+    rows: usize,
+    len: usize,
 ) -> Result<()> {
-    if n == 0 {
+    if rows == 0 || len == 0 {
         return Ok(());
     }
-    let p = AttnGateParams {
-        o: addr_mut(dev, o, n, "apply_gate o")?,
-        gate: addr(dev, gate, n, "apply_gate gate")?,
-        n: n as i64,
+    if len > src_pitch || len > dst_pitch {
+        return Err(CudaError::Shape(format!("copy_rows: len {len} beyond a pitch ({src_pitch}, {dst_pitch})")));
+    }
+    let p = KvCopyParams {
+        src: addr(dev, src, (rows - 1) * src_pitch + len, "copy_rows src")?,
+        dst: addr_mut(dev, dst, (rows - 1) * dst_pitch + len, "copy_rows dst")?,
+        src_pitch: src_pitch as i64,
+        dst_pitch: dst_pitch as i64,
+        rows: rows as i64,
+        len: len as i64,
     };
-    let blocks = n.div_ceil(256).min(dev.sm_count() as usize * 8) as u32;
-    let cfg = LaunchConfig {
-        grid_dim: (blocks, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    launch(dev, "attn_gate", cfg, &p)
+    let blocks = (rows * len).div_ceil(256).min(dev.sm_count() as usize * 8) as u32;
+    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    launch(dev, "kv_copy_rows", cfg, &p)
 }

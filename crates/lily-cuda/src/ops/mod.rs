@@ -44,6 +44,7 @@ pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
 pub(crate) fn configure(dev: &Device) -> Result<()> {
     affine_gemv::configure(dev)?;
     gemm::configure(dev)?;
+    attention::configure(dev)?;
     attn_prefill::configure(dev)
 }
 

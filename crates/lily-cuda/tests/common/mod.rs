@@ -83,3 +83,39 @@ pub fn time_op(dev: &Device, reps: usize, batch: usize, mut op: impl FnMut(usize
     t.sort_by(|a, b| a.partial_cmp(b).unwrap());
     (t[reps / 2], t[reps - 1] / t[0])
 }
+
+/// f32 values rounded to bf16 (nearest even), as the KV cache stores them.
+pub fn round_bf16(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect()
+}
+
+/// The device KV cache of a position-major f32 cache `c` [cap, kvh, hd]: K as bf16 [cap, kvh, hd].
+pub fn k_cache_bf16(c: &[f32]) -> Vec<half::bf16> {
+    c.iter().map(|&v| half::bf16::from_f32(v)).collect()
+}
+
+/// The device V cache of a position-major f32 cache `c` [cap, kvh, hd]: bf16, transposed to [kvh, hd, cap].
+pub fn v_cache_bf16(c: &[f32], cap: usize, kvh: usize, hd: usize) -> Vec<half::bf16> {
+    let mut out = vec![half::bf16::ZERO; cap * kvh * hd];
+    for p in 0..cap {
+        for kv in 0..kvh {
+            for d in 0..hd {
+                out[(kv * hd + d) * cap + p] = half::bf16::from_f32(c[(p * kvh + kv) * hd + d]);
+            }
+        }
+    }
+    out
+}
+
+/// A transposed device V cache [kvh, hd, cap] back to position-major f32 [cap, kvh, hd].
+pub fn v_cache_f32(vt: &[half::bf16], cap: usize, kvh: usize, hd: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; cap * kvh * hd];
+    for p in 0..cap {
+        for kv in 0..kvh {
+            for d in 0..hd {
+                out[(p * kvh + kv) * hd + d] = vt[(kv * hd + d) * cap + p].to_f32();
+            }
+        }
+    }
+    out
+}
