@@ -10,6 +10,11 @@
 //     g = -exp(A_log)·softplus(a + dt_bias). Grid 2·Hk + Hv blocks: one per q head, k head, v head
 //     (the v blocks also write the gates of their head). Each channel belongs to one thread for the
 //     whole call, so the in-place conv state update needs no synchronisation. x must not alias out.
+//   gdn_conv_qk_tiled + gdn_conv_finish: the same for a prompt chunk (T ≥ 16), parallel over tokens:
+//     grid (ceil(T/16), 2·Hk + Hv), one block per (tile of 16 tokens, head), one thread per channel
+//     (the K taps in registers, the tile's K-1+16 inputs in a sliding window, the q/k norms of the 16
+//     tokens reduced together); it reads the old conv state and leaves it. gdn_conv_finish then writes
+//     the new conv state (the last K-1 rows of x: T ≥ K-1) and the gates, grid-stride.
 //   gdn_recurrent_r{NR}: the delta rule. Per value head j and token: S *= exp(g); kv = Sᵀk;
 //     δ = β(v − kv); S += k⊗δ; o = Sᵀq. Block = (slice of Dv columns, value head); each warp owns 8
 //     consecutive columns (32-byte sectors of a state row) and spreads Dk over 4 row groups, lane =
@@ -140,6 +145,100 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_conv_qk(const GdnConvQkPa
         for (int t = threadIdx.x; t < p.t_len; t += blockDim.x) {
             const long long i = (long long)t * p.hv + j;
             const float x = p.a[i] + bias;
+            const float sp = x > 20.0f ? x : log1pf(expf(x));
+            p.g[i] = neg_a * sp;
+            p.beta[i] = 1.0f / (1.0f + expf(-p.b[i]));
+        }
+    }
+}
+
+#define CONV_TT 16    // tokens per block of gdn_conv_qk_tiled (= ops::gdn::CONV_TILE)
+#define CONV_MAXK 8   // most conv taps (= ops::gdn::MAX_CONV_TAPS)
+
+extern "C" __global__ void __launch_bounds__(256) gdn_conv_qk_tiled(const GdnConvQkParams p) {
+    __shared__ float part[CONV_TT][8];
+    const int kd = p.hk * p.dk;
+    const long long C = 2LL * kd + (long long)p.hv * p.dv;
+    const int K = p.k, hist = p.k - 1;
+    const int blk = blockIdx.y;
+    int base, width;
+    bool norm = false;
+    float qscale = 1.0f;
+    if (blk < 2 * p.hk) {
+        base = blk * p.dk;
+        width = p.dk;
+        norm = true;
+        if (blk < p.hk) qscale = 1.0f / sqrtf((float)p.dk);
+    } else {
+        base = 2 * kd + (blk - 2 * p.hk) * p.dv;
+        width = p.dv;
+    }
+    const int t0 = blockIdx.x * CONV_TT;
+    const int nt = min(CONV_TT, p.t_len - t0);
+    const int c = threadIdx.x;
+    const bool live = c < width;
+    const long long ch = base + (live ? c : 0);
+
+    float w[CONV_MAXK];
+#pragma unroll
+    for (int j = 0; j < CONV_MAXK; ++j) w[j] = (live && j < K) ? p.conv_w[ch * K + j] : 0.0f;
+    // xin rows t0 .. t0 + nt + K - 2 (xin = concat(conv_state, x)).
+    float xw[CONV_TT + CONV_MAXK - 1];
+#pragma unroll
+    for (int i = 0; i < CONV_TT + CONV_MAXK - 1; ++i) {
+        const int r = t0 + i;
+        float v = 0.0f;
+        if (live && i < nt + K - 1) v = r < hist ? p.conv_state[(long long)r * C + ch] : p.x[(long long)(r - hist) * C + ch];
+        xw[i] = v;
+    }
+    float y[CONV_TT];
+#pragma unroll
+    for (int i = 0; i < CONV_TT; ++i) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int j = 0; j < CONV_MAXK; ++j)
+            if (j < K) acc += w[j] * xw[i + j];
+        y[i] = (live && i < nt) ? silu_f(acc) : 0.0f;
+    }
+    if (norm) {  // block-uniform
+        const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+#pragma unroll
+        for (int i = 0; i < CONV_TT; ++i) {
+            float ss = y[i] * y[i];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            if (lane == 0) part[i][warp] = ss;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < CONV_TT; ++i) {
+            float ss = 0.0f;
+            for (int k = 0; k < nw; ++k) ss += part[i][k];
+            y[i] *= (1.0f / sqrtf(ss + 1e-6f)) * qscale;
+        }
+    }
+    if (live) {
+#pragma unroll
+        for (int i = 0; i < CONV_TT; ++i)
+            if (i < nt) p.out[(long long)(t0 + i) * C + ch] = y[i];
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256) gdn_conv_finish(const GdnConvQkParams p) {
+    const int kd = p.hk * p.dk;
+    const long long C = 2LL * kd + (long long)p.hv * p.dv;
+    const int hist = p.k - 1;
+    const long long n_state = (long long)hist * C, n_gate = (long long)p.t_len * p.hv;
+    const long long n = n_state > n_gate ? n_state : n_gate;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        if (i < n_state) {  // new state row r = xin[T + r] = x[T - hist + r] (T ≥ hist)
+            const long long r = i / C, ch = i - r * C;
+            p.conv_state[i] = p.x[(p.t_len - hist + r) * C + ch];
+        }
+        if (i < n_gate) {
+            const int j = (int)(i % p.hv);
+            const float neg_a = -expf(p.a_log[j]);
+            const float x = p.a[i] + p.dt_bias[j];
             const float sp = x > 20.0f ? x : log1pf(expf(x));
             p.g[i] = neg_a * sp;
             p.beta[i] = 1.0f / (1.0f + expf(-p.b[i]));

@@ -185,7 +185,8 @@ fn gdn_real_sizes_match_cpu() {
     assert_eq!(REAL.conv_dim(), 8192);
     let same = dims(32, 32, 128, 128, 4); // Hv/Hk = 1 at the real head sizes
     for (i, d) in [REAL, same].iter().enumerate() {
-        for t in [1, 7] {
+        // T ≥ 16 takes the tiled conv (one full tile, a partial last tile).
+        for t in [1, 7, 16, 37] {
             check_layer(&dev, d, t, 100 + 10 * i as u64 + t as u64);
         }
     }
@@ -204,7 +205,7 @@ fn gdn_small_odd_sizes_match_cpu() {
         dims(1, 2, 256, 64, 2),
     ];
     for (i, d) in cases.iter().enumerate() {
-        for t in [1, 2, 7] {
+        for t in [1, 2, 7, 16, 37] {
             check_layer(&dev, d, t, 1000 + 10 * i as u64 + t as u64);
         }
     }
@@ -212,10 +213,11 @@ fn gdn_small_odd_sizes_match_cpu() {
 
 #[test]
 fn gdn_split_sequence_equals_whole() {
-    // 7 tokens in one call = 3 + 1 + 3 tokens in three calls carrying both states.
+    // 40 tokens in one call = 20 + 1 + 19 tokens in three calls carrying both states (the tiled conv,
+    // the per-token one, the tiled one again).
     let Some(dev) = device() else { return };
     let d = REAL;
-    let t = 7;
+    let t = 40;
     let mut rng = Rng::new(7);
     let inp = inputs(&mut rng, &d, t);
     let want = cpu_layer(&inp, &d, t);
@@ -225,7 +227,7 @@ fn gdn_split_sequence_equals_whole() {
     let mut conv_state = dev.upload(&inp.conv_state).unwrap();
     let mut state = dev.upload(&inp.state).unwrap();
     let mut o_all = Vec::new();
-    for (lo, hi) in [(0, 3), (3, 4), (4, 7)] {
+    for (lo, hi) in [(0, 20), (20, 21), (21, 40)] {
         let n = hi - lo;
         let x = dev.upload(&inp.x[lo * c..hi * c]).unwrap();
         let a = dev.upload(&inp.a[lo * hv..hi * hv]).unwrap();
@@ -241,7 +243,7 @@ fn gdn_split_sequence_equals_whole() {
     let e_o = check(&o_all, &want.o, "split: out");
     let e_s = check(&dev.download(&state).unwrap(), &want.state, "split: state");
     let e_c = check(&dev.download(&conv_state).unwrap(), &want.conv_state, "split: conv state");
-    println!("split 3+1+3 vs CPU whole: out {e_o:.1e} state {e_s:.1e} conv_state {e_c:.1e}");
+    println!("split 20+1+19 vs CPU whole: out {e_o:.1e} state {e_s:.1e} conv_state {e_c:.1e}");
 }
 
 #[test]

@@ -100,6 +100,8 @@ const RECURRENT: &[(usize, &str)] = &[
 
 pub(crate) const KERNELS: &[&str] = &[
     "gdn_conv_qk",
+    "gdn_conv_qk_tiled",
+    "gdn_conv_finish",
     "gdn_recurrent_r2",
     "gdn_recurrent_r4",
     "gdn_recurrent_r8",
@@ -108,6 +110,11 @@ pub(crate) const KERNELS: &[&str] = &[
     "gdn_recurrent_r64",
     "gdn_gated_norm",
 ];
+
+/// Tokens per block of the tiled conv (prompt chunks of at least this many tokens use it).
+pub const CONV_TILE: usize = 16;
+/// The most conv taps the tiled conv takes.
+pub const MAX_CONV_TAPS: usize = 8;
 
 /// Default warps per block of the recurrent kernel (8 state columns per warp).
 pub const RECURRENT_WARPS: u32 = 2;
@@ -170,8 +177,16 @@ where
     };
     let width = dims.head_k_dim.max(dims.head_v_dim);
     let threads = (width.div_ceil(32) * 32).clamp(32, 256) as u32;
-    let blocks = (2 * dims.num_k_heads + hv) as u32;
-    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let heads = (2 * dims.num_k_heads + hv) as u32;
+    if t_len >= CONV_TILE && k <= MAX_CONV_TAPS && width <= 256 {
+        // A prompt chunk: parallel over tokens, then the state and the gates.
+        let cfg = LaunchConfig { grid_dim: (t_len.div_ceil(CONV_TILE) as u32, heads, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        launch(dev, "gdn_conv_qk_tiled", cfg, &p)?;
+        let n = ((k - 1) * c).max(t_len * hv);
+        let cfg = LaunchConfig { grid_dim: (n.div_ceil(256).min(dev.sm_count() as usize * 8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        return launch(dev, "gdn_conv_finish", cfg, &p);
+    }
+    let cfg = LaunchConfig { grid_dim: (heads, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
     launch(dev, "gdn_conv_qk", cfg, &p)
 }
 
