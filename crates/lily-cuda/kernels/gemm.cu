@@ -3,7 +3,10 @@
 // Also the fused SwiGLU form Y = silu(X·Gᵀ) ⊙ (X·Uᵀ), and the grouped (MoE prefill) forms in which
 // sorted "slots" belong to experts by a device array of offsets, optionally gathering X rows.
 //
-// Two numerics, chosen at compile time (the _exact and _fast entry points):
+// Three numerics, chosen at compile time (the _bf16x, _exact and _fast entry points):
+// - bf16x (the default of the model): X rounded to bf16 (nearest even) and the weights exact, as the
+//   exact kernels below take them (integer codes, the affine map per group in f32, the X sums of the
+//   unrounded x); one MMA per k-step. What is lost is the rounding of x alone (2^-9 relative).
 // - exact (the default of the Rust wrappers): nearly f32. X is split into two bf16 planes, hi = bf16(x)
 //   and lo = bf16(x - hi) (x - hi is exact in f32), and every k-step runs two MMAs, W·hi and W·lo, into
 //   the same f32 accumulator; what is left of x is below 2^-16 |x| (~2^-18 typically). Affine weights go
@@ -48,9 +51,10 @@
 // it has none. With a gather array, slot i reads X row rows[i] (a row >= x_rows gives NaN outputs).
 //
 // Entry points: {gemm, swiglu_gemm, grouped_gemm, grouped_swiglu_gemm}_{q4, q8, bf16}_{m64, m32}_{exact,
-// fast} (BM = 64 tokens with 2×4 warps, or 32 tokens with 1×8 warps). Dynamic shared memory: fast
+// bf16x, fast} (BM = 64 tokens with 2×4 warps, or 32 tokens with 1×8 warps). Dynamic shared memory: fast
 // 2 * (BM + 128) * 72 * 2 bytes (55296 for m64, 46080 for m32); exact 2 * ((2 BM + 128) * 72 * 2 +
-// 128 * 16 + BM * 8) + 256 * 32 + BM * 256 bytes (103424 for m64, 76288 for m32).
+// 128 * 16 + BM * 8) + 256 * 32 + BM * 256 bytes (103424 for m64, 76288 for m32); bf16x as exact with
+// one X plane (2 * (BM + 128) * 72 * 2 + ...: 85 KB for m64).
 // __launch_bounds__(256, 2): at most 128 registers (ptxas: 74-128, no spills), so two blocks fit on an SM.
 
 #include <stdint.h>
@@ -203,12 +207,15 @@ __device__ __forceinline__ bool find_group_tile(const GemmParams& p, int bm, int
     return expert >= 0;
 }
 
-template <int MODE, int BM, int WM, bool SWIGLU, bool GROUPED, bool EXACT>
+enum { NUM_FAST = 0, NUM_EXACT = 1, NUM_BF16X = 2 };
+
+template <int MODE, int BM, int WM, bool SWIGLU, bool GROUPED, int NUM>
 __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
     constexpr int BITS = Fmt<MODE>::BITS;
     constexpr bool AFFINE = MODE != MODE_BF16;
+    constexpr bool EXACT = NUM != NUM_FAST;  // exact weights: staged raw by cp.async
     constexpr bool FOLD = EXACT && AFFINE;  // integer codes, per-group accumulators
-    constexpr int PLANES = EXACT ? 2 : 1;   // X planes: hi (and lo)
+    constexpr int PLANES = NUM == NUM_EXACT ? 2 : 1;   // X planes: hi (and lo)
     constexpr int E = 128 / BITS;          // weights per 16-byte chunk
     constexpr int CPR = BK / E;            // chunks per W tile row per K step: 2, 4, 8
     constexpr int WCH = BN * CPR / THREADS;  // W chunks per thread: 1, 2, 4
@@ -440,11 +447,15 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
                 } else if (xoff[i] == X_NAN) {
                     v.x = __int_as_float(0x7fc00000);
                 }
-                uint32_t h01, l01, h23, l23;
-                split_pair(v.x, v.y, h01, l01);
-                split_pair(v.z, v.w, h23, l23);
-                *reinterpret_cast<uint2*>(xsb + r * LDS + c4 * 4) = make_uint2(h01, h23);
-                *reinterpret_cast<uint2*>(xsb + BM * LDS + r * LDS + c4 * 4) = make_uint2(l01, l23);
+                if constexpr (PLANES == 2) {
+                    uint32_t h01, l01, h23, l23;
+                    split_pair(v.x, v.y, h01, l01);
+                    split_pair(v.z, v.w, h23, l23);
+                    *reinterpret_cast<uint2*>(xsb + r * LDS + c4 * 4) = make_uint2(h01, h23);
+                    *reinterpret_cast<uint2*>(xsb + BM * LDS + r * LDS + c4 * 4) = make_uint2(l01, l23);
+                } else {
+                    *reinterpret_cast<uint2*>(xsb + r * LDS + c4 * 4) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+                }
                 if constexpr (FOLD) {
                     // Sum of the unrounded x over this 32-column half: the 8 lanes (c4 & 7) = 0..7 of
                     // the same row, adjacent in the warp.
@@ -581,22 +592,23 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
     }
 }
 
-#define GEMM_ENTRY(name, MODE, BM, WM, SWIGLU, GROUPED, EXACT)                            \
+#define GEMM_ENTRY(name, MODE, BM, WM, SWIGLU, GROUPED, NUM)                            \
     extern "C" __global__ void __launch_bounds__(THREADS, 2) name(const GemmParams p) { \
-        gemm_tile<MODE, BM, WM, SWIGLU, GROUPED, EXACT>(p);                          \
+        gemm_tile<MODE, BM, WM, SWIGLU, GROUPED, NUM>(p);                          \
     }
 
-#define GEMM_FORMATS(prefix, SWIGLU, GROUPED, EXACT, suffix)                          \
-    GEMM_ENTRY(prefix##_q4_m64_##suffix, MODE_Q4, 64, 2, SWIGLU, GROUPED, EXACT)     \
-    GEMM_ENTRY(prefix##_q4_m32_##suffix, MODE_Q4, 32, 1, SWIGLU, GROUPED, EXACT)     \
-    GEMM_ENTRY(prefix##_q8_m64_##suffix, MODE_Q8, 64, 2, SWIGLU, GROUPED, EXACT)     \
-    GEMM_ENTRY(prefix##_q8_m32_##suffix, MODE_Q8, 32, 1, SWIGLU, GROUPED, EXACT)     \
-    GEMM_ENTRY(prefix##_bf16_m64_##suffix, MODE_BF16, 64, 2, SWIGLU, GROUPED, EXACT) \
-    GEMM_ENTRY(prefix##_bf16_m32_##suffix, MODE_BF16, 32, 1, SWIGLU, GROUPED, EXACT)
+#define GEMM_FORMATS(prefix, SWIGLU, GROUPED, NUM, suffix)                          \
+    GEMM_ENTRY(prefix##_q4_m64_##suffix, MODE_Q4, 64, 2, SWIGLU, GROUPED, NUM)     \
+    GEMM_ENTRY(prefix##_q4_m32_##suffix, MODE_Q4, 32, 1, SWIGLU, GROUPED, NUM)     \
+    GEMM_ENTRY(prefix##_q8_m64_##suffix, MODE_Q8, 64, 2, SWIGLU, GROUPED, NUM)     \
+    GEMM_ENTRY(prefix##_q8_m32_##suffix, MODE_Q8, 32, 1, SWIGLU, GROUPED, NUM)     \
+    GEMM_ENTRY(prefix##_bf16_m64_##suffix, MODE_BF16, 64, 2, SWIGLU, GROUPED, NUM) \
+    GEMM_ENTRY(prefix##_bf16_m32_##suffix, MODE_BF16, 32, 1, SWIGLU, GROUPED, NUM)
 
 #define GEMM_FAMILY(prefix, SWIGLU, GROUPED)                \
-    GEMM_FORMATS(prefix, SWIGLU, GROUPED, true, exact)     \
-    GEMM_FORMATS(prefix, SWIGLU, GROUPED, false, fast)
+    GEMM_FORMATS(prefix, SWIGLU, GROUPED, NUM_EXACT, exact)     \
+    GEMM_FORMATS(prefix, SWIGLU, GROUPED, NUM_BF16X, bf16x)     \
+    GEMM_FORMATS(prefix, SWIGLU, GROUPED, NUM_FAST, fast)
 
 GEMM_FAMILY(gemm, false, false)
 GEMM_FAMILY(swiglu_gemm, true, false)

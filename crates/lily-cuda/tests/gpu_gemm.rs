@@ -1,5 +1,11 @@
 //! CPU-vs-GPU tests of the prefill GEMM family (`ops::gemm`: plain, SwiGLU, grouped, grouped SwiGLU) in
-//! both precisions, plus its timing table (`bench_gemm`, ignored by default).
+//! all three precisions, plus its timing table (`bench_gemm`, ignored by default).
+//!
+//! `Precision::Bf16x` rounds X to bf16 and keeps the weights exact (the codes of
+//! `Exact` below, the bias term from the unrounded X sums). Its reference forms exactly that in f64:
+//! Σ w·bf16(x) + Σ_groups b'·(Σ x − Σ bf16(x)), with w lily-cpu's dequantised weights and b' = b +
+//! 2^(bits-1)·s in f32 as the kernel forms it; what is left is f32 accumulation, as for Exact, so the
+//! same TOL_EXACT. Against lily-cpu's f32 matmul the difference is the rounding of x (CPU_TOL).
 //!
 //! `Precision::Fast` rounds X and each dequantised weight (`scale * q + bias` in f32) to bf16, then
 //! accumulates the exact products in f32 on the tensor cores. Its reference does the same roundings and
@@ -52,7 +58,7 @@ const CPU_TOL_EXACT: f64 = 5e-5;
 /// Spare output elements past the end, which must stay NaN.
 const SPARE: usize = 37;
 
-const PRECISIONS: [Precision; 2] = [Precision::Exact, Precision::Fast];
+const PRECISIONS: [Precision; 3] = [Precision::Exact, Precision::Bf16x, Precision::Fast];
 const TILES: [Tile; 3] = [Tile::Auto, Tile::M64, Tile::M32];
 
 // ---------------------------------------------------------------------------------------------------
@@ -119,6 +125,59 @@ fn weights(w: &Matrix, m: usize, fast: bool) -> Vec<f32> {
     out
 }
 
+/// Matrix `m` of a stack as the references use it: dequantised in f32 (exact, and rounded to bf16) and
+/// the bias of the centred codes b' = b + 2^(bits-1)·s per (row, group), formed in f32 as the kernels do.
+struct RefMat {
+    cols: usize,
+    gs: usize,
+    exact: Vec<f32>,
+    fast: Vec<f32>,
+    bprime: Vec<f32>,
+}
+
+impl RefMat {
+    fn new(w: &Matrix, m: usize) -> Self {
+        let (exact, fast) = (weights(w, m, false), weights(w, m, true));
+        let (gs, bprime) = match &w.storage {
+            Storage::Affine { params, scales, biases, .. } => {
+                let groups = w.cols / params.group_size;
+                let half = (1u32 << (params.bits - 1)) as f32;
+                let b = (0..w.rows * groups)
+                    .map(|i| {
+                        let j = m * w.rows * groups + i;
+                        half.mul_add(scales.get(j), biases.get(j))
+                    })
+                    .collect();
+                (params.group_size, b)
+            }
+            Storage::Dense(_) => (0, Vec::new()),
+        };
+        RefMat { cols: w.cols, gs, exact, fast, bprime }
+    }
+
+    /// One unrounded x row through precision `p`'s reference (every output row).
+    fn apply(&self, p: Precision, x: &[f32]) -> Vec<f64> {
+        let xr: Vec<f32> = x.iter().map(|v| bf16r(*v)).collect();
+        match p {
+            Precision::Exact => dot_rows(&self.exact, self.cols, x),
+            Precision::Fast => dot_rows(&self.fast, self.cols, &xr),
+            Precision::Bf16x => {
+                let mut y = dot_rows(&self.exact, self.cols, &xr);
+                if self.gs > 0 {
+                    let groups = self.cols / self.gs;
+                    let lost: Vec<f64> = (0..groups)
+                        .map(|g| (g * self.gs..(g + 1) * self.gs).map(|i| x[i] as f64 - xr[i] as f64).sum())
+                        .collect();
+                    for (r, yr) in y.iter_mut().enumerate() {
+                        *yr += (0..groups).map(|g| self.bprime[r * groups + g] as f64 * lost[g]).sum::<f64>();
+                    }
+                }
+                y
+            }
+        }
+    }
+}
+
 /// `W x` in f64 for one x row.
 fn dot_rows(wq: &[f32], cols: usize, xr: &[f32]) -> Vec<f64> {
     wq.chunks_exact(cols).map(|row| row.iter().zip(xr).map(|(a, b)| *a as f64 * *b as f64).sum()).collect()
@@ -164,31 +223,33 @@ fn inputs_from(dev: &Device, x: Vec<f32>, cols: usize, extra: usize) -> (CudaSli
     (dev.upload(&padded).unwrap(), x, xr)
 }
 
-/// The references of one case: f64 from the unrounded operands (Exact), f64 from the bf16-rounded ones
-/// (Fast), and lily-cpu's f32 result.
+/// The references of one case: f64 from the unrounded operands (Exact), from bf16-rounded x and exact
+/// weights (Bf16x), from the bf16-rounded ones (Fast), and lily-cpu's f32 result.
 struct Refs {
     exact: Vec<f64>,
+    bf16x: Vec<f64>,
     fast: Vec<f64>,
     cpu: Vec<f32>,
 }
 
-/// Worst errors seen per precision (index 0 Exact, 1 Fast): vs the reference and vs lily-cpu.
+/// Worst errors seen per precision (index 0 Exact, 1 Bf16x, 2 Fast): vs the reference and vs lily-cpu.
 #[derive(Default)]
 struct Worst {
-    reference: [f64; 2],
-    cpu: [f64; 2],
+    reference: [f64; 3],
+    cpu: [f64; 3],
 }
 
 fn pidx(p: Precision) -> usize {
     match p {
         Precision::Exact => 0,
-        Precision::Fast => 1,
+        Precision::Bf16x => 1,
+        Precision::Fast => 2,
     }
 }
 
 impl Worst {
     fn merge(&mut self, o: &Worst) {
-        for i in 0..2 {
+        for i in 0..3 {
             self.reference[i] = self.reference[i].max(o.reference[i]);
             self.cpu[i] = self.cpu[i].max(o.cpu[i]);
         }
@@ -196,9 +257,10 @@ impl Worst {
     fn print(&self, what: &str) {
         println!(
             "{what}: worst relative error, Exact {:.2e} vs the f64 reference (tolerance {TOL_EXACT:.0e}), {:.2e} vs lily-cpu f32 \
-             (tolerance {CPU_TOL_EXACT:.0e}); Fast {:.2e} vs the bf16-operand f64 reference (tolerance {TOL:.0e}), {:.2e} vs \
+             (tolerance {CPU_TOL_EXACT:.0e}); Bf16x {:.2e} vs its f64 reference (tolerance {TOL_EXACT:.0e}), {:.2e} vs lily-cpu f32 \
+             (tolerance {CPU_TOL:.0e}); Fast {:.2e} vs the bf16-operand f64 reference (tolerance {TOL:.0e}), {:.2e} vs \
              lily-cpu f32 (tolerance {CPU_TOL:.0e})",
-            self.reference[0], self.cpu[0], self.reference[1], self.cpu[1]
+            self.reference[0], self.cpu[0], self.reference[1], self.cpu[1], self.reference[2], self.cpu[2]
         );
     }
 }
@@ -207,6 +269,7 @@ impl Worst {
 fn compare(got: &[f32], refs: &Refs, p: Precision, worst: &mut Worst, what: &str) {
     let (want, tol, cpu_tol) = match p {
         Precision::Exact => (&refs.exact, TOL_EXACT, CPU_TOL_EXACT),
+        Precision::Bf16x => (&refs.bf16x, TOL_EXACT, CPU_TOL),
         Precision::Fast => (&refs.fast, TOL, CPU_TOL),
     };
     let e = check(got, want, tol, what);
@@ -238,12 +301,12 @@ const SHAPES: &[(usize, usize, usize)] = &[
 /// The references of a plain GEMM with matrix `m`.
 fn plain_refs(w: &Matrix, m: usize, x: &[f32], xr: &[f32]) -> Refs {
     let cols = w.cols;
-    let (we, wf) = (weights(w, m, false), weights(w, m, true));
-    let exact = x.chunks_exact(cols).flat_map(|xt| dot_rows(&we, cols, xt)).collect();
-    let fast = xr.chunks_exact(cols).flat_map(|xt| dot_rows(&wf, cols, xt)).collect();
+    let _ = xr;
+    let rm = RefMat::new(w, m);
+    let run = |p: Precision| -> Vec<f64> { x.chunks_exact(cols).flat_map(|xt| rm.apply(p, xt)).collect() };
     let mut cpu = vec![0.0f32; x.len() / cols * w.rows];
     lily_cpu::linear::matmul(w, m, x, &mut cpu);
-    Refs { exact, fast, cpu }
+    Refs { exact: run(Precision::Exact), bf16x: run(Precision::Bf16x), fast: run(Precision::Fast), cpu }
 }
 
 /// Runs `gemm` in both precisions and all tiles on one case and checks it.
@@ -307,11 +370,11 @@ fn gemm_matches_reference_with_outlier_channels() {
     worst.print("gemm with outlier channels");
 }
 
-/// The default precision is Exact, and it is far closer to the f64 product of the unrounded operands
-/// than Fast: the switch works (on a real shape: k/v-like [1024, 2048], 4-bit g64, and the MoE down
-/// projection's grouped form).
+/// The default precision is Exact, far closer to the f64 product of the unrounded operands than Bf16x,
+/// which is no further than Fast: the switches work (on a real shape: k/v-like [1024, 2048], 4-bit
+/// g64, and the MoE down projection's grouped form).
 #[test]
-fn exact_is_the_default_and_beats_fast() {
+fn exact_is_the_default_and_beats_bf16x() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(106);
     let f = Fmt { bits: 4, gs: 64 };
@@ -321,34 +384,53 @@ fn exact_is_the_default_and_beats_fast() {
     let (xd, x, xr) = inputs(&dev, &mut rng, t, cols, 0);
     let refs = plain_refs(&w, 0, &x, &xr);
     let mut y = poisoned(&dev, t * rows);
-    gemm::gemm(&dev, &dw, 0, &xd, t, &mut y).unwrap();
-    let e_default = rel_err(&dev.download(&y).unwrap(), &refs.exact, "gemm default");
-    gemm::gemm_with(&dev, &dw, 0, &xd, t, &mut y, Opts { precision: Precision::Fast, ..Default::default() }).unwrap();
-    let e_fast = rel_err(&dev.download(&y).unwrap(), &refs.exact, "gemm fast");
-    println!("gemm {f} [{rows}x{cols}] t={t}: default {e_default:.2e}, fast {e_fast:.2e} vs the f64 reference of the unrounded operands");
-    assert!(e_default <= TOL_EXACT, "the default gemm is not Exact: {e_default:.3e}");
-    assert!(e_default * 20.0 <= e_fast, "Exact ({e_default:.3e}) is not 20x closer than Fast ({e_fast:.3e})");
+    let mut run = |p: Option<Precision>| {
+        match p {
+            None => gemm::gemm(&dev, &dw, 0, &xd, t, &mut y).unwrap(),
+            Some(p) => gemm::gemm_with(&dev, &dw, 0, &xd, t, &mut y, Opts { precision: p, ..Default::default() }).unwrap(),
+        }
+        dev.download(&y).unwrap()
+    };
+    let default = run(None);
+    let bf16x = run(Some(Precision::Bf16x));
+    let e_default = rel_err(&bf16x, &refs.bf16x, "gemm bf16x vs its reference");
+    let (e_b, e_x, e_f) = (
+        rel_err(&bf16x, &refs.exact, "gemm bf16x"),
+        rel_err(&default, &refs.exact, "gemm default"),
+        rel_err(&run(Some(Precision::Fast)), &refs.exact, "gemm fast"),
+    );
+    println!("gemm {f} [{rows}x{cols}] t={t}: vs the unrounded f64 product: default (Exact) {e_x:.2e}, Bf16x {e_b:.2e}, Fast {e_f:.2e}");
+    assert!(e_x <= TOL_EXACT, "the default gemm is not Exact: {e_x:.3e}");
+    assert!(e_default <= TOL_EXACT, "bf16x is {e_default:.3e} from its reference");
+    assert!(e_x * 20.0 <= e_b, "Exact ({e_x:.3e}) is not 20x closer than Bf16x ({e_b:.3e})");
+    assert!(e_b <= e_f, "Bf16x ({e_b:.3e}) is further than Fast ({e_f:.3e})");
 
-    // Grouped, default vs Fast: 2 experts, down-projection-like [2048, 512].
+    // Grouped, default vs Exact: 2 experts, down-projection-like [2048, 512].
     let (rows, cols, counts) = (2048, 512, [70usize, 61]);
     let n: usize = counts.iter().sum();
     let w = matrix(&mut rng, f, 2, rows, cols);
     let dw = upload_matrix(&dev, &w).unwrap();
     let (xd, x, _) = inputs(&dev, &mut rng, n, cols, 0);
     let off = dev.upload(&offsets_of(&counts)).unwrap();
-    let mut want = Vec::with_capacity(n * rows);
+    let (mut want_b, mut want_x) = (Vec::with_capacity(n * rows), Vec::with_capacity(n * rows));
     for (e, range) in [(0usize, 0..counts[0]), (1, counts[0]..n)] {
-        let we = weights(&w, e, false);
-        range.for_each(|i| want.extend(dot_rows(&we, cols, &x[i * cols..(i + 1) * cols])));
+        let rm = RefMat::new(&w, e);
+        range.for_each(|i| {
+            want_b.extend(rm.apply(Precision::Bf16x, &x[i * cols..(i + 1) * cols]));
+            want_x.extend(rm.apply(Precision::Exact, &x[i * cols..(i + 1) * cols]));
+        });
     }
     let mut y = poisoned(&dev, n * rows);
+    gemm::grouped_gemm_with(&dev, &dw, &off, None, &xd, n, &mut y, Opts { precision: Precision::Bf16x, ..Default::default() }).unwrap();
+    let got = dev.download(&y).unwrap();
+    let e_default = rel_err(&got, &want_b, "grouped bf16x");
+    let e_b = rel_err(&got, &want_x, "grouped bf16x vs exact");
     gemm::grouped_gemm(&dev, &dw, &off, None, &xd, n, &mut y).unwrap();
-    let e_default = rel_err(&dev.download(&y).unwrap(), &want, "grouped default");
-    gemm::grouped_gemm_with(&dev, &dw, &off, None, &xd, n, &mut y, Opts { precision: Precision::Fast, ..Default::default() }).unwrap();
-    let e_fast = rel_err(&dev.download(&y).unwrap(), &want, "grouped fast");
-    println!("grouped_gemm {f} E=2 [{rows}x{cols}] n={n}: default {e_default:.2e}, fast {e_fast:.2e}");
-    assert!(e_default <= TOL_EXACT, "the default grouped_gemm is not Exact: {e_default:.3e}");
-    assert!(e_default * 20.0 <= e_fast, "grouped: Exact ({e_default:.3e}) is not 20x closer than Fast ({e_fast:.3e})");
+    let e_x = rel_err(&dev.download(&y).unwrap(), &want_x, "grouped default");
+    println!("grouped_gemm {f} E=2 [{rows}x{cols}] n={n}: Bf16x {e_default:.2e} from its reference; vs unrounded: Bf16x {e_b:.2e}, default (Exact) {e_x:.2e}");
+    assert!(e_default <= TOL_EXACT, "grouped bf16x is {e_default:.3e} from its reference");
+    assert!(e_x <= TOL_EXACT, "the default grouped_gemm is not Exact: {e_x:.3e}");
+    assert!(e_x * 20.0 <= e_b, "grouped: Exact ({e_x:.3e}) is not 20x closer than Bf16x ({e_b:.3e})");
 }
 
 #[test]
@@ -368,12 +450,12 @@ fn swiglu_gemm_matches_reference() {
             let m = 1;
             let (g, u) = (matrix(&mut rng, f, count, rows, cols), matrix(&mut rng, f, count, rows, cols));
             let (dg, du) = (upload_matrix(&dev, &g).unwrap(), upload_matrix(&dev, &u).unwrap());
-            let (xd, x, xr) = inputs(&dev, &mut rng, t, cols, 2);
-            let swiglu_ref = |fast: bool, xs: &[f32]| -> Vec<f64> {
-                let (gq, uq) = (weights(&g, m, fast), weights(&u, m, fast));
-                xs.chunks_exact(cols)
+            let (xd, x, _) = inputs(&dev, &mut rng, t, cols, 2);
+            let (rg, ru) = (RefMat::new(&g, m), RefMat::new(&u, m));
+            let swiglu_ref = |p: Precision| -> Vec<f64> {
+                x.chunks_exact(cols)
                     .flat_map(|xt| {
-                        let (a, b) = (dot_rows(&gq, cols, xt), dot_rows(&uq, cols, xt));
+                        let (a, b) = (rg.apply(p, xt), ru.apply(p, xt));
                         a.iter().zip(&b).map(|(a, b)| silu64(*a) * b).collect::<Vec<_>>()
                     })
                     .collect()
@@ -382,7 +464,7 @@ fn swiglu_gemm_matches_reference() {
             lily_cpu::linear::matmul(&g, m, &x, &mut cg);
             lily_cpu::linear::matmul(&u, m, &x, &mut cu);
             let cpu: Vec<f32> = cg.iter().zip(&cu).map(|(a, b)| (silu64(*a as f64) * *b as f64) as f32).collect();
-            let refs = Refs { exact: swiglu_ref(false, &x), fast: swiglu_ref(true, &xr), cpu };
+            let refs = Refs { exact: swiglu_ref(Precision::Exact), bf16x: swiglu_ref(Precision::Bf16x), fast: swiglu_ref(Precision::Fast), cpu };
             for p in PRECISIONS {
                 for tile in TILES {
                     let mut y = poisoned(&dev, t * rows + SPARE);
@@ -433,7 +515,7 @@ fn grouped_case(
     let x_rows = gather_rows.unwrap_or(n);
     // With a gather, x holds exactly x_rows rows (the kernel must not read past them); without, two NaN
     // rows follow the n rows it may read.
-    let (xd, x, xr) = inputs(dev, rng, x_rows, cols, if gather_rows.is_some() { 0 } else { 2 });
+    let (xd, x, _) = inputs(dev, rng, x_rows, cols, if gather_rows.is_some() { 0 } else { 2 });
     let src: Vec<u32> = match gather_rows {
         Some(xr_n) => (0..n).map(|_| rng.below(xr_n) as u32).collect(),
         None => (0..n as u32).collect(),
@@ -441,7 +523,7 @@ fn grouped_case(
     let src_d = dev.upload(&src).unwrap();
     let off_d = dev.upload(&off).unwrap();
 
-    let mut refs = Refs { exact: vec![0.0f64; n * rows], fast: vec![0.0f64; n * rows], cpu: vec![0.0f32; n * rows] };
+    let mut refs = Refs { exact: vec![0.0f64; n * rows], bf16x: vec![0.0f64; n * rows], fast: vec![0.0f64; n * rows], cpu: vec![0.0f32; n * rows] };
     for e in 0..e_count {
         let (a, b) = (off[e] as usize, off[e + 1] as usize);
         if a == b {
@@ -464,18 +546,18 @@ fn grouped_case(
                 None => c.copy_from_slice(&cg[k..k + rows]),
             }
         }
-        // The f64 references: unrounded (Exact) and bf16-rounded (Fast) operands.
-        for (fast, xs, want) in [(false, &x, &mut refs.exact), (true, &xr, &mut refs.fast)] {
-            let gq = weights(&g, e, fast);
-            let uq = u.as_ref().map(|u| weights(u, e, fast));
+        // The f64 references of each precision.
+        let rg = RefMat::new(&g, e);
+        let ru = u.as_ref().map(|u| RefMat::new(u, e));
+        for (p, want) in [(Precision::Exact, &mut refs.exact), (Precision::Bf16x, &mut refs.bf16x), (Precision::Fast, &mut refs.fast)] {
             for i in a..b {
                 let s = src[i] as usize;
-                let xt = &xs[s * cols..(s + 1) * cols];
-                let gv = dot_rows(&gq, cols, xt);
+                let xt = &x[s * cols..(s + 1) * cols];
+                let gv = rg.apply(p, xt);
                 let out = &mut want[i * rows..(i + 1) * rows];
-                match &uq {
-                    Some(uq) => {
-                        let uv = dot_rows(uq, cols, xt);
+                match &ru {
+                    Some(ru) => {
+                        let uv = ru.apply(p, xt);
                         out.iter_mut().zip(gv.iter().zip(&uv)).for_each(|(o, (a, b))| *o = silu64(*a) * b);
                     }
                     None => out.copy_from_slice(&gv),
@@ -570,7 +652,7 @@ fn grouped_gather_past_x_gives_nan_rows_only() {
     let n = 7;
     let w = matrix(&mut rng, f, 3, rows, cols);
     let dw = upload_matrix(&dev, &w).unwrap();
-    let (xd, x, xr) = inputs(&dev, &mut rng, 5, cols, 0);
+    let (xd, x, _) = inputs(&dev, &mut rng, 5, cols, 0);
     let src: Vec<u32> = vec![0, 4, 5, 2, 1, 99, 3]; // slots 2 and 5 read past the 5 rows of x
     let src_d = dev.upload(&src).unwrap();
     let off_d = dev.upload(&offsets_of(&counts)).unwrap();
@@ -586,8 +668,8 @@ fn grouped_gather_past_x_gives_nan_rows_only() {
                 assert!(row.iter().all(|v| v.is_nan()), "{p:?}: slot {i} reads row {} of 5: must be NaN", src[i]);
             } else {
                 let s = src[i] as usize;
-                let (xs, tol) = if p == Precision::Exact { (&x, TOL_EXACT) } else { (&xr, TOL) };
-                let want = dot_rows(&weights(&w, expert[i], p == Precision::Fast), cols, &xs[s * cols..(s + 1) * cols]);
+                let tol = if p == Precision::Fast { TOL } else { TOL_EXACT };
+                let want = RefMat::new(&w, expert[i]).apply(p, &x[s * cols..(s + 1) * cols]);
                 check(row, &want, tol, &format!("{p:?}: slot {i} next to bad gathers"));
             }
         }
@@ -685,7 +767,7 @@ fn report(what: &str, flops: f64, t: f64) {
 /// Times `op(tile, precision)` for every tile and both precisions; prints one line each, then the
 /// Exact/Fast time ratio with the Auto tile.
 fn bench_both(dev: &Device, what: &str, flops: f64, mut op: impl FnMut(Tile, Precision)) {
-    let mut auto = [0.0f64; 2];
+    let mut auto = [0.0f64; 3];
     for p in PRECISIONS {
         for tile in TILES {
             let s = time_op(dev, || op(tile, p));
@@ -695,7 +777,7 @@ fn bench_both(dev: &Device, what: &str, flops: f64, mut op: impl FnMut(Tile, Pre
             }
         }
     }
-    println!("{what}: Exact / Fast time (Auto) = {:.2}", auto[0] / auto[1]);
+    println!("{what}: Exact / Bf16x / Fast time (Auto) = {:.2} / {:.2} / 1", auto[0] / auto[2], auto[1] / auto[2]);
 }
 
 #[test]

@@ -5,7 +5,13 @@
 //!
 //! Numerics ([`Precision`], all four forms; products are exact and accumulated in f32 by
 //! `mma.sync m16n8k16 .bf16 -> .f32`):
-//! - [`Precision::Exact`] (the default of every function without a `precision` argument): nearly f32.
+//! - [`Precision::Exact`] (the default of every function without a `precision` argument, what the
+//!   model runs): nearly f32, see below.
+//! - [`Precision::Bf16x`]: X rounded to bf16 (nearest even) once, the weights exact as in `Exact`
+//!   (integer codes, the affine map per group in f32, the X sums of the unrounded x); one MMA per
+//!   k-step. Against an f64 product expect a relative difference of order 1e-3 of the largest output
+//!   (the rounding of x, 2^-9 relative per element, averaged over the row).
+//! - [`Precision::Exact`]:
 //!   Each X element is split into two bf16, `hi = bf16(x)` and `lo = bf16(x - hi)`, and both are
 //!   multiplied (two MMAs per k-step), so what is lost of x is below 2^-16 |x| (~2^-18 typically).
 //!   Affine weights are not rounded at all: the tensor cores multiply the integer codes, centred
@@ -76,6 +82,8 @@ pub enum Precision {
     /// with the per-group scale and bias applied in f32. The default.
     #[default]
     Exact,
+    /// x rounded to bf16, the weights as in `Exact` (one MMA per k-step).
+    Bf16x,
     /// x and each dequantised weight rounded to bf16 (one MMA per k-step): ~1e-3 relative error.
     Fast,
 }
@@ -93,13 +101,15 @@ const LDS: usize = 72;
 /// per W tile row and 32-column half (f32 pairs) and of X row sums per half; one raw W staging area
 /// (two 16-byte chunks per thread) and one raw f32 X tile.
 const fn smem_bytes(bm: usize, precision: Precision) -> usize {
+    let staging = 2 * BN * 2 * 8 + 2 * bm * 8 + 2 * THREADS * 16 + bm * BK * 4;
     match precision {
         Precision::Fast => 2 * (bm + BN) * LDS * 2,
-        Precision::Exact => 2 * (2 * bm + BN) * LDS * 2 + 2 * BN * 2 * 8 + 2 * bm * 8 + 2 * THREADS * 16 + bm * BK * 4,
+        Precision::Bf16x => 2 * (bm + BN) * LDS * 2 + staging,
+        Precision::Exact => 2 * (2 * bm + BN) * LDS * 2 + staging,
     }
 }
 
-// Kernel names by form; index = precision (exact, fast) * 6 + format (q4, q8, bf16) * 2 + tile (m64, m32).
+// Kernel names by form; index = precision (exact, bf16x, fast) * 6 + format (q4, q8, bf16) * 2 + tile (m64, m32).
 macro_rules! family {
     ($p:literal) => {
         [
@@ -109,6 +119,12 @@ macro_rules! family {
             concat!($p, "_q8_m32_exact"),
             concat!($p, "_bf16_m64_exact"),
             concat!($p, "_bf16_m32_exact"),
+            concat!($p, "_q4_m64_bf16x"),
+            concat!($p, "_q4_m32_bf16x"),
+            concat!($p, "_q8_m64_bf16x"),
+            concat!($p, "_q8_m32_bf16x"),
+            concat!($p, "_bf16_m64_bf16x"),
+            concat!($p, "_bf16_m32_bf16x"),
             concat!($p, "_q4_m64_fast"),
             concat!($p, "_q4_m32_fast"),
             concat!($p, "_q8_m64_fast"),
@@ -118,7 +134,7 @@ macro_rules! family {
         ]
     };
 }
-const VARIANTS: usize = 12;
+const VARIANTS: usize = 18;
 const GEMM: [&str; VARIANTS] = family!("gemm");
 const SWIGLU: [&str; VARIANTS] = family!("swiglu_gemm");
 const GROUPED: [&str; VARIANTS] = family!("grouped_gemm");
@@ -127,7 +143,14 @@ const FAMILIES: [&[&str; VARIANTS]; 4] = [&GEMM, &SWIGLU, &GROUPED, &GROUPED_SWI
 
 /// Precision, and tokens per block, of variant `i` of a family.
 const fn variant(i: usize) -> (Precision, usize) {
-    (if i < 6 { Precision::Exact } else { Precision::Fast }, if i.is_multiple_of(2) { 64 } else { 32 })
+    (
+        match i / 6 {
+            0 => Precision::Exact,
+            1 => Precision::Bf16x,
+            _ => Precision::Fast,
+        },
+        if i.is_multiple_of(2) { 64 } else { 32 },
+    )
 }
 
 /// Every name of the four families.
@@ -435,7 +458,8 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     };
     let prec = match precision {
         Precision::Exact => 0,
-        Precision::Fast => 1,
+        Precision::Bf16x => 1,
+        Precision::Fast => 2,
     };
     let name = fam[prec * 6 + fmt * 2 + if bm == 64 { 0 } else { 1 }];
     // Worst case of the grouped forms: sum over experts of ceil(count_e / bm) <= ceil(n / bm) + E.
