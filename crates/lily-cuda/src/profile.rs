@@ -2,9 +2,12 @@
 //! docs/PERF.md). While a [`Device`] records, each [`Device::mark`] the model makes before an op
 //! records a timing event on the stream, with the op's label, its layer, and the bytes and
 //! floating-point operations it must at least move and do; segment i is the GPU time from mark i to
-//! mark i + 1 (the last one ends at [`Device::finish_recording`]). The model's launches are queued
-//! behind a GPU spin, so they run back to back and the events measure the GPU, not the host's launch
-//! rate; each segment then holds one op's kernels plus the gap before the next (about a microsecond).
+//! mark i + 1 (the last one ends at the end event of [`Device::stop_recording`]). Launched one by one,
+//! the ops are queued behind a GPU spin, so they run back to back and the events measure the GPU, not
+//! the host's launch rate; each segment then holds one op's kernels plus the gap before the next
+//! (a few microseconds between eager launches). Recorded inside a stream capture, the events become
+//! nodes of the captured graph, and every replay of it re-records them ([`Recording::segments`] after
+//! each): the gaps are then the graph's own.
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
@@ -18,6 +21,26 @@ pub(crate) struct Mark {
     pub bytes: u64,
     pub flops: u64,
     pub event: CudaEvent,
+}
+
+/// The marks of a recording and its end event.
+pub struct Recording {
+    marks: Vec<Mark>,
+    end: CudaEvent,
+}
+
+impl Recording {
+    /// Waits for the end event and returns every segment in order (after each replay, for a captured one).
+    pub fn segments(&self) -> Result<Vec<Segment>> {
+        self.end.synchronize()?;
+        let mut out = Vec::with_capacity(self.marks.len());
+        for (i, m) in self.marks.iter().enumerate() {
+            let next = self.marks.get(i + 1).map(|n| &n.event).unwrap_or(&self.end);
+            let ms = m.event.elapsed_ms(next)?;
+            out.push(Segment { label: m.label, layer: m.layer, bytes: m.bytes, flops: m.flops, seconds: ms as f64 * 1e-3 });
+        }
+        Ok(out)
+    }
 }
 
 /// One op's measured time.
@@ -56,24 +79,42 @@ impl Device {
         let mut rec = self.recorder.lock().unwrap();
         let Some((marks, layer)) = rec.as_mut() else { return Ok(()) };
         let event = self.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        event.record(self.stream())?;
+        self.record_event(&event)?;
         marks.push(Mark { label, layer: *layer, bytes, flops, event });
         Ok(())
     }
 
-    /// Ends the last segment, waits for the GPU, and returns every segment in order.
-    pub fn finish_recording(&self) -> Result<Vec<Segment>> {
-        let Some((marks, _)) = self.recorder.lock().unwrap().take() else { return Ok(Vec::new()) };
+    /// Records `e` on the stream; inside a stream capture, as an event-record node of the graph
+    /// (`CU_EVENT_RECORD_EXTERNAL`: a plain record there would only order the capture).
+    fn record_event(&self, e: &CudaEvent) -> Result<()> {
+        use cudarc::driver::sys;
+        let st = self.stream().cu_stream();
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: st is this device's live stream; status is a valid out-pointer.
+        unsafe { sys::cuStreamIsCapturing(st, &mut status) }.result()?;
+        let flags = if status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+            sys::CUevent_record_flags::CU_EVENT_RECORD_EXTERNAL as u32
+        } else {
+            0
+        };
+        // SAFETY: the event and the stream belong to this device's context, which is current.
+        self.context().bind_to_thread()?;
+        unsafe { sys::cuEventRecordWithFlags(e.cu_event(), st, flags) }.result()?;
+        Ok(())
+    }
+
+    /// Ends the last segment (an end event on the stream, or in the capture under way) and stops
+    /// recording.
+    pub fn stop_recording(&self) -> Result<Recording> {
+        let marks = self.recorder.lock().unwrap().take().map(|(m, _)| m).unwrap_or_default();
         let end = self.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        end.record(self.stream())?;
-        end.synchronize()?;
-        let mut out = Vec::with_capacity(marks.len());
-        for (i, m) in marks.iter().enumerate() {
-            let next = marks.get(i + 1).map(|n| &n.event).unwrap_or(&end);
-            let ms = m.event.elapsed_ms(next)?;
-            out.push(Segment { label: m.label, layer: m.layer, bytes: m.bytes, flops: m.flops, seconds: ms as f64 * 1e-3 });
-        }
-        Ok(out)
+        self.record_event(&end)?;
+        Ok(Recording { marks, end })
+    }
+
+    /// [`Device::stop_recording`], then the segments.
+    pub fn finish_recording(&self) -> Result<Vec<Segment>> {
+        self.stop_recording()?.segments()
     }
 
     /// Device-to-device copy bandwidth in bytes per second (bytes read plus bytes written), measured

@@ -18,7 +18,8 @@ use crate::Result;
 pub struct DecodeLedger {
     /// Positions held before the profiled steps.
     pub context: usize,
-    /// Every op of one step, each the median over the profiled steps.
+    /// Every op of one step, each the median over the profiled steps (the layers and the final norm
+    /// timed inside a replayed graph, the logits and the pick launched one by one).
     pub segments: Vec<Segment>,
     /// GPU time of one step replayed as its CUDA graph (back to back, no token read back).
     pub graph_step_seconds: f64,
@@ -75,22 +76,36 @@ impl CudaModel {
         e1.record(self.dev.stream())?;
         let graph_step_seconds = e0.elapsed_ms(&e1)? as f64 * 1e-3 / graph_steps as f64;
 
-        // Op by op, queued behind a spin.
+        // Op by op: the step captured as a graph with an event before each op, replayed; then the
+        // logits and the pick (launched after the graph when serving) one by one behind a spin.
+        let stream = self.dev.stream().clone();
+        self.dev.upload_into(&[token], &mut self.act.ids)?;
+        self.dev.synchronize()?;
+        self.dev.start_recording();
+        stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let recorded = self.layers_pass(state, 1, true);
+        let rec = self.dev.stop_recording();
+        let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        recorded?;
+        let rec = rec?;
+        let graph = graph?.ok_or_else(|| crate::CudaError::Driver("capturing the profiled step gave no graph".into()))?;
         let mut runs: Vec<Vec<Segment>> = Vec::new();
         for _ in 0..reps {
-            self.grow_kv(state, state.pos + 1)?;
-            self.dev.upload_into(&[token], &mut self.act.ids)?;
-            self.dev.synchronize()?;
-            util::spin(&self.dev, 30_000_000)?;
+            let pos = state.pos as i32;
+            self.dev.upload_into(&[pos, pos + 1], &mut self.act.step_pos)?;
+            graph.launch()?;
+            let mut segs = rec.segments()?;
+            state.pos += 1;
+            util::spin(&self.dev, 5_000_000)?;
             self.dev.start_recording();
-            self.layers_pass(state, 1, false)?;
             self.logits_rows(0, 1)?;
             let a = &mut self.act;
             self.dev.mark("pick", 4 * self.cfg.vocab_size as u64, 0)?;
             sample::pick(&self.dev, &a.logits, pick, &mut a.pick_edits, &mut a.pick_scratch, &mut a.pick_out)?;
-            runs.push(self.dev.finish_recording()?);
-            state.pos += 1;
+            segs.extend(self.dev.finish_recording()?);
+            runs.push(segs);
         }
+        drop(graph);
         let mut segments = runs[0].clone();
         for (i, s) in segments.iter_mut().enumerate() {
             s.seconds = median(runs.iter().map(|r| r[i].seconds).collect());
