@@ -24,6 +24,6 @@ cp "$CARGO_TARGET_DIR/release/lily" "$stage/lily"
 strip "$stage/lily" "$stage"/tests/*
 # The binaries all embed the same cubins: one solid xz archive keeps them ~3 MB (the carry limit is 64 MiB).
 rm -rf .device && mkdir -p .device
-tar cf - -C "$(dirname "$stage")" d | xz -9 -T2 >.device/bundle.tar.xz
+tar cf - -C "$(dirname "$stage")" d | xz -6 -T2 >.device/bundle.tar.xz
 rm -rf "$(dirname "$stage")"
 ls -la .device

@@ -38,6 +38,8 @@
 //    _t4_u1r4 _t8_u1r4 _t16_u1r4 _t32_u1r4 _t32_u2r2 _t32_u4r1.
 // The SwiGLU kernels compute y = silu(W_gate x) * (W_up x) for two matrices of one shape (MoE gate+up,
 // shared expert).
+// Programmatic dependent launch (pdl.cuh): the first weight loads are issued before the wait, x is
+// read after it (the MoE forms wait before reading the router's indices).
 // Every kernel takes one GemvParams. blockIdx.y is the "slot": with idx, slot k uses matrix idx[k] of the
 // stack (MoE decode, no host round trip) and writes y[k*rows ...]; x is shared (x_stride 0) or per slot.
 // An index >= count writes NaN (a routing bug must not look like a plausible number).
@@ -45,6 +47,7 @@
 // x copy is paid once per block. Dynamic shared memory: cols*4 + chunks*4 bytes (+ the ring for async).
 
 #include <stdint.h>
+#include "pdl.cuh"
 
 struct GemvParams {
     const uint4* w;           // [count, rows, chunks]
@@ -235,6 +238,7 @@ __device__ __forceinline__ void gemv(const GemvParams& p) {
     float* csum = xs + cols;
 
     const int slot = blockIdx.y;
+    if (p.idx) pdl_wait();  // the indices come from the router, a predecessor
     const uint32_t m = p.idx ? __ldg(p.idx + slot) : (uint32_t)p.matrix;
     const bool bad = m >= (uint32_t)p.count;
     const float* x = p.x + (long long)slot * p.x_stride;
@@ -252,6 +256,8 @@ __device__ __forceinline__ void gemv(const GemvParams& p) {
     Batch<MODE, TPR, U, NR, NW> bt;
     int r0 = blockIdx.x * rows_per_block;
     bt.load(p, mrow, r0 + my_rows, live_rows, nch, groups, tl);
+    // Weights never change: their first loads may overlap the predecessor's tail; x may not.
+    pdl_enter();
 
     // x -> shared, transposed: element j = chunk c, offset e lands in float4 (e/4)*nch + c, so lanes
     // reading consecutive chunks read consecutive 16-byte words.
@@ -348,6 +354,7 @@ __device__ __forceinline__ void gemv_async(const GemvParams& p) {
     const int x_bytes = ((cols + nch) * 4 + 15) & ~15;
 
     const int slot = blockIdx.y;
+    if (p.idx) pdl_wait();  // the indices come from the router, a predecessor
     const uint32_t m = p.idx ? __ldg(p.idx + slot) : (uint32_t)p.matrix;
     const bool bad = m >= (uint32_t)p.count;
     const float* x = p.x + (long long)slot * p.x_stride;
@@ -399,12 +406,14 @@ __device__ __forceinline__ void gemv_async(const GemvParams& p) {
                 }
     };
 
-    // Prologue: S-1 steps in flight before x is even staged.
+    // Prologue: S-1 steps in flight before x is even staged (weights never change: they may overlap
+    // the predecessor's tail; x may not).
 #pragma unroll
     for (int j = 0; j < S - 1; ++j) {
         if (j < nsteps) issue(j);
         cp_async_commit();
     }
+    pdl_enter();
 
     for (int j = threadIdx.x; j < cols; j += blockDim.x) {
         const int c = j / E, e = j % E;

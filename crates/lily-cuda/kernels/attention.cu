@@ -25,6 +25,7 @@
 // non-empty, so every partial max is finite.
 
 #include "mma.cuh"
+#include "pdl.cuh"
 
 struct AttnDecodeParams {
     const float* q;        // [nh, hd]
@@ -229,7 +230,7 @@ __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
 }
 
 #define AD_ENTRY(HD, NW)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(NW * 32) attn_decode_d##HD(const AttnDecodeParams p) { \
+    extern "C" __global__ void __launch_bounds__(NW * 32) attn_decode_d##HD(const AttnDecodeParams p) { pdl_enter(); \
         attn_decode<HD, NW>(p);                                                                               \
     }
 AD_ENTRY(32, 2)
@@ -239,7 +240,7 @@ AD_ENTRY(256, 4)
 
 // Block (h, dims 64y..64y+64), 256 threads: the split weights e^(m_s−M) once in shared memory, then
 // 4 groups of 64 threads sum over splits s ≡ group (mod 4) for one dim each.
-extern "C" __global__ void __launch_bounds__(256) attn_decode_combine(const AttnDecodeParams p) {
+extern "C" __global__ void __launch_bounds__(256) attn_decode_combine(const AttnDecodeParams p) { pdl_enter();
     __shared__ float wsh[256];  // >= MAX_SPLITS
     __shared__ float red[4][64];
     __shared__ float wred[8];

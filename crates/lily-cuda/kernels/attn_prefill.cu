@@ -19,6 +19,7 @@
 // Shared-memory rows are padded by 16 bytes (ldmatrix conflict-free).
 
 #include "mma.cuh"
+#include "pdl.cuh"
 
 struct AttnPrefillParams {
     const float* q;      // [T, nh, hd]
@@ -232,7 +233,7 @@ __device__ __forceinline__ void attn_prefill(const AttnPrefillParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d32(const AttnPrefillParams p) { attn_prefill<32>(p); }
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d64(const AttnPrefillParams p) { attn_prefill<64>(p); }
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d128(const AttnPrefillParams p) { attn_prefill<128>(p); }
-extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d256(const AttnPrefillParams p) { attn_prefill<256>(p); }
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d32(const AttnPrefillParams p) { pdl_enter(); attn_prefill<32>(p); }
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d64(const AttnPrefillParams p) { pdl_enter(); attn_prefill<64>(p); }
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d128(const AttnPrefillParams p) { pdl_enter(); attn_prefill<128>(p); }
+extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d256(const AttnPrefillParams p) { pdl_enter(); attn_prefill<256>(p); }

@@ -17,6 +17,7 @@
 
 #include <stdint.h>
 #include <cuda_bf16.h>
+#include "pdl.cuh"
 
 struct AttnPrepParams {
     const float* qg;      // [T, nh, hd·(1+gated)]
@@ -68,7 +69,7 @@ __device__ __forceinline__ float prep_block_sum(float v) {
     return v;  // every thread holds the total
 }
 
-extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPrepParams p) {
+extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPrepParams p) { pdl_enter();
     __shared__ float row[PREP_MAX_HD];
     const int t = blockIdx.x;
     const int head = blockIdx.y;
@@ -127,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPr
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) kv_copy_rows(const KvCopyParams p) {
+extern "C" __global__ void __launch_bounds__(256) kv_copy_rows(const KvCopyParams p) { pdl_enter();
     const long long total = p.rows * p.len;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {
         const long long r = i / p.len, c = i - r * p.len;

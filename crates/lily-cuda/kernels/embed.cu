@@ -5,6 +5,7 @@
 // Entry points: embed_affine (4 or 8 bits, any group), embed_bf16 (dense table). One block per token.
 
 #include <stdint.h>
+#include "pdl.cuh"
 
 struct EmbedParams {
     const uint32_t* packed;   // affine: [rows, cols*bits/32]; bf16: the table as [rows, cols/2] words
@@ -22,7 +23,7 @@ struct EmbedParams {
 
 __device__ __forceinline__ float bf16_bits(uint32_t h) { return __uint_as_float(h << 16); }
 
-extern "C" __global__ void __launch_bounds__(256) embed_affine(const EmbedParams p) {
+extern "C" __global__ void __launch_bounds__(256) embed_affine(const EmbedParams p) { pdl_enter();
     const int t = blockIdx.x;
     const uint32_t id = p.ids[t];
     float* o = p.out + (long long)t * p.cols;
@@ -59,7 +60,7 @@ extern "C" __global__ void __launch_bounds__(256) embed_affine(const EmbedParams
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) embed_bf16(const EmbedParams p) {
+extern "C" __global__ void __launch_bounds__(256) embed_bf16(const EmbedParams p) { pdl_enter();
     const int t = blockIdx.x;
     const uint32_t id = p.ids[t];
     float* o = p.out + (long long)t * p.cols;

@@ -24,6 +24,7 @@
 //     one warp per row (y may alias x).
 
 #include <stdint.h>
+#include "pdl.cuh"
 
 struct GdnConvQkParams {
     const float* x;        // [T, C] pre-conv projections
@@ -86,7 +87,7 @@ __device__ __forceinline__ float gdn_block_sum(float v) {
     return v;
 }
 
-extern "C" __global__ void __launch_bounds__(1024) gdn_conv_qk(const GdnConvQkParams p) {
+extern "C" __global__ void __launch_bounds__(1024) gdn_conv_qk(const GdnConvQkParams p) { pdl_enter();
     const int kd = p.hk * p.dk;
     const long long C = 2LL * kd + (long long)p.hv * p.dv;
     const int K = p.k, hist = p.k - 1;
@@ -155,7 +156,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_conv_qk(const GdnConvQkPa
 #define CONV_TT 16    // tokens per block of gdn_conv_qk_tiled (= ops::gdn::CONV_TILE)
 #define CONV_MAXK 8   // most conv taps (= ops::gdn::MAX_CONV_TAPS)
 
-extern "C" __global__ void __launch_bounds__(256) gdn_conv_qk_tiled(const GdnConvQkParams p) {
+extern "C" __global__ void __launch_bounds__(256) gdn_conv_qk_tiled(const GdnConvQkParams p) { pdl_enter();
     __shared__ float part[CONV_TT][8];
     const int kd = p.hk * p.dk;
     const long long C = 2LL * kd + (long long)p.hv * p.dv;
@@ -224,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_conv_qk_tiled(const GdnCon
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) gdn_conv_finish(const GdnConvQkParams p) {
+extern "C" __global__ void __launch_bounds__(256) gdn_conv_finish(const GdnConvQkParams p) { pdl_enter();
     const int kd = p.hk * p.dk;
     const long long C = 2LL * kd + (long long)p.hv * p.dv;
     const int hist = p.k - 1;
@@ -306,14 +307,14 @@ __device__ __forceinline__ void gdn_recurrent(const GdnRecurrentParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r2(const GdnRecurrentParams p) { gdn_recurrent<2>(p); }
-extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r4(const GdnRecurrentParams p) { gdn_recurrent<4>(p); }
-extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r8(const GdnRecurrentParams p) { gdn_recurrent<8>(p); }
-extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r16(const GdnRecurrentParams p) { gdn_recurrent<16>(p); }
-extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r32(const GdnRecurrentParams p) { gdn_recurrent<32>(p); }
-extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r64(const GdnRecurrentParams p) { gdn_recurrent<64>(p); }
+extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r2(const GdnRecurrentParams p) { pdl_enter(); gdn_recurrent<2>(p); }
+extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r4(const GdnRecurrentParams p) { pdl_enter(); gdn_recurrent<4>(p); }
+extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r8(const GdnRecurrentParams p) { pdl_enter(); gdn_recurrent<8>(p); }
+extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r16(const GdnRecurrentParams p) { pdl_enter(); gdn_recurrent<16>(p); }
+extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r32(const GdnRecurrentParams p) { pdl_enter(); gdn_recurrent<32>(p); }
+extern "C" __global__ void __launch_bounds__(256) gdn_recurrent_r64(const GdnRecurrentParams p) { pdl_enter(); gdn_recurrent<64>(p); }
 
-extern "C" __global__ void __launch_bounds__(1024) gdn_gated_norm(const GdnGatedNormParams p) {
+extern "C" __global__ void __launch_bounds__(1024) gdn_gated_norm(const GdnGatedNormParams p) { pdl_enter();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + warp;
     if (r >= p.rows) return;  // whole warps only; no block barrier below

@@ -27,6 +27,7 @@
 // Scratch, per (chunk c, value head j), block b = c·Hv + j, NC = ⌈T/64⌉ chunks:
 //   W [NC·Hv, 64, Dk] | U [NC·Hv, 64, Dv] | P [NC·Hv, 64, 64] | E [NC·Hv, 2, 64]
 // (rows ≥ n of the last chunk are written as zeros and never read).
+#include "pdl.cuh"
 
 #define GDC_CH 64    // tokens per chunk
 #define GDC_MAXD 128 // largest Dk and Dv
@@ -63,7 +64,7 @@ struct GdnChunkStateParams {
     int pad_;
 };
 
-extern "C" __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const GdnChunkPrepParams p) {
+extern "C" __global__ void __launch_bounds__(256, 3) gdn_chunk_prep(const GdnChunkPrepParams p) { pdl_enter();
     constexpr int KS = 33;  // row stride of the staged K and Q slices [64][32] (conflict-free columns)
     constexpr int XS = 72;  // row stride of X [64][64] (≡ 8 mod 32: see the two loops that read it)
     constexpr int AS = 65;  // row stride of A [64][64]
@@ -447,9 +448,9 @@ __device__ __forceinline__ void gdn_chunk_state(const GdnChunkStateParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_state_t16(const GdnChunkStateParams p) {
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_state_t16(const GdnChunkStateParams p) { pdl_enter();
     gdn_chunk_state<16>(p);
 }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_t32(const GdnChunkStateParams p) {
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_t32(const GdnChunkStateParams p) { pdl_enter();
     gdn_chunk_state<32>(p);
 }

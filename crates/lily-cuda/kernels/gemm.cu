@@ -59,6 +59,7 @@
 
 #include <stdint.h>
 #include <cuda_bf16.h>
+#include "pdl.cuh"
 
 struct GemmParams {
     const uint4* w;            // gate (or only) matrix: packed words or bf16
@@ -593,7 +594,7 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
 }
 
 #define GEMM_ENTRY(name, MODE, BM, WM, SWIGLU, GROUPED, NUM)                            \
-    extern "C" __global__ void __launch_bounds__(THREADS, 2) name(const GemmParams p) { \
+    extern "C" __global__ void __launch_bounds__(THREADS, 2) name(const GemmParams p) { pdl_enter(); \
         gemm_tile<MODE, BM, WM, SWIGLU, GROUPED, NUM>(p);                          \
     }
 

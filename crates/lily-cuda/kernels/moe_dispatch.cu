@@ -23,6 +23,7 @@
 // Entry points moe_combine_f32 (scalar) and moe_combine_f32_v4 (float4; h % 4 == 0, 16-byte aligned).
 
 #include <stdint.h>
+#include "pdl.cuh"
 
 constexpr int PLAN_THREADS = 256;
 constexpr int PLAN_WARPS = PLAN_THREADS / 32;
@@ -43,7 +44,7 @@ struct MoePlanParams {
     int nb;  // ceil(n / CHUNK)
 };
 
-extern "C" __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_rank(const MoePlanParams p) {
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_rank(const MoePlanParams p) { pdl_enter();
     __shared__ uint32_t wc[PLAN_WARPS][MAX_E];  // this round's count per warp and expert (0 between rounds)
     __shared__ uint32_t run[MAX_E];             // this chunk's count per expert so far
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -85,7 +86,7 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_rank(const M
     for (int e = tid; e < p.e; e += PLAN_THREADS) p.hist[(long long)blockIdx.x * p.e + e] = run[e];
 }
 
-extern "C" __global__ void __launch_bounds__(MAX_E) moe_plan_scan(const MoePlanParams p) {
+extern "C" __global__ void __launch_bounds__(MAX_E) moe_plan_scan(const MoePlanParams p) { pdl_enter();
     __shared__ uint32_t warp_tot[MAX_E / 32];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     uint32_t acc = 0;
@@ -119,7 +120,7 @@ extern "C" __global__ void __launch_bounds__(MAX_E) moe_plan_scan(const MoePlanP
     if (tid == p.e - 1) p.offsets[p.e] = excl + acc;
 }
 
-extern "C" __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_scatter(const MoePlanParams p) {
+extern "C" __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_scatter(const MoePlanParams p) { pdl_enter();
     const int i = blockIdx.x * PLAN_THREADS + threadIdx.x;
     if (i >= p.n) return;
     const uint32_t e = p.idx[i];
@@ -257,9 +258,9 @@ __device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
     reinterpret_cast<T*>(p.out)[(long long)tok * nv + c] = acc;
 }
 
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32(const MoeCombineParams p) {
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32(const MoeCombineParams p) { pdl_enter();
     moe_combine<1>(p);
 }
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32_v4(const MoeCombineParams p) {
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32_v4(const MoeCombineParams p) { pdl_enter();
     moe_combine<4>(p);
 }

@@ -14,6 +14,7 @@
 // (-1; p is never negative) and lane r keeps the round-r pick. Requires 1 <= k <= min(E, 32), E <= E_MAX.
 
 #include <stdint.h>
+#include "pdl.cuh"
 
 struct MoeRouteParams {
     const float* logits;  // [T, E]
@@ -126,8 +127,8 @@ __device__ __forceinline__ void moe_route(const MoeRouteParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_route_e32(const MoeRouteParams p) { moe_route<1>(p); }
-extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_route_e64(const MoeRouteParams p) { moe_route<2>(p); }
-extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_route_e128(const MoeRouteParams p) { moe_route<4>(p); }
-extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_route_e256(const MoeRouteParams p) { moe_route<8>(p); }
-extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_route_e512(const MoeRouteParams p) { moe_route<16>(p); }
+extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_route_e32(const MoeRouteParams p) { pdl_enter(); moe_route<1>(p); }
+extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_route_e64(const MoeRouteParams p) { pdl_enter(); moe_route<2>(p); }
+extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_route_e128(const MoeRouteParams p) { pdl_enter(); moe_route<4>(p); }
+extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_route_e256(const MoeRouteParams p) { pdl_enter(); moe_route<8>(p); }
+extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_route_e512(const MoeRouteParams p) { pdl_enter(); moe_route<16>(p); }

@@ -6,6 +6,7 @@
 // Entry points: rmsnorm_f32 (scalar), rmsnorm_f32_v4 (float4; n % 4 == 0 and 16-byte aligned pointers).
 
 #include <stdint.h>
+#include "pdl.cuh"
 
 struct RmsNormParams {
     const float* x;         // [rows, n]
@@ -84,5 +85,5 @@ __device__ __forceinline__ void rmsnorm(const RmsNormParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_f32(const RmsNormParams p) { rmsnorm<1>(p); }
-extern "C" __global__ void __launch_bounds__(1024) rmsnorm_f32_v4(const RmsNormParams p) { rmsnorm<4>(p); }
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_f32(const RmsNormParams p) { pdl_enter(); rmsnorm<1>(p); }
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_f32_v4(const RmsNormParams p) { pdl_enter(); rmsnorm<4>(p); }

@@ -22,6 +22,7 @@
 // and the histogram are zero (the scratch starts zeroed; each kernel restores what it used).
 
 #include <stdint.h>
+#include "pdl.cuh"
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -741,7 +742,7 @@ __device__ void draw_finish(const SampleParams& p, float m, u32 edge, u64 cut, d
 
 // Copy + edits + per-block argmax (+ top-k pass 0 histogram); the last block finds the max/argmax and
 // writes out[0] when greedy or when no logit is finite-largest.
-extern "C" __global__ void __launch_bounds__(NT) sample_prep(const SampleParams p) {
+extern "C" __global__ void __launch_bounds__(NT) sample_prep(const SampleParams p) { pdl_enter();
     __shared__ float s_x[PREP_TILE];
     __shared__ u32 s_h[HIST_BINS];
     const u32 tid = threadIdx.x, n = p.vocab;
@@ -822,7 +823,7 @@ extern "C" __global__ void __launch_bounds__(NT) sample_prep(const SampleParams 
 }
 
 // Top-k passes 1 and 2: histogram of the next digit among tokens matching the key prefix.
-extern "C" __global__ void __launch_bounds__(NT) sample_topk_pass(const SampleParams p) {
+extern "C" __global__ void __launch_bounds__(NT) sample_topk_pass(const SampleParams p) { pdl_enter();
     __shared__ u32 s_h[HIST_BINS];
     const u32 tid = threadIdx.x, n = p.vocab;
     const bool done = p.st->done;
@@ -853,7 +854,7 @@ extern "C" __global__ void __launch_bounds__(NT) sample_topk_pass(const SamplePa
 
 // Top-k: gathers every token whose key is <= the k-th; the last block chooses.
 // (One block per SM: no spills; the grid is at most 256 blocks.)
-extern "C" __global__ void __launch_bounds__(NT, 1) sample_topk_gather(const SampleParams p) {
+extern "C" __global__ void __launch_bounds__(NT, 1) sample_topk_gather(const SampleParams p) { pdl_enter();
     __shared__ u64 s_big[SORT_SMEM];
     const u32 tid = threadIdx.x, n = p.vocab;
     const bool done = p.st->done;
@@ -880,7 +881,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) sample_topk_gather(const Sam
 }
 
 // Top-p: the weight histogram (mantissa units per bucket); the last block finds the edge bucket.
-extern "C" __global__ void __launch_bounds__(NT) sample_nucleus_hist(const SampleParams p) {
+extern "C" __global__ void __launch_bounds__(NT) sample_nucleus_hist(const SampleParams p) { pdl_enter();
     // Per bucket, the sums of the units' low and high 12 bits (32-bit shared atomics only; each sum of
     // a block's 2048 tokens stays below 2^23).
     __shared__ u64 s_h[HIST_BINS];
@@ -924,7 +925,7 @@ extern "C" __global__ void __launch_bounds__(NT) sample_nucleus_hist(const Sampl
 
 // Top-p: gathers the edge bucket's tokens; the last block finds the last one kept.
 // (One block per SM: 40 registers without spills; the grid is at most 256 blocks.)
-extern "C" __global__ void __launch_bounds__(NT, 1) sample_nucleus_cut(const SampleParams p) {
+extern "C" __global__ void __launch_bounds__(NT, 1) sample_nucleus_cut(const SampleParams p) { pdl_enter();
     __shared__ u64 s_big[SORT_SMEM];
     const u32 tid = threadIdx.x, n = p.vocab;
     const bool done = p.st->done;
@@ -955,7 +956,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) sample_nucleus_cut(const Sam
 
 // The draw over the whole vocabulary: per 1024-token block the CPU's eight-lane f64 sum of the final
 // weights; the last block walks.
-extern "C" __global__ void __launch_bounds__(NT) sample_draw(const SampleParams p) {
+extern "C" __global__ void __launch_bounds__(NT) sample_draw(const SampleParams p) { pdl_enter();
     __shared__ float s_w[DRAW_BLOCK];
     __shared__ double s_acc[8];
     __shared__ double s_bs[MAX_DRAW_BLOCKS], s_pre[MAX_DRAW_BLOCKS];

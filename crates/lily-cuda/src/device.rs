@@ -36,6 +36,8 @@ pub struct Device {
     occupancy: Mutex<HashMap<(&'static str, u32, u32), u32>>,
     /// While recording (`profile.rs`): the marks so far and the current layer.
     pub(crate) recorder: Mutex<Option<(Vec<crate::profile::Mark>, i32)>>,
+    /// Launch kernels with programmatic dependent launch (`ops::launch`).
+    pdl: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) fn describe(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<DeviceInfo> {
@@ -137,6 +139,7 @@ impl Device {
             functions,
             occupancy: Mutex::new(HashMap::new()),
             recorder: Mutex::new(None),
+            pdl: std::sync::atomic::AtomicBool::new(false),
         };
         ops::configure(&dev)?;
         Ok(dev)
@@ -162,6 +165,16 @@ impl Device {
     /// Each loaded module and where it came from.
     pub fn kernel_sources(&self) -> Vec<(&str, &KernelSource)> {
         self.modules.iter().map(|(n, s, _)| (n.as_str(), s)).collect()
+    }
+
+    /// Whether kernels are launched with programmatic dependent launch (a kernel may be placed while
+    /// its predecessor runs; see `kernels/pdl.cuh`). Off at open.
+    pub fn pdl(&self) -> bool {
+        self.pdl.load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// Turns programmatic dependent launch on or off for later launches.
+    pub fn set_pdl(&self, on: bool) {
+        self.pdl.store(on, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// A kernel resolved at open.

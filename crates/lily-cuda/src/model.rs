@@ -266,6 +266,9 @@ pub struct CudaModel {
     report: LoadReport,
     /// Decode steps replay one captured CUDA graph (off: every kernel is launched one by one).
     graphs: bool,
+    /// The decode graph's kernels are captured with programmatic dependent launch (each may be placed
+    /// while its predecessor finishes; `kernels/pdl.cuh`). `LILY_NO_PDL=1` turns it off at load.
+    pdl: bool,
     /// The captured decode step and the state buffers it was captured against.
     decode_graph: Option<(Vec<u64>, StepGraph)>,
     /// KV cache allocations and decode-graph captures so far (tests check a decode step makes none).
@@ -417,7 +420,8 @@ impl CudaModel {
             state_bytes_fixed: fixed,
         };
         let graphs = std::env::var_os("LILY_NO_GRAPHS").is_none();
-        Ok(CudaModel { dev, cfg, embed, lm_head, final_norm, layers, act, max_chunk, report, graphs, decode_graph: None, counts: Default::default() })
+        let pdl = std::env::var_os("LILY_NO_PDL").is_none();
+        Ok(CudaModel { dev, cfg, embed, lm_head, final_norm, layers, act, max_chunk, report, graphs, pdl, decode_graph: None, counts: Default::default() })
     }
 
     pub fn report(&self) -> &LoadReport {
@@ -433,6 +437,12 @@ impl CudaModel {
     /// or launched kernel by kernel.
     pub fn set_graphs(&mut self, on: bool) {
         self.graphs = on;
+        self.decode_graph = None;
+    }
+    /// Programmatic dependent launch inside the decode graph (the default; `LILY_NO_PDL=1` turns it
+    /// off at load); a change recaptures.
+    pub fn set_pdl(&mut self, on: bool) {
+        self.pdl = on;
         self.decode_graph = None;
     }
 
@@ -514,7 +524,9 @@ impl CudaModel {
                 self.count(|c| c.graph_captures += 1);
                 let stream = self.dev.stream().clone();
                 stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+                self.dev.set_pdl(self.pdl);
                 let recorded = self.layers_pass(state, 1, true);
+                self.dev.set_pdl(false);
                 let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
                 recorded?;
                 let graph = graph?.ok_or_else(|| CudaError::Driver("capturing the decode step gave no graph".into()))?;

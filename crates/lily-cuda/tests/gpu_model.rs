@@ -10,6 +10,7 @@
 //! - chunked prefill (chunks of 17 and 64 tokens) vs one call on the GPU: within 1e-3 (the same
 //!   per-row arithmetic; only the state carried between chunks differs); then 20 tokens one by one
 //!   vs the CPU within the prefill's 2e-2;
+//! - the decode graph with and without programmatic dependent launch, and kernel by kernel: identical;
 //! - `forward_pick` greedy == argmax of the same step's logits; a state clone resumes identically.
 //! - a reserved session decodes without allocating; caches grown inside a decode step and compact
 //!   clones give the same logits.
@@ -123,6 +124,15 @@ fn whole_model_matches_the_cpu() {
         }
         g.set_graphs(true);
         check(eager[..] == got[..eager.len()], format!("{name}/{sub}: graph decode differs from eager decode"));
+        // The graph captured without programmatic dependent launch (the default has it): identical too.
+        g.set_pdl(false);
+        let mut sp = g.new_state();
+        let mut plain = Vec::with_capacity(want.len());
+        for &t in &inputs[..40] {
+            plain.extend(g.forward(&mut sp, &[t], Logits::Last).unwrap());
+        }
+        g.set_pdl(true);
+        check(plain[..] == got[..plain.len()], format!("{name}/{sub}: decode with PDL differs from decode without"));
         let (lp, am) = score(&got, v, next);
         println!(
             "{name}/{sub} decode: logits rel err {e_dec:.2e}, ppl {:.6} vs {:.6}, argmax {}/{n}",

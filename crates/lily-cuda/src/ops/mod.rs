@@ -85,15 +85,47 @@ pub(crate) fn addr_mut<T, S: DevicePtrMut<T>>(dev: &Device, s: &mut S, need: usi
     Ok(p)
 }
 
-/// Launches `name` with one by-value parameter struct.
+/// Launches `name` with one by-value parameter struct; with programmatic dependent launch when the
+/// device has it on ([`Device::set_pdl`]; every kernel in `kernels/` honours it, see `kernels/pdl.cuh`).
 ///
 /// Safety contract (upheld by each wrapper): `P` is the kernel's parameter struct, and every address
 /// in it points to a live buffer of the size the kernel will touch.
 pub(crate) fn launch<P: DeviceRepr>(dev: &Device, name: &'static str, cfg: LaunchConfig, params: &P) -> Result<()> {
     let f = dev.function(name)?;
+    if dev.pdl() {
+        return launch_programmatic(dev, f, cfg, params);
+    }
     let mut b = dev.stream().launch_builder(f);
     b.arg(params);
     // SAFETY: see above.
     unsafe { b.launch(cfg) }?;
+    Ok(())
+}
+
+/// `cuLaunchKernelEx` with the programmatic-stream-serialization attribute: the kernel may be placed
+/// while its predecessor on the stream runs, and waits for it in `griddepcontrol.wait`.
+fn launch_programmatic<P: DeviceRepr>(dev: &Device, f: &cudarc::driver::CudaFunction, cfg: LaunchConfig, params: &P) -> Result<()> {
+    use cudarc::driver::sys;
+    // SAFETY: a zeroed attribute is a valid value of this plain C union/struct; its id and value are set below.
+    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let lc = sys::CUlaunchConfig {
+        gridDimX: cfg.grid_dim.0,
+        gridDimY: cfg.grid_dim.1,
+        gridDimZ: cfg.grid_dim.2,
+        blockDimX: cfg.block_dim.0,
+        blockDimY: cfg.block_dim.1,
+        blockDimZ: cfg.block_dim.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        hStream: dev.stream().cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut args = [params as *const P as *mut std::ffi::c_void];
+    dev.context().bind_to_thread()?;
+    // SAFETY: the kernel takes exactly one parameter, the struct `P` (see `launch`); `args` points to it
+    // for the duration of the call, which copies it.
+    unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }.result()?;
     Ok(())
 }
