@@ -1,0 +1,607 @@
+//! The inner loops of the matrix products in `linear`: expanding a stored row (affine-quantised or
+//! dense) to f32, the one-token product (the expansion fused with the dot, several rows at a time,
+//! nothing stored) and the many-token tile (rows × tokens dot products on expanded rows).
+//!
+//! Every output element is computed in one fixed order, whatever the path, the tile or the thread
+//! split, so a result never depends on how many tokens a call has, nor on the machine:
+//! - a quantised weight is `s·q + b` in f32 (the product rounded, then the sum; no fused
+//!   multiply-add), MLX's affine dequantisation; a dense weight is its stored value as f32;
+//! - a dot product over `cols` keeps eight lane sums, lane `l` adding `w[c]·x[c]` (rounded, then
+//!   added) over the columns `c ≡ l (mod 8)` in increasing order, combines them as
+//!   `((l0+l4)+(l1+l5))+((l2+l6)+(l3+l7))`, then adds the `cols % 8` last products one by one.
+//!
+//! There are two implementations of the three kernels ([`Kernels`]): plain Rust over `[f32; 8]`
+//! lanes (the portable path, for any CPU) and AVX2 intrinsics (x86-64, chosen at run time when the
+//! CPU has AVX2), the same IEEE operations in the same order, so the same bits. The loops around
+//! them (row blocks, tiles, tails) are shared, and compiled once per implementation with its target
+//! features. `tests/kernels.rs` holds both paths to each other and to a plain scalar loop.
+
+use std::sync::OnceLock;
+
+use half::{bf16, f16};
+use lily_model::buf::FloatBuf;
+use lily_model::weights::{Matrix, Storage};
+
+/// Which implementation of the kernels runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Plain Rust, baseline target features (any CPU).
+    Portable,
+    /// x86-64 AVX2 intrinsics (8-lane f32 vectors, variable shifts to unpack 4-bit codes).
+    Avx2,
+}
+
+impl Isa {
+    /// The best implementation this CPU can run (detected once).
+    pub fn best() -> Isa {
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| Isa::available().last().copied().unwrap_or(Isa::Portable))
+    }
+
+    /// Every implementation this CPU can run, portable first.
+    pub fn available() -> Vec<Isa> {
+        let mut v = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            v.push(Isa::Avx2);
+        }
+        v
+    }
+}
+
+/// Rows expanded at a time by [`gemm_rows`] (the block of expanded weights a worker keeps hot).
+const ROW_BLOCK: usize = 16;
+/// Dense rows expanded at a time by the one-token product.
+const GEMV_R: usize = 4;
+
+// ---------------------------------------------------------------------------------------------
+// The entry points: one match on the implementation, then the loops compiled with its features.
+
+/// `out[i] = W_m[r0 + i] · x` for `i < out.len()`: the one-token product (x: [cols]).
+/// `scratch` is reused between calls (dense rows are expanded into it).
+pub fn gemv_rows(isa: Isa, w: &Matrix, m: usize, r0: usize, x: &[f32], out: &mut [f32], scratch: &mut Vec<f32>) {
+    assert_eq!(x.len(), w.cols, "gemv: x is not [cols]");
+    assert!(m < w.count && r0 + out.len() <= w.rows, "gemv: rows out of range");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Isa::Avx2 is only produced where the CPU has AVX2 (`Isa::available`).
+        Isa::Avx2 => unsafe { avx2::gemv_rows(w, m, r0, x, out, scratch) },
+        _ => gemv_rows_impl::<Portable>(w, m, r0, x, out, scratch),
+    }
+}
+
+/// The many-token product on rows `r0..r0 + nr` and the tokens of `x` ([nt, cols]):
+/// `out[t * nr + i] = W_m[r0 + i] · x[t]`. `scratch` is reused between calls.
+#[allow(clippy::too_many_arguments)]
+pub fn gemm_rows(isa: Isa, w: &Matrix, m: usize, r0: usize, nr: usize, x: &[f32], out: &mut [f32], scratch: &mut Vec<f32>) {
+    assert_eq!(x.len() % w.cols, 0, "gemm: x is not [T, cols]");
+    assert!(m < w.count && r0 + nr <= w.rows, "gemm: rows out of range");
+    assert_eq!(out.len(), x.len() / w.cols * nr, "gemm: out is not [T, nr]");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in gemv_rows.
+        Isa::Avx2 => unsafe { avx2::gemm_rows(w, m, r0, nr, x, out, scratch) },
+        _ => gemm_rows_impl::<Portable>(w, m, r0, nr, x, out, scratch),
+    }
+}
+
+/// Expands row `r` of matrix `m` of the stack into `out` (len = cols).
+pub fn expand_row(isa: Isa, w: &Matrix, m: usize, r: usize, out: &mut [f32]) {
+    assert_eq!(out.len(), w.cols, "expand: out is not [cols]");
+    assert!(r < w.rows && m < w.count, "expand: row out of range");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in gemv_rows.
+        Isa::Avx2 => unsafe { avx2::expand_row(w, m * w.rows + r, out) },
+        _ => expand_row_impl::<Portable>(w, m * w.rows + r, out),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Stored values and the affine view.
+
+/// A stored scalar type of scales, biases or dense weights.
+pub(crate) trait Stored: Copy {
+    fn f32(self) -> f32;
+}
+impl Stored for bf16 {
+    /// The widening without `half`'s branch that sets the quiet bit of a NaN (a NaN scale gives
+    /// NaN weights either way).
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+impl Stored for f16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+impl Stored for f32 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+/// An affine-quantised stack seen as rows (`row` counts over the whole stack: m · rows + r), with
+/// codes the fast kernels unpack: 4 or 8 bits, groups of a multiple of 8 columns.
+pub(crate) struct Affine<'a, S> {
+    group: usize,
+    groups: usize,
+    words: usize,
+    packed: &'a [u32],
+    scales: &'a [S],
+    biases: &'a [S],
+}
+
+impl<S: Stored> Affine<'_, S> {
+    #[inline(always)]
+    fn words_of(&self, row: usize) -> &[u32] {
+        &self.packed[row * self.words..(row + 1) * self.words]
+    }
+    #[inline(always)]
+    fn scale_bias(&self, row: usize, g: usize) -> (f32, f32) {
+        let i = row * self.groups + g;
+        (self.scales[i].f32(), self.biases[i].f32())
+    }
+}
+
+/// Runs `$body` with `$a` an [`Affine`] view of `$w` and `$bits` its code width as a const, when the
+/// fast kernels handle its layout; `$other` otherwise.
+macro_rules! with_affine {
+    ($w:expr, |$a:ident, $bits:ident| $body:expr, else $other:expr) => {{
+        let w: &Matrix = $w;
+        match &w.storage {
+            Storage::Affine { params, packed, scales, biases }
+                if matches!(params.bits, 4 | 8) && params.group_size % 8 == 0 && w.cols % params.group_size == 0 =>
+            {
+                let (group, bits) = (params.group_size, params.bits);
+                let (groups, words) = (w.cols / group, w.cols * bits as usize / 32);
+                macro_rules! view {
+                    ($s:expr, $b:expr) => {
+                        Affine { group, groups, words, packed: &packed[..], scales: &$s[..], biases: &$b[..] }
+                    };
+                }
+                match (bits, scales, biases) {
+                    (4, FloatBuf::Bf16(s), FloatBuf::Bf16(b)) => {
+                        const $bits: u32 = 4;
+                        let $a = view!(s, b);
+                        $body
+                    }
+                    (8, FloatBuf::Bf16(s), FloatBuf::Bf16(b)) => {
+                        const $bits: u32 = 8;
+                        let $a = view!(s, b);
+                        $body
+                    }
+                    (4, FloatBuf::F16(s), FloatBuf::F16(b)) => {
+                        const $bits: u32 = 4;
+                        let $a = view!(s, b);
+                        $body
+                    }
+                    (8, FloatBuf::F16(s), FloatBuf::F16(b)) => {
+                        const $bits: u32 = 8;
+                        let $a = view!(s, b);
+                        $body
+                    }
+                    (4, FloatBuf::F32(s), FloatBuf::F32(b)) => {
+                        const $bits: u32 = 4;
+                        let $a = view!(s, b);
+                        $body
+                    }
+                    (8, FloatBuf::F32(s), FloatBuf::F32(b)) => {
+                        const $bits: u32 = 8;
+                        let $a = view!(s, b);
+                        $body
+                    }
+                    _ => $other,
+                }
+            }
+            _ => $other,
+        }
+    }};
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernels, and the loops around them (shared by both implementations).
+
+/// One implementation of the three kernels. Every method is `#[inline(always)]`, so each lands in
+/// the loops compiled for its implementation.
+pub(crate) trait Kernels {
+    /// Row `row` of the stack as f32: `out[c] = s·q[c] + b`.
+    fn expand_affine<const BITS: u32, S: Stored>(a: &Affine<S>, row: usize, out: &mut [f32]);
+    /// Rows row0..row0+R dotted with x ([cols]), each weight expanded in registers.
+    fn gemv_affine<const BITS: u32, const R: usize, S: Stored>(a: &Affine<S>, row0: usize, x: &[f32]) -> [f32; R];
+    /// `out[i]` = row `base + i` · x: [`Kernels::gemv_affine`] on groups of this implementation's size.
+    fn gemv_affine_rows<const BITS: u32, S: Stored>(a: &Affine<S>, base: usize, x: &[f32], out: &mut [f32]);
+    /// The products of R expanded rows with U token rows (all `x[0].len()` long; rows may be longer).
+    fn dot_tile<const R: usize, const U: usize>(w: [&[f32]; R], x: [&[f32]; U]) -> [[f32; U]; R];
+    /// The many-token product of a block of expanded rows (`nb` of them, `cols` apart in `rows`)
+    /// with every token of `x`, into `out[t * nr + b0 + i]`: tiles of this implementation's shape.
+    fn gemm_block(rows: &[f32], nb: usize, x: &[f32], cols: usize, out: &mut [f32], nr: usize, b0: usize);
+}
+
+/// The fixed combination of the eight lane sums.
+#[inline(always)]
+fn combine(a: &[f32; 8]) -> f32 {
+    ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
+}
+
+/// [`Kernels::gemm_block`] with R × U register tiles, and R × 1, 1 × U, 1 × 1 ones for the tails.
+#[inline(always)]
+fn gemm_block_tiled<K: Kernels, const R: usize, const U: usize>(
+    rows: &[f32],
+    nb: usize,
+    x: &[f32],
+    cols: usize,
+    out: &mut [f32],
+    nr: usize,
+    b0: usize,
+) {
+    let nt = x.len() / cols;
+    let row = |i: usize| &rows[i * cols..(i + 1) * cols];
+    let tok = |t: usize| &x[t * cols..(t + 1) * cols];
+    let (full_r, full_u) = (nb / R * R, nt / U * U);
+    for i in (0..full_r).step_by(R) {
+        let wr: [&[f32]; R] = std::array::from_fn(|k| row(i + k));
+        for t in (0..full_u).step_by(U) {
+            let v = K::dot_tile::<R, U>(wr, std::array::from_fn(|u| tok(t + u)));
+            for u in 0..U {
+                for (k, vr) in v.iter().enumerate() {
+                    out[(t + u) * nr + b0 + i + k] = vr[u];
+                }
+            }
+        }
+        for t in full_u..nt {
+            let v = K::dot_tile::<R, 1>(wr, [tok(t)]);
+            for (k, vr) in v.iter().enumerate() {
+                out[t * nr + b0 + i + k] = vr[0];
+            }
+        }
+    }
+    for i in full_r..nb {
+        let wr = [row(i)];
+        for t in (0..full_u).step_by(U) {
+            let v = K::dot_tile::<1, U>(wr, std::array::from_fn(|u| tok(t + u)));
+            for (u, val) in v[0].iter().enumerate() {
+                out[(t + u) * nr + b0 + i] = *val;
+            }
+        }
+        for t in full_u..nt {
+            out[t * nr + b0 + i] = K::dot_tile::<1, 1>(wr, [tok(t)])[0][0];
+        }
+    }
+}
+
+/// [`Kernels::gemv_affine_rows`] with groups of R rows, then single rows.
+#[inline(always)]
+fn gemv_affine_rows_grouped<K: Kernels, const BITS: u32, const R: usize, S: Stored>(a: &Affine<S>, base: usize, x: &[f32], out: &mut [f32]) {
+    let full = out.len() / R * R;
+    let (head, tail) = out.split_at_mut(full);
+    for (i, o) in head.chunks_exact_mut(R).enumerate() {
+        o.copy_from_slice(&K::gemv_affine::<BITS, R, S>(a, base + i * R, x));
+    }
+    for (i, o) in tail.iter_mut().enumerate() {
+        *o = K::gemv_affine::<BITS, 1, S>(a, base + full + i, x)[0];
+    }
+}
+
+/// Expands one row of the stack (row = m · rows + r).
+#[inline(always)]
+fn expand_row_impl<K: Kernels>(w: &Matrix, row: usize, out: &mut [f32]) {
+    with_affine!(w, |a, BITS| K::expand_affine::<BITS, _>(&a, row, out), else expand_generic(w, row, out))
+}
+
+/// Any storage, one element at a time (dense rows, and codes of other widths or groupings).
+fn expand_generic(w: &Matrix, row: usize, out: &mut [f32]) {
+    let cols = w.cols;
+    match &w.storage {
+        Storage::Dense(data) => data.read_into(row * cols, out),
+        Storage::Affine { params, packed, scales, biases } => {
+            let (bits, group) = (params.bits, params.group_size);
+            let words = cols * bits as usize / 32;
+            let groups = cols / group;
+            let packed = &packed[row * words..(row + 1) * words];
+            let per_word = (32 / bits) as usize;
+            let mask = (1u32 << bits) - 1;
+            for g in 0..groups {
+                let s = scales.get(row * groups + g);
+                let b = biases.get(row * groups + g);
+                let wstart = g * group / per_word;
+                let dst = &mut out[g * group..(g + 1) * group];
+                for (wi, chunk) in dst.chunks_exact_mut(per_word).enumerate() {
+                    let mut word = packed[wstart + wi];
+                    for o in chunk {
+                        *o = s * (word & mask) as f32 + b;
+                        word >>= bits;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn gemv_rows_impl<K: Kernels>(w: &Matrix, m: usize, r0: usize, x: &[f32], out: &mut [f32], scratch: &mut Vec<f32>) {
+    let base = m * w.rows + r0;
+    with_affine!(
+        w,
+        |a, BITS| K::gemv_affine_rows::<BITS, _>(&a, base, x, out),
+        else {
+            // Dense rows (or unusual codes): expand a few rows, then the tile kernel on one token.
+            let cols = w.cols;
+            scratch.resize(GEMV_R * cols, 0.0);
+            for (i0, o) in (0..out.len()).step_by(GEMV_R).zip(out.chunks_mut(GEMV_R)) {
+                for (i, dst) in scratch.chunks_exact_mut(cols).take(o.len()).enumerate() {
+                    expand_row_impl::<K>(w, base + i0 + i, dst);
+                }
+                for (i, v) in o.iter_mut().enumerate() {
+                    *v = K::dot_tile::<1, 1>([&scratch[i * cols..(i + 1) * cols]], [x])[0][0];
+                }
+            }
+        }
+    )
+}
+
+#[inline(always)]
+fn gemm_rows_impl<K: Kernels>(w: &Matrix, m: usize, r0: usize, nr: usize, x: &[f32], out: &mut [f32], scratch: &mut Vec<f32>) {
+    let cols = w.cols;
+    scratch.resize(ROW_BLOCK * cols, 0.0);
+    for b0 in (0..nr).step_by(ROW_BLOCK) {
+        let nb = ROW_BLOCK.min(nr - b0);
+        for (i, dst) in scratch.chunks_exact_mut(cols).take(nb).enumerate() {
+            expand_row_impl::<K>(w, m * w.rows + r0 + b0 + i, dst);
+        }
+        K::gemm_block(scratch, nb, x, cols, out, nr, b0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The portable implementation: plain Rust over [f32; 8] lanes.
+
+pub(crate) struct Portable;
+
+#[inline(always)]
+fn lanes(s: &[f32], c: usize) -> [f32; 8] {
+    s[c..c + 8].try_into().unwrap()
+}
+
+/// The codes of columns c..c+8 (c a multiple of 8) of a row's packed words, as f32.
+#[inline(always)]
+fn codes<const BITS: u32>(words: &[u32], c: usize) -> [f32; 8] {
+    let mut q = [0f32; 8];
+    if BITS == 4 {
+        let w = words[c / 8];
+        for (l, q) in q.iter_mut().enumerate() {
+            *q = ((w >> (4 * l as u32)) & 0xF) as i32 as f32;
+        }
+    } else {
+        let (w0, w1) = (words[c / 4], words[c / 4 + 1]);
+        for l in 0..4 {
+            q[l] = ((w0 >> (8 * l as u32)) & 0xFF) as i32 as f32;
+            q[l + 4] = ((w1 >> (8 * l as u32)) & 0xFF) as i32 as f32;
+        }
+    }
+    q
+}
+
+impl Kernels for Portable {
+    #[inline(always)]
+    fn expand_affine<const BITS: u32, S: Stored>(a: &Affine<S>, row: usize, out: &mut [f32]) {
+        let words = a.words_of(row);
+        for (g, dst) in out.chunks_exact_mut(a.group).enumerate() {
+            let (s, b) = a.scale_bias(row, g);
+            for (i, o8) in dst.chunks_exact_mut(8).enumerate() {
+                let q = codes::<BITS>(words, g * a.group + i * 8);
+                for l in 0..8 {
+                    o8[l] = s * q[l] + b;
+                }
+            }
+        }
+    }
+
+    #[inline(always)]
+    fn gemv_affine<const BITS: u32, const R: usize, S: Stored>(a: &Affine<S>, row0: usize, x: &[f32]) -> [f32; R] {
+        let words: [&[u32]; R] = std::array::from_fn(|r| a.words_of(row0 + r));
+        let mut acc = [[0f32; 8]; R];
+        for g in 0..a.groups {
+            let sb: [(f32, f32); R] = std::array::from_fn(|r| a.scale_bias(row0 + r, g));
+            for c in (g * a.group..(g + 1) * a.group).step_by(8) {
+                let xv = lanes(x, c);
+                for r in 0..R {
+                    let q = codes::<BITS>(words[r], c);
+                    for l in 0..8 {
+                        acc[r][l] += (sb[r].0 * q[l] + sb[r].1) * xv[l];
+                    }
+                }
+            }
+        }
+        std::array::from_fn(|r| combine(&acc[r]))
+    }
+
+    #[inline(always)]
+    fn gemv_affine_rows<const BITS: u32, S: Stored>(a: &Affine<S>, base: usize, x: &[f32], out: &mut [f32]) {
+        gemv_affine_rows_grouped::<Self, BITS, 4, S>(a, base, x, out)
+    }
+
+    #[inline(always)]
+    fn dot_tile<const R: usize, const U: usize>(w: [&[f32]; R], x: [&[f32]; U]) -> [[f32; U]; R] {
+        let cols = x[0].len();
+        let c8 = cols / 8 * 8;
+        let mut acc = [[[0f32; 8]; U]; R];
+        for c in (0..c8).step_by(8) {
+            let wv: [[f32; 8]; R] = std::array::from_fn(|r| lanes(w[r], c));
+            for u in 0..U {
+                let xv = lanes(x[u], c);
+                for r in 0..R {
+                    for l in 0..8 {
+                        acc[r][u][l] += wv[r][l] * xv[l];
+                    }
+                }
+            }
+        }
+        let mut out = [[0f32; U]; R];
+        for r in 0..R {
+            for u in 0..U {
+                let mut s = combine(&acc[r][u]);
+                for c in c8..cols {
+                    s += w[r][c] * x[u][c];
+                }
+                out[r][u] = s;
+            }
+        }
+        out
+    }
+
+    #[inline(always)]
+    fn gemm_block(rows: &[f32], nb: usize, x: &[f32], cols: usize, out: &mut [f32], nr: usize, b0: usize) {
+        gemm_block_tiled::<Self, 4, 3>(rows, nb, x, cols, out, nr, b0)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The AVX2 implementation.
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{
+        combine, expand_row_impl, gemm_block_tiled, gemm_rows_impl, gemv_affine_rows_grouped, gemv_rows_impl, Affine, Kernels, Stored,
+    };
+    use lily_model::weights::Matrix;
+
+    pub(super) struct Avx2;
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn gemv_rows(w: &Matrix, m: usize, r0: usize, x: &[f32], out: &mut [f32], scratch: &mut Vec<f32>) {
+        gemv_rows_impl::<Avx2>(w, m, r0, x, out, scratch)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn gemm_rows(w: &Matrix, m: usize, r0: usize, nr: usize, x: &[f32], out: &mut [f32], scratch: &mut Vec<f32>) {
+        gemm_rows_impl::<Avx2>(w, m, r0, nr, x, out, scratch)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn expand_row(w: &Matrix, row: usize, out: &mut [f32]) {
+        expand_row_impl::<Avx2>(w, row, out)
+    }
+
+    /// The codes of columns c..c+8 (c a multiple of 8) of a row's words, as f32 lanes. 4 bits: the
+    /// word of the eight codes in every lane, shifted right by 0, 4, …, 28 and masked; 8 bits: the
+    /// eight bytes of two words, widened (x86 is little-endian: byte j of the row is code j).
+    ///
+    /// SAFETY: the caller checks that `words` holds the codes of columns c..c+8, and runs with AVX2.
+    #[inline(always)]
+    unsafe fn codes<const BITS: u32>(words: &[u32], c: usize) -> __m256 {
+        unsafe {
+            if BITS == 4 {
+                let v = _mm256_set1_epi32(*words.get_unchecked(c / 8) as i32);
+                let q = _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+                _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0xF)))
+            } else {
+                let b = _mm_loadl_epi64(words.as_ptr().add(c / 4) as *const __m128i);
+                _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b))
+            }
+        }
+    }
+
+    /// The eight lanes of `v`, combined in the fixed order.
+    #[inline(always)]
+    unsafe fn reduce(v: __m256) -> f32 {
+        let mut a = [0f32; 8];
+        unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
+        combine(&a)
+    }
+
+    impl Kernels for Avx2 {
+        #[inline(always)]
+        fn expand_affine<const BITS: u32, S: Stored>(a: &Affine<S>, row: usize, out: &mut [f32]) {
+            let words = a.words_of(row);
+            let cols = a.groups * a.group;
+            assert!(out.len() >= cols && words.len() * 32 >= cols * BITS as usize);
+            for g in 0..a.groups {
+                let (s, b) = a.scale_bias(row, g);
+                // SAFETY: columns below cols, checked above; AVX2 by the entry point.
+                unsafe {
+                    let (s, b) = (_mm256_set1_ps(s), _mm256_set1_ps(b));
+                    for c in (g * a.group..(g + 1) * a.group).step_by(8) {
+                        let w = _mm256_add_ps(_mm256_mul_ps(s, codes::<BITS>(words, c)), b);
+                        _mm256_storeu_ps(out.as_mut_ptr().add(c), w);
+                    }
+                }
+            }
+        }
+
+        #[inline(always)]
+        fn gemv_affine<const BITS: u32, const R: usize, S: Stored>(a: &Affine<S>, row0: usize, x: &[f32]) -> [f32; R] {
+            let words: [&[u32]; R] = std::array::from_fn(|r| a.words_of(row0 + r));
+            let cols = a.groups * a.group;
+            assert!(x.len() >= cols && words.iter().all(|w| w.len() * 32 >= cols * BITS as usize));
+            // SAFETY: columns below cols, checked above; AVX2 by the entry point.
+            unsafe {
+                let mut acc = [_mm256_setzero_ps(); R];
+                for g in 0..a.groups {
+                    let sb: [(__m256, __m256); R] = std::array::from_fn(|r| {
+                        let (s, b) = a.scale_bias(row0 + r, g);
+                        (_mm256_set1_ps(s), _mm256_set1_ps(b))
+                    });
+                    for c in (g * a.group..(g + 1) * a.group).step_by(8) {
+                        let xv = _mm256_loadu_ps(x.as_ptr().add(c));
+                        for r in 0..R {
+                            let w = _mm256_add_ps(_mm256_mul_ps(sb[r].0, codes::<BITS>(words[r], c)), sb[r].1);
+                            acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(w, xv));
+                        }
+                    }
+                }
+                std::array::from_fn(|r| reduce(acc[r]))
+            }
+        }
+
+        #[inline(always)]
+        fn gemv_affine_rows<const BITS: u32, S: Stored>(a: &Affine<S>, base: usize, x: &[f32], out: &mut [f32]) {
+            // Two rows: two independent sums hide the add latency, and the scales, biases, sums,
+            // codes and x fit in the 16 vector registers.
+            gemv_affine_rows_grouped::<Self, BITS, 2, S>(a, base, x, out)
+        }
+
+        #[inline(always)]
+        fn dot_tile<const R: usize, const U: usize>(w: [&[f32]; R], x: [&[f32]; U]) -> [[f32; U]; R] {
+            let cols = x[0].len();
+            let c8 = cols / 8 * 8;
+            assert!(w.iter().all(|r| r.len() >= cols) && x.iter().all(|u| u.len() == cols));
+            // SAFETY: columns below cols, checked above; AVX2 by the entry point.
+            unsafe {
+                let mut acc = [[_mm256_setzero_ps(); U]; R];
+                for c in (0..c8).step_by(8) {
+                    let wv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(w[r].as_ptr().add(c)));
+                    for u in 0..U {
+                        let xv = _mm256_loadu_ps(x[u].as_ptr().add(c));
+                        for r in 0..R {
+                            acc[r][u] = _mm256_add_ps(acc[r][u], _mm256_mul_ps(wv[r], xv));
+                        }
+                    }
+                }
+                let mut out = [[0f32; U]; R];
+                for r in 0..R {
+                    for u in 0..U {
+                        let mut s = reduce(acc[r][u]);
+                        for c in c8..cols {
+                            s += w[r][c] * x[u][c];
+                        }
+                        out[r][u] = s;
+                    }
+                }
+                out
+            }
+        }
+
+        #[inline(always)]
+        fn gemm_block(rows: &[f32], nb: usize, x: &[f32], cols: usize, out: &mut [f32], nr: usize, b0: usize) {
+            // 4 × 2 tiles: 8 sums, 4 rows and a token in 14 of the 16 vector registers.
+            gemm_block_tiled::<Self, 4, 2>(rows, nb, x, cols, out, nr, b0)
+        }
+    }
+}

@@ -1,0 +1,265 @@
+//! Tests of the matrix-product kernels (`lily_cpu::kernels`, through `lily_cpu::linear`): every
+//! compilation this CPU runs (AVX2 and portable) against a plain scalar loop of the definition (the
+//! dequantisation `s·q + b`, then the eight-lane dot product in its fixed order), on fresh random
+//! codes, scales, biases and activations (never zeros), for 4- and 8-bit codes, every group size,
+//! bf16/f16/f32 scales, dense bf16/f32 rows (odd widths too), stacks, and token counts that take
+//! each path (one token, serial tiles, the split by rows, the split by tokens). The kernels promise
+//! the same bits as the definition, so the comparison is exact: a lane summed out of order, a
+//! dropped tail row or token, or a wrong code would show.
+
+use half::{bf16, f16};
+use lily_cpu::kernels::Isa;
+use lily_cpu::linear::{dequantize_row, embed_row, matmul_with};
+use lily_model::affine::AffineParams;
+use lily_model::buf::{Buf, FloatBuf};
+use lily_model::weights::{Matrix, Storage};
+
+/// xorshift64* with Box–Muller normals.
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    fn normal(&mut self, std: f64) -> f32 {
+        let (u1, u2) = (self.uniform(), self.uniform());
+        (std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+    }
+    fn normals(&mut self, n: usize, std: f64) -> Vec<f32> {
+        (0..n).map(|_| self.normal(std)).collect()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Dtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+fn float_buf(v: &[f32], dt: Dtype) -> FloatBuf {
+    match dt {
+        Dtype::Bf16 => FloatBuf::Bf16(Buf::owned(v.iter().map(|&x| bf16::from_f32(x)).collect())),
+        Dtype::F16 => FloatBuf::F16(Buf::owned(v.iter().map(|&x| f16::from_f32(x)).collect())),
+        Dtype::F32 => FloatBuf::F32(Buf::owned(v.to_vec())),
+    }
+}
+
+/// A random affine stack: every code drawn uniformly (all bit patterns occur), scales and biases
+/// normal and never zero.
+fn affine(rng: &mut Rng, count: usize, rows: usize, cols: usize, bits: u32, group: usize, dt: Dtype) -> Matrix {
+    let words = count * rows * cols * bits as usize / 32;
+    let packed: Vec<u32> = (0..words).map(|_| rng.next_u64() as u32).collect();
+    let groups = count * rows * cols / group;
+    let nonzero = |v: f32| if v.abs() < 1e-3 { 1e-3 } else { v };
+    let scales: Vec<f32> = rng.normals(groups, 0.02).into_iter().map(nonzero).collect();
+    let biases: Vec<f32> = rng.normals(groups, 0.1).into_iter().map(nonzero).collect();
+    Matrix {
+        count,
+        rows,
+        cols,
+        storage: Storage::Affine {
+            params: AffineParams::new(bits, group),
+            packed: Buf::owned(packed),
+            scales: float_buf(&scales, dt),
+            biases: float_buf(&biases, dt),
+        },
+    }
+}
+
+fn dense(rng: &mut Rng, count: usize, rows: usize, cols: usize, dt: Dtype) -> Matrix {
+    let v = rng.normals(count * rows * cols, 0.1);
+    Matrix { count, rows, cols, storage: Storage::Dense(float_buf(&v, dt)) }
+}
+
+/// The definition, one element at a time: row `m · rows + r` as f32.
+fn reference_row(w: &Matrix, m: usize, r: usize) -> Vec<f32> {
+    let row = m * w.rows + r;
+    let cols = w.cols;
+    match &w.storage {
+        Storage::Dense(d) => (0..cols).map(|c| d.get(row * cols + c)).collect(),
+        Storage::Affine { params, packed, scales, biases } => {
+            let groups = cols / params.group_size;
+            (0..cols)
+                .map(|c| {
+                    let q = lily_model::affine::code(&packed[row * cols * params.bits as usize / 32..], c, params.bits);
+                    let g = row * groups + c / params.group_size;
+                    scales.get(g) * q as f32 + biases.get(g)
+                })
+                .collect()
+        }
+    }
+}
+
+/// The definition of the dot product: eight lane sums in column order, combined, then the tail.
+fn reference_dot(w: &[f32], x: &[f32]) -> f32 {
+    let c8 = w.len() / 8 * 8;
+    let mut acc = [0f32; 8];
+    for c in 0..c8 {
+        acc[c % 8] += w[c] * x[c];
+    }
+    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for c in c8..w.len() {
+        s += w[c] * x[c];
+    }
+    s
+}
+
+fn reference_matmul(w: &Matrix, m: usize, x: &[f32]) -> Vec<f32> {
+    let t = x.len() / w.cols;
+    let rows: Vec<Vec<f32>> = (0..w.rows).map(|r| reference_row(w, m, r)).collect();
+    let mut y = vec![0f32; t * w.rows];
+    for ti in 0..t {
+        for (r, row) in rows.iter().enumerate() {
+            y[ti * w.rows + r] = reference_dot(row, &x[ti * w.cols..(ti + 1) * w.cols]);
+        }
+    }
+    y
+}
+
+/// Bit-for-bit equality, with the first difference named.
+fn assert_same_bits(what: &str, got: &[f32], want: &[f32]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!("{what}: element {i} of {} is {:e}, the definition gives {:e}", got.len(), got[i], want[i]);
+    }
+    assert!(want.iter().any(|v| *v != 0.0), "{what}: an all-zero reference proves nothing");
+}
+
+fn check_products(what: &str, w: &Matrix, rng: &mut Rng, tokens: &[usize]) {
+    for m in [0, w.count - 1] {
+        for &t in tokens {
+            let x = rng.normals(t * w.cols, 1.0);
+            let want = reference_matmul(w, m, &x);
+            for isa in Isa::available() {
+                let mut y = vec![f32::NAN; t * w.rows];
+                matmul_with(isa, w, m, &x, &mut y);
+                assert_same_bits(&format!("{what}, matrix {m}, T={t}, {isa:?}"), &y, &want);
+            }
+        }
+    }
+}
+
+#[test]
+fn the_avx2_path_is_tested_where_the_cpu_has_it() {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        assert_eq!(Isa::available(), [Isa::Portable, Isa::Avx2]);
+        assert_eq!(Isa::best(), Isa::Avx2);
+    }
+    assert_eq!(Isa::available()[0], Isa::Portable);
+}
+
+#[test]
+fn affine_rows_expand_as_the_definition() {
+    let mut rng = Rng::new(1);
+    for bits in [4, 8] {
+        for group in [32, 64, 128] {
+            for dt in [Dtype::Bf16, Dtype::F16, Dtype::F32] {
+                let w = affine(&mut rng, 2, 5, 256, bits, group, dt);
+                for (m, r) in [(0, 0), (0, 4), (1, 2)] {
+                    let want = reference_row(&w, m, r);
+                    let mut got = vec![f32::NAN; w.cols];
+                    dequantize_row(&w, m, r, &mut got);
+                    assert_same_bits(&format!("{bits}-bit g{group} {dt:?} row {m}/{r}"), &got, &want);
+                    for isa in Isa::available() {
+                        got.fill(f32::NAN);
+                        lily_cpu::kernels::expand_row(isa, &w, m, r, &mut got);
+                        assert_same_bits(&format!("{bits}-bit g{group} {dt:?} row {m}/{r} {isa:?}"), &got, &want);
+                    }
+                }
+                let mut e = vec![f32::NAN; w.cols];
+                embed_row(&w, 3, &mut e);
+                assert_same_bits("embedding row", &e, &reference_row(&w, 0, 3));
+            }
+        }
+    }
+}
+
+#[test]
+fn one_token_products_match_the_definition() {
+    let mut rng = Rng::new(2);
+    for bits in [4, 8] {
+        for group in [32, 64, 128] {
+            // 13 rows: three groups of four and a tail row; 2048 rows: split over the threads.
+            for rows in [1, 13, 2048] {
+                let w = affine(&mut rng, 2, rows, 256, bits, group, Dtype::Bf16);
+                check_products(&format!("{bits}-bit g{group}, {rows} rows"), &w, &mut rng, &[1]);
+            }
+        }
+    }
+}
+
+#[test]
+fn many_token_products_match_the_definition() {
+    let mut rng = Rng::new(3);
+    for bits in [4, 8] {
+        // T = 2..7 cover every tile remainder; 40 tokens of 1024 rows split by rows, 300 tokens of
+        // 64 rows split by tokens; 17 rows leave a tail after the tiles and the row blocks.
+        let w = affine(&mut rng, 3, 17, 128, bits, 64, Dtype::Bf16);
+        check_products(&format!("{bits}-bit, 17 rows"), &w, &mut rng, &[2, 3, 4, 5, 6, 7, 40]);
+        let w = affine(&mut rng, 1, 1024, 256, bits, 64, Dtype::F32);
+        check_products(&format!("{bits}-bit, 1024 rows"), &w, &mut rng, &[5, 40]);
+        let w = affine(&mut rng, 1, 64, 512, bits, 128, Dtype::Bf16);
+        check_products(&format!("{bits}-bit, 64 rows"), &w, &mut rng, &[300]);
+    }
+}
+
+#[test]
+fn dense_products_match_the_definition() {
+    let mut rng = Rng::new(4);
+    for dt in [Dtype::Bf16, Dtype::F16, Dtype::F32] {
+        // 13 columns: one lane block and a tail of five products added one by one.
+        for (rows, cols) in [(9, 13), (6, 256), (1024, 256)] {
+            let w = dense(&mut rng, 2, rows, cols, dt);
+            check_products(&format!("dense {dt:?} {rows}x{cols}"), &w, &mut rng, &[1, 2, 7, 40]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Timing at the demo model's shapes (run explicitly, in release).
+
+#[test]
+#[ignore = "timing; run with --release --ignored --nocapture"]
+fn timing_demo_shapes() {
+    let mut rng = Rng::new(10);
+    // (what, rows, cols, tokens): the lm_head and a GDN projection at decode, prefill chunks.
+    let cases = [
+        ("lm_head, decode", 248_320, 256, 1),
+        ("in_proj_qkv, decode", 2048, 256, 1),
+        ("expert gate, decode", 128, 256, 1),
+        ("in_proj_qkv, prefill 512", 2048, 256, 512),
+        ("out_proj, prefill 512", 256, 1024, 512),
+        ("expert down, 128 tokens", 256, 128, 128),
+        ("in_proj_a, prefill 512", 8, 256, 512),
+    ];
+    for (what, rows, cols, t) in cases {
+        let w = affine(&mut rng, 1, rows, cols, 4, 64, Dtype::Bf16);
+        let x = rng.normals(t * cols, 1.0);
+        let mut y = vec![0f32; t * rows];
+        for isa in Isa::available() {
+            let reps = (2e9 / (rows * cols * t) as f64).clamp(3.0, 20000.0) as usize;
+            matmul_with(isa, &w, 0, &x, &mut y);
+            let start = std::time::Instant::now();
+            for _ in 0..reps {
+                matmul_with(isa, &w, 0, &x, &mut y);
+            }
+            let secs = start.elapsed().as_secs_f64() / reps as f64;
+            println!(
+                "{what:>26} {rows}x{cols} T={t} {isa:?}: {:.1} us, {:.2} G multiply-adds/s",
+                secs * 1e6,
+                (rows * cols * t) as f64 / secs / 1e9
+            );
+        }
+    }
+}
