@@ -1,11 +1,17 @@
 //! Gated full attention (the 1-in-4 layers): q/k/v projections, per-head (1+w) RMSNorm of q and k,
 //! partial NeoX RoPE on the first `rotary_dim` dims, GQA softmax attention over the KV cache
 //! (causal within the new tokens), a sigmoid output gate, and the output projection.
+//!
+//! The softmax part runs per KV head on blocks of query rows (a block of new tokens times the query
+//! heads that read that KV head), so each key and value row is read once per block, not once per
+//! query: scores are the shared dot kernels of `kernels` (eight-lane sums in a fixed order), then an
+//! exact two-pass softmax per row, then the value rows summed in position order.
 
 use lily_model::weights::AttnWeights;
 use lily_model::ModelConfig;
 use rayon::prelude::*;
 
+use crate::kernels::{self, Isa};
 use crate::linear::{matmul, matmul_new};
 use crate::norm::{rms_norm_inplace, sigmoid};
 
@@ -81,36 +87,8 @@ pub fn forward(w: &AttnWeights, cfg: &ModelConfig, x: &[f32], cache: &mut KvCach
     cache.k.extend_from_slice(&k);
     cache.v.extend_from_slice(&v);
 
-    // Softmax attention per (token, query head); query head h reads KV head h / (nh/kvh).
-    let group = nh / kvh;
-    let scale = 1.0 / (hd as f32).sqrt();
-    let (kc, vc) = (&cache.k, &cache.v);
     let mut o = vec![0.0f32; t * nh * hd]; // [T, nh, hd]
-    o.par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (i, out)| {
-        let (ti, h) = (i / nh, i % nh);
-        let kv = h / group;
-        let n = pos0 + ti + 1; // causal: positions 0..=pos0+ti
-        let qv = &q[i * hd..(i + 1) * hd];
-        scores.clear();
-        scores.extend((0..n).map(|p| {
-            let kr = &kc[(p * kvh + kv) * hd..(p * kvh + kv + 1) * hd];
-            qv.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale
-        }));
-        let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - m).exp();
-            sum += *s;
-        }
-        out.fill(0.0);
-        for (p, s) in scores.iter().enumerate() {
-            let vr = &vc[(p * kvh + kv) * hd..(p * kvh + kv + 1) * hd];
-            let wgt = s / sum;
-            for (a, b) in out.iter_mut().zip(vr) {
-                *a += wgt * b;
-            }
-        }
-    });
+    attend(Isa::best(), &q, &cache.k, &cache.v, pos0, nh, kvh, hd, &mut o);
     if cfg.attn_output_gate {
         for (a, g) in o.iter_mut().zip(&gate) {
             *a *= sigmoid(*g);
@@ -119,4 +97,137 @@ pub fn forward(w: &AttnWeights, cfg: &ModelConfig, x: &[f32], cache: &mut KvCach
     let mut y = vec![0.0f32; t * cfg.hidden_size];
     matmul(&w.o_proj, 0, &o, &mut y);
     y
+}
+
+/// Scores of one block of query rows are kept whole (the softmax is exact, two-pass): at most this
+/// many f32 per block, which bounds the tokens per block at long contexts.
+const SCORES_BUDGET: usize = 1 << 20;
+/// Most new tokens per block (their query rows share each key and value row read).
+const MAX_BLOCK_TOKENS: usize = 16;
+/// Value rows summed per pass over a block's query rows (kept in cache while they are reused).
+const VALUE_BLOCK: usize = 128;
+/// Multiply-adds below which the blocks run on the calling thread.
+const PAR_MIN_WORK: usize = 1 << 18;
+
+/// Causal GQA softmax attention of the T new tokens at positions pos0.. (their K/V rows already in
+/// the cache): q [T, nh, hd] (after norm and RoPE), kc/vc [pos0+T, kvh, hd], o [T, nh, hd].
+/// Query head h reads KV head h / (nh/kvh); token i sees positions 0..=pos0+i. Per query row:
+/// s_p = (q·k_p)·(1/√hd), w_p = exp(s_p − max s) / Σ exp(s − max s) (summed in position order),
+/// o = Σ_p w_p·v_p in position order.
+#[allow(clippy::too_many_arguments)]
+pub fn attend(isa: Isa, q: &[f32], kc: &[f32], vc: &[f32], pos0: usize, nh: usize, kvh: usize, hd: usize, o: &mut [f32]) {
+    let t = q.len() / (nh * hd);
+    assert_eq!(q.len(), t * nh * hd, "attend: q is not [T, {nh}, {hd}]");
+    assert_eq!(o.len(), q.len(), "attend: o is not like q");
+    assert!(kc.len() >= (pos0 + t) * kvh * hd && vc.len() == kc.len(), "attend: the cache lacks the new rows");
+    assert!(kvh > 0 && nh % kvh == 0, "attend: {nh} query heads over {kvh} KV heads");
+    if t == 0 {
+        return;
+    }
+    let group = nh / kvh;
+    let n_all = pos0 + t;
+    let tb = (SCORES_BUDGET / (group * n_all)).clamp(1, MAX_BLOCK_TOKENS);
+    // Tasks: (KV head, block of new tokens).
+    let blocks = t.div_ceil(tb);
+    let tasks: Vec<(usize, usize)> = (0..kvh).flat_map(|kv| (0..blocks).map(move |b| (kv, b * tb))).collect();
+    let run = |scratch: &mut Scores, &(kv, t0): &(usize, usize)| -> Vec<f32> {
+        let nt = tb.min(t - t0);
+        attend_block(isa, q, kc, vc, pos0, nh, kvh, hd, kv, t0, nt, scratch)
+    };
+    let put = |o: &mut [f32], (kv, t0): (usize, usize), out: &[f32]| {
+        // out: [nt, group, hd] → o[t0 + i, kv·group.., :].
+        for (i, rows) in out.chunks_exact(group * hd).enumerate() {
+            let at = ((t0 + i) * nh + kv * group) * hd;
+            o[at..at + group * hd].copy_from_slice(rows);
+        }
+    };
+    let work = 2 * t * nh * hd * (pos0 + t.div_ceil(2));
+    if work < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
+        let mut scratch = Scores::default();
+        for task in &tasks {
+            let out = run(&mut scratch, task);
+            put(o, *task, &out);
+        }
+    } else {
+        let outs: Vec<Vec<f32>> = tasks.par_iter().map_init(Scores::default, run).collect();
+        for (task, out) in tasks.iter().zip(&outs) {
+            put(o, *task, out);
+        }
+    }
+}
+
+/// Per-worker buffers of [`attend_block`].
+#[derive(Default)]
+struct Scores {
+    /// The block's query rows [nt·group, hd].
+    q: Vec<f32>,
+    /// Their scores, then weights: [nt·group, n_max].
+    s: Vec<f32>,
+}
+
+/// Tokens t0..t0+nt with the query heads of KV head kv: returns their outputs [nt, group, hd].
+#[allow(clippy::too_many_arguments)]
+fn attend_block(
+    isa: Isa,
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    pos0: usize,
+    nh: usize,
+    kvh: usize,
+    hd: usize,
+    kv: usize,
+    t0: usize,
+    nt: usize,
+    sc: &mut Scores,
+) -> Vec<f32> {
+    let group = nh / kvh;
+    let rows = nt * group;
+    let n_max = pos0 + t0 + nt; // the last token's positions; earlier rows use a prefix
+    let stride = kvh * hd; // between positions of one KV head in the cache
+    let scale = 1.0 / (hd as f32).sqrt();
+    // Query rows (token i, head kv·group + g) → row i·group + g: contiguous per token.
+    sc.q.clear();
+    for i in 0..nt {
+        let at = ((t0 + i) * nh + kv * group) * hd;
+        sc.q.extend_from_slice(&q[at..at + group * hd]);
+    }
+    // Scores [rows, n_max]: every key of the block's widest prefix against every query row, a
+    // cache-sized block of keys at a time.
+    sc.s.resize(rows * n_max, 0.0);
+    let keys = (kernels::BLOCK_BYTES / (4 * hd)).max(4);
+    for p0 in (0..n_max).step_by(keys) {
+        let np = keys.min(n_max - p0);
+        kernels::dots(isa, &kc[p0 * stride + kv * hd..], stride, np, &sc.q, hd, rows, hd, &mut sc.s[p0..], n_max);
+    }
+    // Per row: its causal prefix, scaled, softmax in two passes (max, then exp and sum in order).
+    for r in 0..rows {
+        let n = pos0 + t0 + r / group + 1;
+        let s = &mut sc.s[r * n_max..r * n_max + n];
+        for v in s.iter_mut() {
+            *v *= scale;
+        }
+        let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0f32;
+        for v in s.iter_mut() {
+            *v = (*v - m).exp();
+            sum += *v;
+        }
+        for v in s.iter_mut() {
+            *v /= sum;
+        }
+    }
+    // Σ_p w_p·v_p per row, over blocks of value rows (each block reused by every row).
+    let mut out = vec![0.0f32; rows * hd];
+    let vk = &vc[kv * hd..];
+    for p0 in (0..n_max).step_by(VALUE_BLOCK) {
+        for (r, orow) in out.chunks_exact_mut(hd).enumerate() {
+            let n = pos0 + t0 + r / group + 1;
+            if p0 < n {
+                let p1 = (p0 + VALUE_BLOCK).min(n);
+                kernels::weighted_sum(isa, &sc.s[r * n_max + p0..r * n_max + p1], &vk[p0 * stride..], stride, orow);
+            }
+        }
+    }
+    out
 }

@@ -49,8 +49,9 @@ impl Isa {
     }
 }
 
-/// Rows expanded at a time by [`gemm_rows`] (the block of expanded weights a worker keeps hot).
-const ROW_BLOCK: usize = 16;
+/// Bytes of expanded rows [`gemm_rows`] works on at a time (kept in the L1 cache while every token
+/// passes over them).
+pub const BLOCK_BYTES: usize = 32 << 10;
 /// Dense rows expanded at a time by the one-token product.
 const GEMV_R: usize = 4;
 
@@ -94,6 +95,32 @@ pub fn expand_row(isa: Isa, w: &Matrix, m: usize, r: usize, out: &mut [f32]) {
         // SAFETY: as in gemv_rows.
         Isa::Avx2 => unsafe { avx2::expand_row(w, m * w.rows + r, out) },
         _ => expand_row_impl::<Portable>(w, m * w.rows + r, out),
+    }
+}
+
+/// Every product of rows `a_i` (i < na, `a[i·sa..][..d]`) with rows `b_u` (u < nb, `b[u·sb..][..d]`)
+/// into `out[u·os + i]`, each summed in the fixed order (attention scores: keys × queries).
+#[allow(clippy::too_many_arguments)]
+pub fn dots(isa: Isa, a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb: usize, d: usize, out: &mut [f32], os: usize) {
+    assert!(na == 0 || (na - 1) * sa + d <= a.len(), "dots: a too short");
+    assert!(nb == 0 || (nb - 1) * sb + d <= b.len(), "dots: b too short");
+    assert!(nb == 0 || na == 0 || (nb - 1) * os + na <= out.len(), "dots: out too short");
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in gemv_rows.
+        Isa::Avx2 => unsafe { avx2::dots(a, sa, na, b, sb, nb, d, out, os) },
+        _ => Portable::dots(a, sa, na, b, sb, nb, d, out, os),
+    }
+}
+
+/// `out[j] += Σ_{p < w.len()} w[p] · v[p·sv + j]` for j < out.len(), in increasing p for every j
+/// (attention's weighted sum of value rows).
+pub fn weighted_sum(isa: Isa, w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in gemv_rows.
+        Isa::Avx2 => unsafe { avx2::weighted_sum(w, v, sv, out) },
+        _ => Portable::weighted_sum(w, v, sv, out),
     }
 }
 
@@ -217,9 +244,12 @@ pub(crate) trait Kernels {
     fn gemv_affine_rows<const BITS: u32, S: Stored>(a: &Affine<S>, base: usize, x: &[f32], out: &mut [f32]);
     /// The products of R expanded rows with U token rows (all `x[0].len()` long; rows may be longer).
     fn dot_tile<const R: usize, const U: usize>(w: [&[f32]; R], x: [&[f32]; U]) -> [[f32; U]; R];
-    /// The many-token product of a block of expanded rows (`nb` of them, `cols` apart in `rows`)
-    /// with every token of `x`, into `out[t * nr + b0 + i]`: tiles of this implementation's shape.
-    fn gemm_block(rows: &[f32], nb: usize, x: &[f32], cols: usize, out: &mut [f32], nr: usize, b0: usize);
+    /// Every product of rows `a_i` (i < na, `a[i·sa..][..d]`) with rows `b_u` (u < nb,
+    /// `b[u·sb..][..d]`) into `out[u·os + i]`: tiles of this implementation's shape.
+    #[allow(clippy::too_many_arguments)]
+    fn dots(a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb: usize, d: usize, out: &mut [f32], os: usize);
+    /// `out[j] += Σ_{p < n} w[p] · v[p·sv + j]` for j < out.len(), p in increasing order for every j.
+    fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]);
 }
 
 /// The fixed combination of the eight lane sums.
@@ -228,49 +258,83 @@ fn combine(a: &[f32; 8]) -> f32 {
     ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7]))
 }
 
-/// [`Kernels::gemm_block`] with R × U register tiles, and R × 1, 1 × U, 1 × 1 ones for the tails.
+/// [`Kernels::dots`] with R × U register tiles, and R × 1, 1 × U, 1 × 1 ones for the tails.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn gemm_block_tiled<K: Kernels, const R: usize, const U: usize>(
-    rows: &[f32],
+fn dots_tiled<K: Kernels, const R: usize, const U: usize>(
+    a: &[f32],
+    sa: usize,
+    na: usize,
+    b: &[f32],
+    sb: usize,
     nb: usize,
-    x: &[f32],
-    cols: usize,
+    d: usize,
     out: &mut [f32],
-    nr: usize,
-    b0: usize,
+    os: usize,
 ) {
-    let nt = x.len() / cols;
-    let row = |i: usize| &rows[i * cols..(i + 1) * cols];
-    let tok = |t: usize| &x[t * cols..(t + 1) * cols];
-    let (full_r, full_u) = (nb / R * R, nt / U * U);
-    for i in (0..full_r).step_by(R) {
-        let wr: [&[f32]; R] = std::array::from_fn(|k| row(i + k));
-        for t in (0..full_u).step_by(U) {
-            let v = K::dot_tile::<R, U>(wr, std::array::from_fn(|u| tok(t + u)));
-            for u in 0..U {
+    let row = |i: usize| &a[i * sa..i * sa + d];
+    let tok = |u: usize| &b[u * sb..u * sb + d];
+    let (full_r, full_u) = (na / R * R, nb / U * U);
+    // U rows of b at a time (they stay in registers' reach), sweeping every row of a (kept in L1 by
+    // the callers: a block of expanded weights, or of keys), then the single rows of b.
+    for u in (0..full_u).step_by(U) {
+        let br: [&[f32]; U] = std::array::from_fn(|j| tok(u + j));
+        for i in (0..full_r).step_by(R) {
+            let v = K::dot_tile::<R, U>(std::array::from_fn(|k| row(i + k)), br);
+            for j in 0..U {
                 for (k, vr) in v.iter().enumerate() {
-                    out[(t + u) * nr + b0 + i + k] = vr[u];
+                    out[(u + j) * os + i + k] = vr[j];
                 }
             }
         }
-        for t in full_u..nt {
-            let v = K::dot_tile::<R, 1>(wr, [tok(t)]);
-            for (k, vr) in v.iter().enumerate() {
-                out[t * nr + b0 + i + k] = vr[0];
+        for i in full_r..na {
+            let v = K::dot_tile::<1, U>([row(i)], br);
+            for (j, val) in v[0].iter().enumerate() {
+                out[(u + j) * os + i] = *val;
             }
         }
     }
-    for i in full_r..nb {
-        let wr = [row(i)];
-        for t in (0..full_u).step_by(U) {
-            let v = K::dot_tile::<1, U>(wr, std::array::from_fn(|u| tok(t + u)));
-            for (u, val) in v[0].iter().enumerate() {
-                out[(t + u) * nr + b0 + i] = *val;
+    for u in full_u..nb {
+        let br = [tok(u)];
+        for i in (0..full_r).step_by(R) {
+            let v = K::dot_tile::<R, 1>(std::array::from_fn(|k| row(i + k)), br);
+            for (k, vr) in v.iter().enumerate() {
+                out[u * os + i + k] = vr[0];
             }
         }
-        for t in full_u..nt {
-            out[t * nr + b0 + i] = K::dot_tile::<1, 1>(wr, [tok(t)])[0][0];
+        for i in full_r..na {
+            out[u * os + i] = K::dot_tile::<1, 1>([row(i)], br)[0][0];
         }
+    }
+}
+
+/// Columns of [`Kernels::weighted_sum`] kept in registers while the sum runs over the rows.
+const WSUM_COLS: usize = 64;
+
+/// [`Kernels::weighted_sum`] in plain Rust: WSUM_COLS columns at a time, so the sums stay in
+/// registers over all the rows (each column's order over p is unchanged).
+#[inline(always)]
+fn weighted_sum_blocked(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
+    let d = out.len();
+    let n = w.len();
+    assert!(n == 0 || (n - 1) * sv + d <= v.len(), "weighted_sum: v too short");
+    let full = d / WSUM_COLS * WSUM_COLS;
+    for j0 in (0..full).step_by(WSUM_COLS) {
+        let mut acc: [f32; WSUM_COLS] = out[j0..j0 + WSUM_COLS].try_into().unwrap();
+        for (p, &wp) in w.iter().enumerate() {
+            let vr: &[f32; WSUM_COLS] = v[p * sv + j0..p * sv + j0 + WSUM_COLS].try_into().unwrap();
+            for l in 0..WSUM_COLS {
+                acc[l] += wp * vr[l];
+            }
+        }
+        out[j0..j0 + WSUM_COLS].copy_from_slice(&acc);
+    }
+    for j in full..d {
+        let mut acc = out[j];
+        for (p, &wp) in w.iter().enumerate() {
+            acc += wp * v[p * sv + j];
+        }
+        out[j] = acc;
     }
 }
 
@@ -347,13 +411,14 @@ fn gemv_rows_impl<K: Kernels>(w: &Matrix, m: usize, r0: usize, x: &[f32], out: &
 #[inline(always)]
 fn gemm_rows_impl<K: Kernels>(w: &Matrix, m: usize, r0: usize, nr: usize, x: &[f32], out: &mut [f32], scratch: &mut Vec<f32>) {
     let cols = w.cols;
-    scratch.resize(ROW_BLOCK * cols, 0.0);
-    for b0 in (0..nr).step_by(ROW_BLOCK) {
-        let nb = ROW_BLOCK.min(nr - b0);
+    let block = (BLOCK_BYTES / (4 * cols)).clamp(4, 64) / 4 * 4;
+    scratch.resize(block * cols, 0.0);
+    for b0 in (0..nr).step_by(block) {
+        let nb = block.min(nr - b0);
         for (i, dst) in scratch.chunks_exact_mut(cols).take(nb).enumerate() {
             expand_row_impl::<K>(w, m * w.rows + r0 + b0 + i, dst);
         }
-        K::gemm_block(scratch, nb, x, cols, out, nr, b0);
+        K::dots(scratch, cols, nb, x, cols, x.len() / cols, cols, &mut out[b0..], nr);
     }
 }
 
@@ -455,8 +520,13 @@ impl Kernels for Portable {
     }
 
     #[inline(always)]
-    fn gemm_block(rows: &[f32], nb: usize, x: &[f32], cols: usize, out: &mut [f32], nr: usize, b0: usize) {
-        gemm_block_tiled::<Self, 4, 3>(rows, nb, x, cols, out, nr, b0)
+    fn dots(a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb: usize, d: usize, out: &mut [f32], os: usize) {
+        dots_tiled::<Self, 4, 3>(a, sa, na, b, sb, nb, d, out, os)
+    }
+
+    #[inline(always)]
+    fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
+        weighted_sum_blocked(w, v, sv, out)
     }
 }
 
@@ -468,7 +538,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{
-        combine, expand_row_impl, gemm_block_tiled, gemm_rows_impl, gemv_affine_rows_grouped, gemv_rows_impl, Affine, Kernels, Stored,
+        combine, dots_tiled, expand_row_impl, gemm_rows_impl, gemv_affine_rows_grouped, gemv_rows_impl, weighted_sum_blocked, Affine, Kernels, Stored,
     };
     use lily_model::weights::Matrix;
 
@@ -487,6 +557,17 @@ mod avx2 {
     #[target_feature(enable = "avx2")]
     pub(super) fn expand_row(w: &Matrix, row: usize, out: &mut [f32]) {
         expand_row_impl::<Avx2>(w, row, out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn dots(a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb: usize, d: usize, out: &mut [f32], os: usize) {
+        <Avx2 as Kernels>::dots(a, sa, na, b, sb, nb, d, out, os)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
+        <Avx2 as Kernels>::weighted_sum(w, v, sv, out)
     }
 
     /// The codes of columns c..c+8 (c a multiple of 8) of a row's words, as f32 lanes. 4 bits: the
@@ -514,6 +595,26 @@ mod avx2 {
         let mut a = [0f32; 8];
         unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
         combine(&a)
+    }
+
+    /// Eight sums at once: lane j of the result is `v[j]`'s eight lanes combined in the fixed order,
+    /// `((a0+a4)+(a1+a5))+((a2+a6)+(a3+a7))`, by the same additions done across registers.
+    #[inline(always)]
+    unsafe fn reduce8(v: &[__m256; 8]) -> __m256 {
+        unsafe {
+            // [x_k + x_{k+4} (k < 4) | y_k + y_{k+4}]: the first level for two vectors.
+            let half = |x: __m256, y: __m256| {
+                _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(x, y), _mm256_permute2f128_ps::<0x31>(x, y))
+            };
+            // hadd pairs neighbours within each 128-bit half: [x01, x23, y01, y23 | …].
+            let p04 = half(v[0], v[4]);
+            let p15 = half(v[1], v[5]);
+            let p26 = half(v[2], v[6]);
+            let p37 = half(v[3], v[7]);
+            let q0 = _mm256_hadd_ps(p04, p15); // [v0:01, v0:23, v1:01, v1:23 | v4…, v5…]
+            let q1 = _mm256_hadd_ps(p26, p37); // [v2…, v3… | v6…, v7…]
+            _mm256_hadd_ps(q0, q1) // [v0, v1, v2, v3 | v4, v5, v6, v7]
+        }
     }
 
     impl Kernels for Avx2 {
@@ -585,6 +686,16 @@ mod avx2 {
                     }
                 }
                 let mut out = [[0f32; U]; R];
+                if R * U == 8 && c8 == cols {
+                    // The whole tile's sums at once (no tail products to add).
+                    let v: [__m256; 8] = std::array::from_fn(|j| acc[j / U][j % U]);
+                    let mut sums = [0f32; 8];
+                    _mm256_storeu_ps(sums.as_mut_ptr(), reduce8(&v));
+                    for (j, &s) in sums.iter().enumerate() {
+                        out[j / U][j % U] = s;
+                    }
+                    return out;
+                }
                 for r in 0..R {
                     for u in 0..U {
                         let mut s = reduce(acc[r][u]);
@@ -599,9 +710,15 @@ mod avx2 {
         }
 
         #[inline(always)]
-        fn gemm_block(rows: &[f32], nb: usize, x: &[f32], cols: usize, out: &mut [f32], nr: usize, b0: usize) {
+        fn dots(a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb: usize, d: usize, out: &mut [f32], os: usize) {
             // 4 × 2 tiles: 8 sums, 4 rows and a token in 14 of the 16 vector registers.
-            gemm_block_tiled::<Self, 4, 2>(rows, nb, x, cols, out, nr, b0)
+            dots_tiled::<Self, 4, 2>(a, sa, na, b, sb, nb, d, out, os)
+        }
+
+        #[inline(always)]
+        fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
+            // Plain Rust: with AVX2 enabled it keeps the 64 sums in 8 registers.
+            weighted_sum_blocked(w, v, sv, out)
         }
     }
 }
