@@ -265,3 +265,114 @@ fn timing_demo_shapes() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The attention kernels: strided dot products (scores) and weighted sums of rows (values).
+
+#[test]
+fn strided_dots_match_the_definition() {
+    let mut rng = Rng::new(5);
+    // d = 256 (whole tiles), 13 (a tail of five products); 7 × 5 rows leave tile remainders.
+    for (na, nb, d) in [(7, 5, 256), (37, 64, 256), (9, 3, 13), (1, 1, 8)] {
+        let (sa, sb, os) = (d + 3, 2 * d, na + 2);
+        let a = rng.normals(na * sa, 1.0);
+        let b = rng.normals(nb * sb, 1.0);
+        let mut want = vec![f32::NAN; nb * os];
+        for u in 0..nb {
+            for i in 0..na {
+                want[u * os + i] = reference_dot(&a[i * sa..i * sa + d], &b[u * sb..u * sb + d]);
+            }
+        }
+        for isa in Isa::available() {
+            let mut out = vec![f32::NAN; nb * os];
+            lily_cpu::kernels::dots(isa, &a, sa, na, &b, sb, nb, d, &mut out, os);
+            for u in 0..nb {
+                assert_same_bits(&format!("dots {na}x{nb}x{d} {isa:?}, row {u}"), &out[u * os..u * os + na], &want[u * os..u * os + na]);
+                assert!(out[u * os + na..(u + 1) * os].iter().all(|v| v.is_nan()), "dots wrote past its rows");
+            }
+        }
+    }
+}
+
+#[test]
+fn weighted_sums_match_the_definition() {
+    let mut rng = Rng::new(6);
+    // 256 columns (whole register blocks), 100 (a block and a tail of 36), 5 (tail only).
+    for (n, d) in [(1, 256), (130, 256), (17, 100), (9, 5)] {
+        let sv = d + 11;
+        let w = rng.normals(n, 1.0);
+        let v = rng.normals(n * sv, 1.0);
+        let start = rng.normals(d, 1.0);
+        let mut want = start.clone();
+        for (j, o) in want.iter_mut().enumerate() {
+            for p in 0..n {
+                *o += w[p] * v[p * sv + j];
+            }
+        }
+        for isa in Isa::available() {
+            let mut out = start.clone();
+            lily_cpu::kernels::weighted_sum(isa, &w, &v, sv, &mut out);
+            assert_same_bits(&format!("weighted sum n={n} d={d} {isa:?}"), &out, &want);
+        }
+    }
+}
+
+/// Causal GQA softmax attention in f64, the plain loop.
+#[allow(clippy::too_many_arguments)]
+fn reference_attend(q: &[f32], kc: &[f32], vc: &[f32], pos0: usize, nh: usize, kvh: usize, hd: usize) -> Vec<f64> {
+    let t = q.len() / (nh * hd);
+    let mut o = vec![0f64; q.len()];
+    for ti in 0..t {
+        for h in 0..nh {
+            let kv = h / (nh / kvh);
+            let qv = &q[(ti * nh + h) * hd..(ti * nh + h + 1) * hd];
+            let n = pos0 + ti + 1;
+            let s: Vec<f64> = (0..n)
+                .map(|p| {
+                    let k = &kc[(p * kvh + kv) * hd..(p * kvh + kv + 1) * hd];
+                    qv.iter().zip(k).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() / (hd as f64).sqrt()
+                })
+                .collect();
+            let m = s.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let e: Vec<f64> = s.iter().map(|v| (v - m).exp()).collect();
+            let sum: f64 = e.iter().sum();
+            for (p, ep) in e.iter().enumerate() {
+                let v = &vc[(p * kvh + kv) * hd..(p * kvh + kv + 1) * hd];
+                for (o, &vv) in o[(ti * nh + h) * hd..(ti * nh + h + 1) * hd].iter_mut().zip(v) {
+                    *o += ep / sum * vv as f64;
+                }
+            }
+        }
+    }
+    o
+}
+
+#[test]
+fn attention_matches_an_f64_loop_and_every_build_agrees() {
+    let mut rng = Rng::new(7);
+    // (pos0, T): decode steps after short and long histories; prefills longer than a block of
+    // query tokens, from empty and after a history; 8 query heads over 2 KV heads (the demo), and
+    // 4 over 4.
+    for (nh, kvh, hd) in [(8, 2, 256), (4, 4, 64)] {
+        for (pos0, t) in [(0, 1), (5, 1), (300, 1), (0, 37), (20, 40)] {
+            let n = pos0 + t;
+            // Keys scaled up so that the softmax is peaked: a wrong position or head shows.
+            let q = rng.normals(t * nh * hd, 1.0);
+            let kc = rng.normals(n * kvh * hd, 0.3);
+            let vc = rng.normals(n * kvh * hd, 1.0);
+            let want = reference_attend(&q, &kc, &vc, pos0, nh, kvh, hd);
+            let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+            let mut first: Option<Vec<f32>> = None;
+            for isa in Isa::available() {
+                let mut o = vec![f32::NAN; q.len()];
+                lily_cpu::attention::attend(isa, &q, &kc, &vc, pos0, nh, kvh, hd, &mut o);
+                let err = o.iter().zip(&want).fold(0f64, |m, (&a, &b)| m.max((a as f64 - b).abs())) / scale;
+                assert!(err < 1e-5, "attention nh={nh} kvh={kvh} pos0={pos0} T={t} {isa:?}: relative error {err:.2e}");
+                match &first {
+                    None => first = Some(o),
+                    Some(f) => assert_same_bits(&format!("attention pos0={pos0} T={t} {isa:?} vs portable"), &o, f),
+                }
+            }
+        }
+    }
+}
