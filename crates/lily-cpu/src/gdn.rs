@@ -390,8 +390,8 @@ pub fn delta_rule_recurrent_with(
     let rule = Rule { qkv, g, beta, dims };
     for_each_head_block(t_len, state, dims, out, || (), |j, t0, n, s, o, _| match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Isa::Avx2 is only produced where the CPU has AVX2.
-        Isa::Avx2 => unsafe { recurrent_head_avx2(&rule, j, t0, n, s, o) },
+        // SAFETY: Isa::Avx2 and Avx512 are only produced where the CPU has AVX2.
+        Isa::Avx2 | Isa::Avx512 => unsafe { recurrent_head_avx2(&rule, j, t0, n, s, o) },
         _ => recurrent_head::<TILE>(&rule, j, t0, n, s, o),
     });
 }
@@ -544,8 +544,8 @@ pub fn delta_rule_chunked_with(
     let rule = Rule { qkv, g, beta, dims };
     for_each_head_block(t_len, state, dims, out, make, |j, t0, n, s, o, sc| match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Isa::Avx2 is only produced where the CPU has AVX2.
-        Isa::Avx2 => unsafe { chunked_head_avx2(&rule, j, t0, n, s, o, sc) },
+        // SAFETY: Isa::Avx2 and Avx512 are only produced where the CPU has AVX2.
+        Isa::Avx2 | Isa::Avx512 => unsafe { chunked_head_avx2(&rule, j, t0, n, s, o, sc) },
         _ => chunked_head::<TILE, TILE>(&rule, j, t0, n, s, o, sc),
     });
 }

@@ -29,6 +29,10 @@ pub enum Isa {
     Portable,
     /// x86-64 AVX2 intrinsics (8-lane f32 vectors, variable shifts to unpack 4-bit codes).
     Avx2,
+    /// x86-64 AVX-512F: the one-token product holds two rows per 16-lane register (lanes 0–7 one
+    /// row's eight sums, 8–15 the next row's), so the eight-lane order is kept; the rest as AVX2,
+    /// compiled with AVX-512 enabled.
+    Avx512,
 }
 
 impl Isa {
@@ -44,6 +48,9 @@ impl Isa {
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx2") {
             v.push(Isa::Avx2);
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                v.push(Isa::Avx512);
+            }
         }
         v
     }
@@ -67,6 +74,9 @@ pub fn gemv_rows(isa: Isa, w: &Matrix, m: usize, r0: usize, x: &[f32], out: &mut
         #[cfg(target_arch = "x86_64")]
         // SAFETY: Isa::Avx2 is only produced where the CPU has AVX2 (`Isa::available`).
         Isa::Avx2 => unsafe { avx2::gemv_rows(w, m, r0, x, out, scratch) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Isa::Avx512 is only produced where the CPU has AVX-512F.
+        Isa::Avx512 => unsafe { avx512::gemv_rows(w, m, r0, x, out, scratch) },
         _ => gemv_rows_impl::<Portable>(w, m, r0, x, out, scratch),
     }
 }
@@ -82,6 +92,9 @@ pub fn gemm_rows(isa: Isa, w: &Matrix, m: usize, r0: usize, nr: usize, x: &[f32]
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in gemv_rows.
         Isa::Avx2 => unsafe { avx2::gemm_rows(w, m, r0, nr, x, out, scratch) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { avx512::gemm_rows(w, m, r0, nr, x, out, scratch) },
         _ => gemm_rows_impl::<Portable>(w, m, r0, nr, x, out, scratch),
     }
 }
@@ -94,6 +107,9 @@ pub fn expand_row(isa: Isa, w: &Matrix, m: usize, r: usize, out: &mut [f32]) {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in gemv_rows.
         Isa::Avx2 => unsafe { avx2::expand_row(w, m * w.rows + r, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { avx512::expand_row(w, m * w.rows + r, out) },
         _ => expand_row_impl::<Portable>(w, m * w.rows + r, out),
     }
 }
@@ -109,6 +125,9 @@ pub fn dots(isa: Isa, a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb:
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in gemv_rows.
         Isa::Avx2 => unsafe { avx2::dots(a, sa, na, b, sb, nb, d, out, os) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { avx512::dots(a, sa, na, b, sb, nb, d, out, os) },
         _ => Portable::dots(a, sa, na, b, sb, nb, d, out, os),
     }
 }
@@ -120,6 +139,9 @@ pub fn weighted_sum(isa: Isa, w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) 
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in gemv_rows.
         Isa::Avx2 => unsafe { avx2::weighted_sum(w, v, sv, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { avx512::weighted_sum(w, v, sv, out) },
         _ => Portable::weighted_sum(w, v, sv, out),
     }
 }
@@ -278,9 +300,16 @@ fn dots_tiled<K: Kernels, const R: usize, const U: usize>(
     // U rows of b at a time (they stay in registers' reach), sweeping every row of a (kept in L1 by
     // the callers: a block of expanded weights, or of keys), then the single rows of b.
     for u in (0..full_u).step_by(U) {
-        let br: [&[f32]; U] = std::array::from_fn(|j| tok(u + j));
+        let mut br: [&[f32]; U] = [&[]; U];
+        for (j, br) in br.iter_mut().enumerate() {
+            *br = tok(u + j);
+        }
         for i in (0..full_r).step_by(R) {
-            let v = K::dot_tile::<R, U>(std::array::from_fn(|k| row(i + k)), br);
+            let mut ar: [&[f32]; R] = [&[]; R];
+            for (k, ar) in ar.iter_mut().enumerate() {
+                *ar = row(i + k);
+            }
+            let v = K::dot_tile::<R, U>(ar, br);
             for j in 0..U {
                 for (k, vr) in v.iter().enumerate() {
                     out[(u + j) * os + i + k] = vr[j];
@@ -297,7 +326,11 @@ fn dots_tiled<K: Kernels, const R: usize, const U: usize>(
     for u in full_u..nb {
         let br = [tok(u)];
         for i in (0..full_r).step_by(R) {
-            let v = K::dot_tile::<R, 1>(std::array::from_fn(|k| row(i + k)), br);
+            let mut ar: [&[f32]; R] = [&[]; R];
+            for (k, ar) in ar.iter_mut().enumerate() {
+                *ar = row(i + k);
+            }
+            let v = K::dot_tile::<R, 1>(ar, br);
             for (k, vr) in v.iter().enumerate() {
                 out[u * os + i + k] = vr[0];
             }
@@ -468,10 +501,16 @@ impl Kernels for Portable {
 
     #[inline(always)]
     fn gemv_affine<const BITS: u32, const R: usize, S: Stored>(a: &Affine<S>, row0: usize, x: &[f32]) -> [f32; R] {
-        let words: [&[u32]; R] = std::array::from_fn(|r| a.words_of(row0 + r));
+        let mut words: [&[u32]; R] = [&[]; R];
+        for (r, w) in words.iter_mut().enumerate() {
+            *w = a.words_of(row0 + r);
+        }
         let mut acc = [[0f32; 8]; R];
         for g in 0..a.groups {
-            let sb: [(f32, f32); R] = std::array::from_fn(|r| a.scale_bias(row0 + r, g));
+            let mut sb = [(0f32, 0f32); R];
+            for (r, sb) in sb.iter_mut().enumerate() {
+                *sb = a.scale_bias(row0 + r, g);
+            }
             for c in (g * a.group..(g + 1) * a.group).step_by(8) {
                 let xv = lanes(x, c);
                 for r in 0..R {
@@ -482,7 +521,11 @@ impl Kernels for Portable {
                 }
             }
         }
-        std::array::from_fn(|r| combine(&acc[r]))
+        let mut out = [0f32; R];
+        for (o, acc) in out.iter_mut().zip(&acc) {
+            *o = combine(acc);
+        }
+        out
     }
 
     #[inline(always)]
@@ -496,7 +539,10 @@ impl Kernels for Portable {
         let c8 = cols / 8 * 8;
         let mut acc = [[[0f32; 8]; U]; R];
         for c in (0..c8).step_by(8) {
-            let wv: [[f32; 8]; R] = std::array::from_fn(|r| lanes(w[r], c));
+            let mut wv = [[0f32; 8]; R];
+            for (wv, w) in wv.iter_mut().zip(&w) {
+                *wv = lanes(w, c);
+            }
             for u in 0..U {
                 let xv = lanes(x[u], c);
                 for r in 0..R {
@@ -542,7 +588,7 @@ mod avx2 {
     };
     use lily_model::weights::Matrix;
 
-    pub(super) struct Avx2;
+    pub(crate) struct Avx2;
 
     #[target_feature(enable = "avx2")]
     pub(super) fn gemv_rows(w: &Matrix, m: usize, r0: usize, x: &[f32], out: &mut [f32], scratch: &mut Vec<f32>) {
@@ -576,7 +622,7 @@ mod avx2 {
     ///
     /// SAFETY: the caller checks that `words` holds the codes of columns c..c+8, and runs with AVX2.
     #[inline(always)]
-    unsafe fn codes<const BITS: u32>(words: &[u32], c: usize) -> __m256 {
+    pub(super) unsafe fn codes<const BITS: u32>(words: &[u32], c: usize) -> __m256 {
         unsafe {
             if BITS == 4 {
                 let v = _mm256_set1_epi32(*words.get_unchecked(c / 8) as i32);
@@ -591,7 +637,7 @@ mod avx2 {
 
     /// The eight lanes of `v`, combined in the fixed order.
     #[inline(always)]
-    unsafe fn reduce(v: __m256) -> f32 {
+    pub(super) unsafe fn reduce(v: __m256) -> f32 {
         let mut a = [0f32; 8];
         unsafe { _mm256_storeu_ps(a.as_mut_ptr(), v) };
         combine(&a)
@@ -600,7 +646,7 @@ mod avx2 {
     /// Eight sums at once: lane j of the result is `v[j]`'s eight lanes combined in the fixed order,
     /// `((a0+a4)+(a1+a5))+((a2+a6)+(a3+a7))`, by the same additions done across registers.
     #[inline(always)]
-    unsafe fn reduce8(v: &[__m256; 8]) -> __m256 {
+    pub(super) unsafe fn reduce8(v: &[__m256; 8]) -> __m256 {
         unsafe {
             // [x_k + x_{k+4} (k < 4) | y_k + y_{k+4}]: the first level for two vectors.
             let half = |x: __m256, y: __m256| {
@@ -638,17 +684,21 @@ mod avx2 {
 
         #[inline(always)]
         fn gemv_affine<const BITS: u32, const R: usize, S: Stored>(a: &Affine<S>, row0: usize, x: &[f32]) -> [f32; R] {
-            let words: [&[u32]; R] = std::array::from_fn(|r| a.words_of(row0 + r));
+            let mut words: [&[u32]; R] = [&[]; R];
+            for (r, w) in words.iter_mut().enumerate() {
+                *w = a.words_of(row0 + r);
+            }
             let cols = a.groups * a.group;
             assert!(x.len() >= cols && words.iter().all(|w| w.len() * 32 >= cols * BITS as usize));
             // SAFETY: columns below cols, checked above; AVX2 by the entry point.
             unsafe {
                 let mut acc = [_mm256_setzero_ps(); R];
                 for g in 0..a.groups {
-                    let sb: [(__m256, __m256); R] = std::array::from_fn(|r| {
+                    let mut sb = [(_mm256_setzero_ps(), _mm256_setzero_ps()); R];
+                    for (r, sb) in sb.iter_mut().enumerate() {
                         let (s, b) = a.scale_bias(row0 + r, g);
-                        (_mm256_set1_ps(s), _mm256_set1_ps(b))
-                    });
+                        *sb = (_mm256_set1_ps(s), _mm256_set1_ps(b));
+                    }
                     for c in (g * a.group..(g + 1) * a.group).step_by(8) {
                         let xv = _mm256_loadu_ps(x.as_ptr().add(c));
                         for r in 0..R {
@@ -657,7 +707,11 @@ mod avx2 {
                         }
                     }
                 }
-                std::array::from_fn(|r| reduce(acc[r]))
+                let mut out = [0f32; R];
+                for (o, &acc) in out.iter_mut().zip(&acc) {
+                    *o = reduce(acc);
+                }
+                out
             }
         }
 
@@ -677,7 +731,10 @@ mod avx2 {
             unsafe {
                 let mut acc = [[_mm256_setzero_ps(); U]; R];
                 for c in (0..c8).step_by(8) {
-                    let wv: [__m256; R] = std::array::from_fn(|r| _mm256_loadu_ps(w[r].as_ptr().add(c)));
+                    let mut wv = [_mm256_setzero_ps(); R];
+                    for (wv, w) in wv.iter_mut().zip(&w) {
+                        *wv = _mm256_loadu_ps(w.as_ptr().add(c));
+                    }
                     for u in 0..U {
                         let xv = _mm256_loadu_ps(x[u].as_ptr().add(c));
                         for r in 0..R {
@@ -688,7 +745,10 @@ mod avx2 {
                 let mut out = [[0f32; U]; R];
                 if R * U == 8 && c8 == cols {
                     // The whole tile's sums at once (no tail products to add).
-                    let v: [__m256; 8] = std::array::from_fn(|j| acc[j / U][j % U]);
+                    let mut v = [_mm256_setzero_ps(); 8];
+                    for (j, v) in v.iter_mut().enumerate() {
+                        *v = acc[j / U][j % U];
+                    }
                     let mut sums = [0f32; 8];
                     _mm256_storeu_ps(sums.as_mut_ptr(), reduce8(&v));
                     for (j, &s) in sums.iter().enumerate() {
@@ -718,6 +778,154 @@ mod avx2 {
         #[inline(always)]
         fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
             // Plain Rust: with AVX2 enabled it keeps the 64 sums in 8 registers.
+            weighted_sum_blocked(w, v, sv, out)
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The AVX-512 implementation.
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::avx2::{self, Avx2};
+    use super::{dots_tiled, expand_row_impl, gemm_rows_impl, gemv_affine_rows_grouped, gemv_rows_impl, weighted_sum_blocked, Affine, Kernels, Stored};
+    use lily_model::weights::Matrix;
+
+    pub(super) struct Avx512;
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn gemv_rows(w: &Matrix, m: usize, r0: usize, x: &[f32], out: &mut [f32], scratch: &mut Vec<f32>) {
+        gemv_rows_impl::<Avx512>(w, m, r0, x, out, scratch)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn gemm_rows(w: &Matrix, m: usize, r0: usize, nr: usize, x: &[f32], out: &mut [f32], scratch: &mut Vec<f32>) {
+        gemm_rows_impl::<Avx512>(w, m, r0, nr, x, out, scratch)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn expand_row(w: &Matrix, row: usize, out: &mut [f32]) {
+        expand_row_impl::<Avx512>(w, row, out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn dots(a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb: usize, d: usize, out: &mut [f32], os: usize) {
+        <Avx512 as Kernels>::dots(a, sa, na, b, sb, nb, d, out, os)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
+        <Avx512 as Kernels>::weighted_sum(w, v, sv, out)
+    }
+
+    /// The codes of columns c..c+8 of two rows, as f32: lanes 0–7 row `a`'s, 8–15 row `b`'s.
+    ///
+    /// SAFETY: the caller checks that both rows hold the codes of columns c..c+8, and runs with
+    /// AVX-512F.
+    #[inline(always)]
+    unsafe fn codes2<const BITS: u32>(a: &[u32], b: &[u32], c: usize) -> __m512 {
+        unsafe {
+            if BITS == 4 {
+                let v = _mm512_mask_set1_epi32(_mm512_set1_epi32(*a.get_unchecked(c / 8) as i32), 0xFF00, *b.get_unchecked(c / 8) as i32);
+                let sh = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+                _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(v, sh), _mm512_set1_epi32(0xF)))
+            } else {
+                let lo = (a.as_ptr().add(c / 4) as *const i64).read_unaligned();
+                let hi = (b.as_ptr().add(c / 4) as *const i64).read_unaligned();
+                _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_set_epi64x(hi, lo)))
+            }
+        }
+    }
+
+    /// `[x | y]`: one 8-lane value in each half.
+    #[inline(always)]
+    unsafe fn halves(x: f32, y: f32) -> __m512 {
+        _mm512_mask_mov_ps(_mm512_set1_ps(x), 0xFF00, _mm512_set1_ps(y))
+    }
+
+    impl Kernels for Avx512 {
+        #[inline(always)]
+        fn expand_affine<const BITS: u32, S: Stored>(a: &Affine<S>, row: usize, out: &mut [f32]) {
+            Avx2::expand_affine::<BITS, S>(a, row, out)
+        }
+
+        #[inline(always)]
+        fn gemv_affine<const BITS: u32, const R: usize, S: Stored>(a: &Affine<S>, row0: usize, x: &[f32]) -> [f32; R] {
+            if R % 2 == 1 {
+                return Avx2::gemv_affine::<BITS, R, S>(a, row0, x);
+            }
+            let mut words: [&[u32]; R] = [&[]; R];
+            for (r, w) in words.iter_mut().enumerate() {
+                *w = a.words_of(row0 + r);
+            }
+            let cols = a.groups * a.group;
+            assert!(x.len() >= cols && words.iter().all(|w| w.len() * 32 >= cols * BITS as usize));
+            // SAFETY: columns below cols, checked above; AVX-512F by the entry point.
+            unsafe {
+                // Pair p = rows 2p (lanes 0–7) and 2p+1 (lanes 8–15); only the first R/2 are used.
+                let mut acc = [_mm512_setzero_ps(); R];
+                for g in 0..a.groups {
+                    let mut sb = [(_mm512_setzero_ps(), _mm512_setzero_ps()); R];
+                    for (p, sb) in sb.iter_mut().take(R / 2).enumerate() {
+                        let ((s0, b0), (s1, b1)) = (a.scale_bias(row0 + 2 * p, g), a.scale_bias(row0 + 2 * p + 1, g));
+                        *sb = (halves(s0, s1), halves(b0, b1));
+                    }
+                    for c in (g * a.group..(g + 1) * a.group).step_by(8) {
+                        let x8 = _mm256_loadu_pd(x.as_ptr().add(c) as *const f64);
+                        let xv = _mm512_castpd_ps(_mm512_broadcast_f64x4(x8));
+                        for p in 0..R / 2 {
+                            let q = codes2::<BITS>(words[2 * p], words[2 * p + 1], c);
+                            let w = _mm512_add_ps(_mm512_mul_ps(sb[p].0, q), sb[p].1);
+                            acc[p] = _mm512_add_ps(acc[p], _mm512_mul_ps(w, xv));
+                        }
+                    }
+                }
+                let half = |r: usize| {
+                    let v = acc[r / 2];
+                    if r % 2 == 0 {
+                        _mm512_castps512_ps256(v)
+                    } else {
+                        _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
+                    }
+                };
+                let mut out = [0f32; R];
+                if R == 8 {
+                    let mut v = [_mm256_setzero_ps(); 8];
+                    for (r, v) in v.iter_mut().enumerate() {
+                        *v = half(r);
+                    }
+                    _mm256_storeu_ps(out.as_mut_ptr(), avx2::reduce8(&v));
+                } else {
+                    for (r, o) in out.iter_mut().enumerate() {
+                        *o = avx2::reduce(half(r));
+                    }
+                }
+                out
+            }
+        }
+
+        #[inline(always)]
+        fn gemv_affine_rows<const BITS: u32, S: Stored>(a: &Affine<S>, base: usize, x: &[f32], out: &mut [f32]) {
+            // Eight rows: four registers of sums, reduced together.
+            gemv_affine_rows_grouped::<Self, BITS, 8, S>(a, base, x, out)
+        }
+
+        #[inline(always)]
+        fn dot_tile<const R: usize, const U: usize>(w: [&[f32]; R], x: [&[f32]; U]) -> [[f32; U]; R] {
+            Avx2::dot_tile::<R, U>(w, x)
+        }
+
+        #[inline(always)]
+        fn dots(a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb: usize, d: usize, out: &mut [f32], os: usize) {
+            dots_tiled::<Avx2, 4, 2>(a, sa, na, b, sb, nb, d, out, os)
+        }
+
+        #[inline(always)]
+        fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
             weighted_sum_blocked(w, v, sv, out)
         }
     }

@@ -49,8 +49,8 @@ pub fn matmul_with(isa: Isa, w: &Matrix, m: usize, x: &[f32], y: &mut [f32]) {
             kernels::gemm_rows(isa, w, m, 0, rows, x, y, &mut scratch);
         }
     } else if t == 1 {
-        // Over blocks of output rows (a multiple of 4, the kernel's row group).
-        let chunk = rows.div_ceil(tasks).next_multiple_of(4);
+        // Over blocks of output rows (a multiple of 8, the kernels' row groups).
+        let chunk = rows.div_ceil(tasks).next_multiple_of(8);
         y.par_chunks_mut(chunk)
             .enumerate()
             .for_each_init(Vec::new, |s, (i, out)| kernels::gemv_rows(isa, w, m, i * chunk, x, out, s));
