@@ -272,6 +272,15 @@ pub(crate) trait Kernels {
     fn dots(a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb: usize, d: usize, out: &mut [f32], os: usize);
     /// `out[j] += Σ_{p < n} w[p] · v[p·sv + j]` for j < out.len(), p in increasing order for every j.
     fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]);
+    /// The many-token product of a block of `nb` expanded rows (`cols` apart in `rows`) with every
+    /// token of `x`, into `out[t·os + i]`; `pack` is room for a copy of the block in whatever
+    /// layout the implementation prefers.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn gemm_block(rows: &[f32], nb: usize, x: &[f32], cols: usize, out: &mut [f32], os: usize, pack: &mut [f32]) {
+        let _ = pack;
+        Self::dots(rows, cols, nb, x, cols, x.len() / cols, cols, out, os)
+    }
 }
 
 /// The fixed combination of the eight lane sums.
@@ -444,14 +453,15 @@ fn gemv_rows_impl<K: Kernels>(w: &Matrix, m: usize, r0: usize, x: &[f32], out: &
 #[inline(always)]
 fn gemm_rows_impl<K: Kernels>(w: &Matrix, m: usize, r0: usize, nr: usize, x: &[f32], out: &mut [f32], scratch: &mut Vec<f32>) {
     let cols = w.cols;
-    let block = (BLOCK_BYTES / (4 * cols)).clamp(4, 64) / 4 * 4;
-    scratch.resize(block * cols, 0.0);
+    let block = (BLOCK_BYTES / (4 * cols)).clamp(8, 64) / 8 * 8;
+    scratch.resize(2 * block * cols, 0.0);
+    let (rows, pack) = scratch.split_at_mut(block * cols);
     for b0 in (0..nr).step_by(block) {
         let nb = block.min(nr - b0);
-        for (i, dst) in scratch.chunks_exact_mut(cols).take(nb).enumerate() {
+        for (i, dst) in rows.chunks_exact_mut(cols).take(nb).enumerate() {
             expand_row_impl::<K>(w, m * w.rows + r0 + b0 + i, dst);
         }
-        K::dots(scratch, cols, nb, x, cols, x.len() / cols, cols, &mut out[b0..], nr);
+        K::gemm_block(rows, nb, x, cols, &mut out[b0..], nr, pack);
     }
 }
 
@@ -927,6 +937,74 @@ mod avx512 {
         #[inline(always)]
         fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
             weighted_sum_blocked(w, v, sv, out)
+        }
+
+        #[inline(always)]
+        fn gemm_block(rows: &[f32], nb: usize, x: &[f32], cols: usize, out: &mut [f32], os: usize, pack: &mut [f32]) {
+            let nt = x.len() / cols;
+            let full_r = nb / 8 * 8;
+            if cols % 8 != 0 || full_r == 0 {
+                return dots_tiled::<Avx2, 4, 2>(rows, cols, nb, x, cols, nt, cols, out, os);
+            }
+            // Rows 2p and 2p+1 interleaved by 8 columns: pack[p·2·cols + 2c + h·8 + l] = row 2p+h, column c+l.
+            assert!(pack.len() >= full_r * cols && rows.len() >= nb * cols && out.len() >= (nt - 1) * os + nb);
+            for p in 0..full_r / 2 {
+                let dst = &mut pack[p * 2 * cols..(p + 1) * 2 * cols];
+                for (c, d16) in (0..cols).step_by(8).zip(dst.chunks_exact_mut(16)) {
+                    d16[..8].copy_from_slice(&rows[2 * p * cols + c..2 * p * cols + c + 8]);
+                    d16[8..].copy_from_slice(&rows[(2 * p + 1) * cols + c..(2 * p + 1) * cols + c + 8]);
+                }
+            }
+            let full_u = nt / 4 * 4;
+            for u in (0..full_u).step_by(4) {
+                for i in (0..full_r).step_by(8) {
+                    // SAFETY: bounds checked above; AVX-512F by the entry point.
+                    unsafe { tile8::<4>(&pack[i * cols..(i + 8) * cols], x, u, cols, &mut out[u * os + i..], os) };
+                }
+            }
+            for u in full_u..nt {
+                for i in (0..full_r).step_by(8) {
+                    // SAFETY: as above.
+                    unsafe { tile8::<1>(&pack[i * cols..(i + 8) * cols], x, u, cols, &mut out[u * os + i..], os) };
+                }
+            }
+            if full_r < nb {
+                let tail = &rows[full_r * cols..];
+                dots_tiled::<Avx2, 4, 2>(tail, cols, nb - full_r, x, cols, nt, cols, &mut out[full_r..], os);
+            }
+        }
+    }
+
+    /// Eight packed rows (four pairs, see `gemm_block`) times tokens u0..u0+U of x, into
+    /// `out[j·os + 0..8]` for token u0+j: 4·U registers of sums, two rows each.
+    ///
+    /// SAFETY: `pk` holds 8·cols floats, x tokens u0..u0+U, out U-1 strides and 8; AVX-512F.
+    #[inline(always)]
+    unsafe fn tile8<const U: usize>(pk: &[f32], x: &[f32], u0: usize, cols: usize, out: &mut [f32], os: usize) {
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); U]; 4];
+            let xp = x.as_ptr().add(u0 * cols);
+            let wp = pk.as_ptr();
+            for c in (0..cols).step_by(8) {
+                let mut xb = [_mm512_setzero_ps(); U];
+                for (j, xb) in xb.iter_mut().enumerate() {
+                    *xb = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(xp.add(j * cols + c) as *const f64)));
+                }
+                for (p, acc) in acc.iter_mut().enumerate() {
+                    let w = _mm512_loadu_ps(wp.add(p * 2 * cols + 2 * c));
+                    for j in 0..U {
+                        acc[j] = _mm512_add_ps(acc[j], _mm512_mul_ps(w, xb[j]));
+                    }
+                }
+            }
+            for j in 0..U {
+                let mut v = [_mm256_setzero_ps(); 8];
+                for p in 0..4 {
+                    v[2 * p] = _mm512_castps512_ps256(acc[p][j]);
+                    v[2 * p + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc[p][j])));
+                }
+                _mm256_storeu_ps(out.as_mut_ptr().add(j * os), avx2::reduce8(&v));
+            }
         }
     }
 }
