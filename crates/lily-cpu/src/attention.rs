@@ -4,8 +4,9 @@
 //!
 //! The softmax part runs per KV head on blocks of query rows (a block of new tokens times the query
 //! heads that read that KV head), so each key and value row is read once per block, not once per
-//! query: scores are the shared dot kernels of `kernels` (eight-lane sums in a fixed order), then an
-//! exact two-pass softmax per row, then the value rows summed in position order.
+//! query: scores are the shared dot kernels of `kernels` (eight-lane sums in a fixed order), then a
+//! two-pass softmax per row (vectorised, its own `exp`), then the value rows summed in position
+//! order.
 
 use lily_model::weights::AttnWeights;
 use lily_model::ModelConfig;
@@ -99,7 +100,7 @@ pub fn forward(w: &AttnWeights, cfg: &ModelConfig, x: &[f32], cache: &mut KvCach
     y
 }
 
-/// Scores of one block of query rows are kept whole (the softmax is exact, two-pass): at most this
+/// Scores of one block of query rows are kept whole (the softmax takes two passes): at most this
 /// many f32 per block, which bounds the tokens per block at long contexts.
 const SCORES_BUDGET: usize = 1 << 20;
 /// Most new tokens per block (their query rows share each key and value row read).
@@ -112,8 +113,8 @@ const PAR_MIN_WORK: usize = 1 << 18;
 /// Causal GQA softmax attention of the T new tokens at positions pos0.. (their K/V rows already in
 /// the cache): q [T, nh, hd] (after norm and RoPE), kc/vc [pos0+T, kvh, hd], o [T, nh, hd].
 /// Query head h reads KV head h / (nh/kvh); token i sees positions 0..=pos0+i. Per query row:
-/// s_p = (q·k_p)·(1/√hd), w_p = exp(s_p − max s) / Σ exp(s − max s) (summed in position order),
-/// o = Σ_p w_p·v_p in position order.
+/// s_p = (q·k_p)·(1/√hd) (the dot in the kernels' fixed order), w_p = exp(s_p − max s) / Σ exp(s −
+/// max s) ([`kernels::softmax`]), o = Σ_p w_p·v_p in position order.
 #[allow(clippy::too_many_arguments)]
 pub fn attend(isa: Isa, q: &[f32], kc: &[f32], vc: &[f32], pos0: usize, nh: usize, kvh: usize, hd: usize, o: &mut [f32]) {
     let t = q.len() / (nh * hd);
@@ -200,22 +201,10 @@ fn attend_block(
         let np = keys.min(n_max - p0);
         kernels::dots(isa, &kc[p0 * stride + kv * hd..], stride, np, &sc.q, hd, rows, hd, &mut sc.s[p0..], n_max);
     }
-    // Per row: its causal prefix, scaled, softmax in two passes (max, then exp and sum in order).
+    // Per row: its causal prefix, scaled, then the softmax.
     for r in 0..rows {
         let n = pos0 + t0 + r / group + 1;
-        let s = &mut sc.s[r * n_max..r * n_max + n];
-        for v in s.iter_mut() {
-            *v *= scale;
-        }
-        let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for v in s.iter_mut() {
-            *v = (*v - m).exp();
-            sum += *v;
-        }
-        for v in s.iter_mut() {
-            *v /= sum;
-        }
+        kernels::softmax(isa, &mut sc.s[r * n_max..r * n_max + n], scale);
     }
     // Σ_p w_p·v_p per row, over blocks of value rows (each block reused by every row).
     let mut out = vec![0.0f32; rows * hd];

@@ -146,6 +146,83 @@ pub fn weighted_sum(isa: Isa, w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) 
     }
 }
 
+/// In place on a row of attention scores: `s ← s·scale`, then the softmax
+/// `exp(s − max s) / Σ exp(s − max s)`, with [`exp_neg`] and the sum in the fixed eight-lane order.
+pub fn softmax(isa: Isa, s: &mut [f32], scale: f32) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as in gemv_rows.
+        Isa::Avx2 => unsafe { avx2::softmax(s, scale) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { avx512::softmax(s, scale) },
+        _ => softmax_impl(s, scale),
+    }
+}
+
+/// `e^x` for x ≤ 0 in f32, by Cephes' `expf` polynomial (about 1 ulp; the same algorithm as
+/// `lily_sampler::ops::exp_f32`), written out so that it vectorises and gives the same bits on
+/// every machine: 0 below −87 (weights under 1.6e-38 of the largest), NaN for NaN.
+#[inline(always)]
+pub fn exp_neg(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to an integer (ties to even)
+    let xc = x.clamp(-87.0, 0.0);
+    let t = xc * LOG2E + ROUND;
+    let n = t - ROUND;
+    let ni = (t.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let r = xc - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let y = p * r * r + r + 1.0;
+    let scale = f32::from_bits(((ni + 127) as u32) << 23);
+    if x >= -87.0 {
+        y * scale
+    } else if x.is_nan() {
+        x
+    } else {
+        0.0
+    }
+}
+
+#[inline(always)]
+fn softmax_impl(s: &mut [f32], scale: f32) {
+    for v in s.iter_mut() {
+        *v *= scale;
+    }
+    // The largest score (NaN ignored, as f32::max does; exact in any order).
+    let mut mx = [f32::NEG_INFINITY; 8];
+    let mut chunks = s.chunks_exact(8);
+    for c in &mut chunks {
+        for l in 0..8 {
+            mx[l] = if c[l] > mx[l] { c[l] } else { mx[l] };
+        }
+    }
+    let m = mx.iter().chain(chunks.remainder()).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    let mut acc = [0f32; 8];
+    let mut chunks = s.chunks_exact_mut(8);
+    for c in &mut chunks {
+        for l in 0..8 {
+            c[l] = exp_neg(c[l] - m);
+            acc[l] += c[l];
+        }
+    }
+    let mut sum = combine(&acc);
+    for v in chunks.into_remainder() {
+        *v = exp_neg(*v - m);
+        sum += *v;
+    }
+    for v in s.iter_mut() {
+        *v /= sum;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Stored values and the affine view.
 
@@ -350,26 +427,24 @@ fn dots_tiled<K: Kernels, const R: usize, const U: usize>(
     }
 }
 
-/// Columns of [`Kernels::weighted_sum`] kept in registers while the sum runs over the rows.
-const WSUM_COLS: usize = 64;
-
-/// [`Kernels::weighted_sum`] in plain Rust: WSUM_COLS columns at a time, so the sums stay in
-/// registers over all the rows (each column's order over p is unchanged).
+/// [`Kernels::weighted_sum`] in plain Rust: C columns at a time, so the sums stay in registers over
+/// all the rows (each column's order over p is unchanged). C = 64 fills 8 AVX2 registers; the
+/// AVX-512 build takes 128 (8 registers of 16).
 #[inline(always)]
-fn weighted_sum_blocked(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
+fn weighted_sum_blocked<const C: usize>(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
     let d = out.len();
     let n = w.len();
     assert!(n == 0 || (n - 1) * sv + d <= v.len(), "weighted_sum: v too short");
-    let full = d / WSUM_COLS * WSUM_COLS;
-    for j0 in (0..full).step_by(WSUM_COLS) {
-        let mut acc: [f32; WSUM_COLS] = out[j0..j0 + WSUM_COLS].try_into().unwrap();
+    let full = d / C * C;
+    for j0 in (0..full).step_by(C) {
+        let mut acc: [f32; C] = out[j0..j0 + C].try_into().unwrap();
         for (p, &wp) in w.iter().enumerate() {
-            let vr: &[f32; WSUM_COLS] = v[p * sv + j0..p * sv + j0 + WSUM_COLS].try_into().unwrap();
-            for l in 0..WSUM_COLS {
+            let vr: &[f32; C] = v[p * sv + j0..p * sv + j0 + C].try_into().unwrap();
+            for l in 0..C {
                 acc[l] += wp * vr[l];
             }
         }
-        out[j0..j0 + WSUM_COLS].copy_from_slice(&acc);
+        out[j0..j0 + C].copy_from_slice(&acc);
     }
     for j in full..d {
         let mut acc = out[j];
@@ -582,7 +657,7 @@ impl Kernels for Portable {
 
     #[inline(always)]
     fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
-        weighted_sum_blocked(w, v, sv, out)
+        weighted_sum_blocked::<64>(w, v, sv, out)
     }
 }
 
@@ -624,6 +699,11 @@ mod avx2 {
     #[target_feature(enable = "avx2")]
     pub(super) fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
         <Avx2 as Kernels>::weighted_sum(w, v, sv, out)
+    }
+
+    #[target_feature(enable = "avx2")]
+    pub(super) fn softmax(s: &mut [f32], scale: f32) {
+        super::softmax_impl(s, scale)
     }
 
     /// The codes of columns c..c+8 (c a multiple of 8) of a row's words, as f32 lanes. 4 bits: the
@@ -788,7 +868,7 @@ mod avx2 {
         #[inline(always)]
         fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
             // Plain Rust: with AVX2 enabled it keeps the 64 sums in 8 registers.
-            weighted_sum_blocked(w, v, sv, out)
+            weighted_sum_blocked::<64>(w, v, sv, out)
         }
     }
 }
@@ -830,6 +910,11 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     pub(super) fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
         <Avx512 as Kernels>::weighted_sum(w, v, sv, out)
+    }
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn softmax(s: &mut [f32], scale: f32) {
+        super::softmax_impl(s, scale)
     }
 
     /// The codes of columns c..c+8 of two rows, as f32: lanes 0–7 row `a`'s, 8–15 row `b`'s.
@@ -931,64 +1016,82 @@ mod avx512 {
 
         #[inline(always)]
         fn dots(a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb: usize, d: usize, out: &mut [f32], os: usize) {
-            dots_tiled::<Avx2, 4, 2>(a, sa, na, b, sb, nb, d, out, os)
+            // The buffer is taken out and put back: code inside the closure of `with` would not
+            // be compiled with this function's target features.
+            let mut pack = PACK.with(|p| p.take());
+            pack.resize(na / 8 * 8 * d, 0.0);
+            packed_dots(a, sa, na, b, sb, nb, d, out, os, &mut pack);
+            PACK.with(|p| p.replace(pack));
         }
 
         #[inline(always)]
         fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
-            weighted_sum_blocked(w, v, sv, out)
+            weighted_sum_blocked::<128>(w, v, sv, out)
         }
 
         #[inline(always)]
         fn gemm_block(rows: &[f32], nb: usize, x: &[f32], cols: usize, out: &mut [f32], os: usize, pack: &mut [f32]) {
-            let nt = x.len() / cols;
-            let full_r = nb / 8 * 8;
-            if cols % 8 != 0 || full_r == 0 {
-                return dots_tiled::<Avx2, 4, 2>(rows, cols, nb, x, cols, nt, cols, out, os);
-            }
-            // Rows 2p and 2p+1 interleaved by 8 columns: pack[p·2·cols + 2c + h·8 + l] = row 2p+h, column c+l.
-            assert!(pack.len() >= full_r * cols && rows.len() >= nb * cols && out.len() >= (nt - 1) * os + nb);
-            for p in 0..full_r / 2 {
-                let dst = &mut pack[p * 2 * cols..(p + 1) * 2 * cols];
-                for (c, d16) in (0..cols).step_by(8).zip(dst.chunks_exact_mut(16)) {
-                    d16[..8].copy_from_slice(&rows[2 * p * cols + c..2 * p * cols + c + 8]);
-                    d16[8..].copy_from_slice(&rows[(2 * p + 1) * cols + c..(2 * p + 1) * cols + c + 8]);
-                }
-            }
-            let full_u = nt / 4 * 4;
-            for u in (0..full_u).step_by(4) {
-                for i in (0..full_r).step_by(8) {
-                    // SAFETY: bounds checked above; AVX-512F by the entry point.
-                    unsafe { tile8::<4>(&pack[i * cols..(i + 8) * cols], x, u, cols, &mut out[u * os + i..], os) };
-                }
-            }
-            for u in full_u..nt {
-                for i in (0..full_r).step_by(8) {
-                    // SAFETY: as above.
-                    unsafe { tile8::<1>(&pack[i * cols..(i + 8) * cols], x, u, cols, &mut out[u * os + i..], os) };
-                }
-            }
-            if full_r < nb {
-                let tail = &rows[full_r * cols..];
-                dots_tiled::<Avx2, 4, 2>(tail, cols, nb - full_r, x, cols, nt, cols, &mut out[full_r..], os);
-            }
+            packed_dots(rows, cols, nb, x, cols, x.len() / cols, cols, out, os, pack)
         }
     }
 
-    /// Eight packed rows (four pairs, see `gemm_block`) times tokens u0..u0+U of x, into
-    /// `out[j·os + 0..8]` for token u0+j: 4·U registers of sums, two rows each.
-    ///
-    /// SAFETY: `pk` holds 8·cols floats, x tokens u0..u0+U, out U-1 strides and 8; AVX-512F.
+    thread_local! {
+        /// Room for the packed rows of `dots` (attention's key blocks).
+        static PACK: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+    }
+
+    /// [`Kernels::dots`] through 8 × 4 register tiles: rows of `a` in groups of eight are packed
+    /// in pairs (`pack[p·2·d + 2c + h·8 + l]` = row 2p+h, column c+l), each 8-column slice of a row
+    /// of `b` is broadcast to both halves; the remainders go through the AVX2 tiles.
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
-    unsafe fn tile8<const U: usize>(pk: &[f32], x: &[f32], u0: usize, cols: usize, out: &mut [f32], os: usize) {
+    fn packed_dots(a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb: usize, d: usize, out: &mut [f32], os: usize, pack: &mut [f32]) {
+        let full_r = na / 8 * 8;
+        if d % 8 != 0 || full_r == 0 || nb == 0 {
+            return dots_tiled::<Avx2, 4, 2>(a, sa, na, b, sb, nb, d, out, os);
+        }
+        assert!(pack.len() >= full_r * d && (na - 1) * sa + d <= a.len() && (nb - 1) * sb + d <= b.len());
+        assert!((nb - 1) * os + na <= out.len());
+        for p in 0..full_r / 2 {
+            let dst = &mut pack[p * 2 * d..(p + 1) * 2 * d];
+            let (r0, r1) = (&a[2 * p * sa..2 * p * sa + d], &a[(2 * p + 1) * sa..(2 * p + 1) * sa + d]);
+            for (c, d16) in (0..d).step_by(8).zip(dst.chunks_exact_mut(16)) {
+                d16[..8].copy_from_slice(&r0[c..c + 8]);
+                d16[8..].copy_from_slice(&r1[c..c + 8]);
+            }
+        }
+        let full_u = nb / 4 * 4;
+        for u in (0..full_u).step_by(4) {
+            for i in (0..full_r).step_by(8) {
+                // SAFETY: bounds checked above; AVX-512F by the entry point.
+                unsafe { tile8::<4>(&pack[i * d..(i + 8) * d], b, sb, u, d, &mut out[u * os + i..], os) };
+            }
+        }
+        for u in full_u..nb {
+            for i in (0..full_r).step_by(8) {
+                // SAFETY: as above.
+                unsafe { tile8::<1>(&pack[i * d..(i + 8) * d], b, sb, u, d, &mut out[u * os + i..], os) };
+            }
+        }
+        if full_r < na {
+            dots_tiled::<Avx2, 4, 2>(&a[full_r * sa..], sa, na - full_r, b, sb, nb, d, &mut out[full_r..], os);
+        }
+    }
+
+    /// Eight packed rows (four pairs, see `packed_dots`) times rows u0..u0+U of x (`sx` apart), into
+    /// `out[j·os + 0..8]` for row u0+j: 4·U registers of sums, two rows each.
+    ///
+    /// SAFETY: `pk` holds 8·cols floats, x rows u0..u0+U, out U-1 strides and 8; AVX-512F.
+    #[inline(always)]
+    unsafe fn tile8<const U: usize>(pk: &[f32], x: &[f32], sx: usize, u0: usize, cols: usize, out: &mut [f32], os: usize) {
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); U]; 4];
-            let xp = x.as_ptr().add(u0 * cols);
+            let xp = x.as_ptr().add(u0 * sx);
             let wp = pk.as_ptr();
             for c in (0..cols).step_by(8) {
                 let mut xb = [_mm512_setzero_ps(); U];
                 for (j, xb) in xb.iter_mut().enumerate() {
-                    *xb = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(xp.add(j * cols + c) as *const f64)));
+                    *xb = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(xp.add(j * sx + c) as *const f64)));
                 }
                 for (p, acc) in acc.iter_mut().enumerate() {
                     let w = _mm512_loadu_ps(wp.add(p * 2 * cols + 2 * c));

@@ -268,6 +268,31 @@ fn timing_demo_shapes() {
             );
         }
     }
+    // Attention of the demo's shape (8 query heads over 2 KV heads of 256): a 512-token chunk after
+    // 512 tokens, and one decode step after 1024.
+    for (pos0, t) in [(512, 512), (1024, 1)] {
+        let (nh, kvh, hd) = (8, 2, 256);
+        let q = rng.normals(t * nh * hd, 1.0);
+        let kc = rng.normals((pos0 + t) * kvh * hd, 0.3);
+        let vc = rng.normals((pos0 + t) * kvh * hd, 1.0);
+        let mut o = vec![0f32; q.len()];
+        for isa in Isa::available() {
+            let mut best = f64::INFINITY;
+            for _ in 0..(if t == 1 { 200 } else { 5 }) {
+                let start = std::time::Instant::now();
+                lily_cpu::attention::attend(isa, &q, &kc, &vc, pos0, nh, kvh, hd, &mut o);
+                best = best.min(start.elapsed().as_secs_f64());
+            }
+            let macs = 2 * t * nh * hd * (pos0 + t.div_ceil(2));
+            println!(
+                "{:>26} pos0={pos0} T={t} {isa:?} on {} threads: {:.1} us, {:.2} G multiply-adds/s",
+                "attention",
+                rayon::current_num_threads(),
+                best * 1e6,
+                macs as f64 / best / 1e9
+            );
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -379,4 +404,50 @@ fn attention_matches_an_f64_loop_and_every_build_agrees() {
             }
         }
     }
+}
+
+#[test]
+fn exp_is_within_two_ulp_keeps_nan_and_flushes_below_minus_87() {
+    use lily_cpu::kernels::exp_neg;
+    let mut worst = 0f64;
+    for i in 0..=2_000_000u32 {
+        let x = -87.0 * i as f32 / 2_000_000.0;
+        let (got, want) = (exp_neg(x) as f64, (x as f64).exp());
+        worst = worst.max(((got - want) / want).abs());
+    }
+    // 2 ulp of f32 is 2.4e-7 relative.
+    assert!(worst < 2.4e-7, "exp_neg relative error {worst:.3e}");
+    assert_eq!(exp_neg(0.0), 1.0);
+    assert_eq!(exp_neg(-88.0), 0.0);
+    assert_eq!(exp_neg(f32::NEG_INFINITY), 0.0);
+    assert!(exp_neg(f32::NAN).is_nan());
+}
+
+#[test]
+fn softmax_matches_f64_and_every_build_agrees() {
+    let mut rng = Rng::new(8);
+    for n in [1, 7, 8, 37, 1000] {
+        let scores = rng.normals(n, 3.0);
+        let scale = 0.0625f32;
+        let m = scores.iter().map(|&v| (v * scale) as f64).fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = scores.iter().map(|&v| ((v * scale) as f64 - m).exp()).collect();
+        let total: f64 = e.iter().sum();
+        let mut first: Option<Vec<f32>> = None;
+        for isa in Isa::available() {
+            let mut s = scores.clone();
+            lily_cpu::kernels::softmax(isa, &mut s, scale);
+            for (p, (&got, &want)) in s.iter().zip(&e).enumerate() {
+                let want = want / total;
+                assert!((got as f64 - want).abs() <= 1e-6 * want + 1e-30, "softmax n={n} {isa:?} p={p}: {got} vs {want}");
+            }
+            match &first {
+                None => first = Some(s),
+                Some(f) => assert_same_bits(&format!("softmax n={n} {isa:?} vs portable"), &s, f),
+            }
+        }
+    }
+    // A NaN score makes the row NaN (never hidden).
+    let mut s = vec![1.0, f32::NAN, 2.0];
+    lily_cpu::kernels::softmax(Isa::best(), &mut s, 1.0);
+    assert!(s.iter().any(|v| v.is_nan()));
 }
