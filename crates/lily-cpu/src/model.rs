@@ -88,6 +88,19 @@ impl CpuModel {
         state: &mut State,
         tokens: &[u32],
         want: Logits,
+        trace: Option<&mut Trace>,
+    ) -> Result<Vec<f32>, BackendError> {
+        // One hand-off to the thread pool per call: the parallel loops inside then start on a worker,
+        // where a loop too small to split runs in place. From outside the pool every one of them
+        // would wake a worker and wait for it (two context switches per loop, dozens per token).
+        rayon::scope(|_| self.forward_in_pool(state, tokens, want, trace))
+    }
+
+    fn forward_in_pool(
+        &self,
+        state: &mut State,
+        tokens: &[u32],
+        want: Logits,
         mut trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>, BackendError> {
         let cfg = &self.w.config;
