@@ -248,8 +248,8 @@ pub fn gated_rmsnorm(
 // δ) never mix, so each tile's sums stay in registers while the loops run over Dk or over the
 // chunk's tokens, and the width changes nothing in any column's arithmetic. A tail of Dv % W
 // columns runs the same kernels with width 1. The width is a parameter of the per-head loops: 16
-// for the portable build (SSE2 has 16 registers of 4 lanes), wider for AVX2 (more independent sums
-// in flight, each chain's add latency hidden).
+// for the portable build (SSE2 has 16 registers of 4 lanes), wider for AVX2 and AVX-512 (more
+// independent sums in flight, each chain's add latency hidden).
 
 /// Column tile widths of the portable build.
 const TILE: usize = 16;
@@ -259,6 +259,11 @@ const TILE: usize = 16;
 const TILE_AVX2: usize = 32;
 #[cfg(target_arch = "x86_64")]
 const TILE_AVX2_STATE: usize = 64;
+/// The same for the AVX-512 build (16-lane registers, 32 of them).
+#[cfg(target_arch = "x86_64")]
+const TILE_AVX512: usize = 64;
+#[cfg(target_arch = "x86_64")]
+const TILE_AVX512_STATE: usize = 128;
 
 /// Calls `$kernel::<W>(v0, args…)` on column tiles v0..v0+W covering 0..dv, then width 1 on the
 /// tail.
@@ -390,8 +395,11 @@ pub fn delta_rule_recurrent_with(
     let rule = Rule { qkv, g, beta, dims };
     for_each_head_block(t_len, state, dims, out, || (), |j, t0, n, s, o, _| match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Isa::Avx2 and Avx512 are only produced where the CPU has AVX2.
-        Isa::Avx2 | Isa::Avx512 => unsafe { recurrent_head_avx2(&rule, j, t0, n, s, o) },
+        // SAFETY: Isa::Avx2 (Avx512) is only produced where the CPU has AVX2 (AVX-512F).
+        Isa::Avx2 => unsafe { recurrent_head_avx2(&rule, j, t0, n, s, o) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { recurrent_head_avx512(&rule, j, t0, n, s, o) },
         _ => recurrent_head::<TILE>(&rule, j, t0, n, s, o),
     });
 }
@@ -408,6 +416,12 @@ struct Rule<'a> {
 #[target_feature(enable = "avx2")]
 fn recurrent_head_avx2(rule: &Rule, j: usize, t0: usize, n: usize, s: &mut [f32], o: &mut [f32]) {
     recurrent_head::<TILE_AVX2>(rule, j, t0, n, s, o)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn recurrent_head_avx512(rule: &Rule, j: usize, t0: usize, n: usize, s: &mut [f32], o: &mut [f32]) {
+    recurrent_head::<TILE_AVX512>(rule, j, t0, n, s, o)
 }
 
 /// Tokens t0..t0+n of value head j, one by one, on column tiles of W; s: [Dk, Dv], o: [n, Dv].
@@ -544,8 +558,11 @@ pub fn delta_rule_chunked_with(
     let rule = Rule { qkv, g, beta, dims };
     for_each_head_block(t_len, state, dims, out, make, |j, t0, n, s, o, sc| match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: Isa::Avx2 and Avx512 are only produced where the CPU has AVX2.
-        Isa::Avx2 | Isa::Avx512 => unsafe { chunked_head_avx2(&rule, j, t0, n, s, o, sc) },
+        // SAFETY: Isa::Avx2 (Avx512) is only produced where the CPU has AVX2 (AVX-512F).
+        Isa::Avx2 => unsafe { chunked_head_avx2(&rule, j, t0, n, s, o, sc) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { chunked_head_avx512(&rule, j, t0, n, s, o, sc) },
         _ => chunked_head::<TILE, TILE>(&rule, j, t0, n, s, o, sc),
     });
 }
@@ -554,6 +571,12 @@ pub fn delta_rule_chunked_with(
 #[target_feature(enable = "avx2")]
 fn chunked_head_avx2(rule: &Rule, j: usize, t0: usize, n: usize, s: &mut [f32], o: &mut [f32], sc: &mut ChunkScratch) {
     chunked_head::<TILE_AVX2, TILE_AVX2_STATE>(rule, j, t0, n, s, o, sc)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn chunked_head_avx512(rule: &Rule, j: usize, t0: usize, n: usize, s: &mut [f32], o: &mut [f32], sc: &mut ChunkScratch) {
+    chunked_head::<TILE_AVX512, TILE_AVX512_STATE>(rule, j, t0, n, s, o, sc)
 }
 
 /// One chunk (tokens t0..t0+n, n ≤ CHUNK) of value head j on column tiles of W (WS for the state
