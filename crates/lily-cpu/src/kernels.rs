@@ -725,6 +725,27 @@ mod avx2 {
         }
     }
 
+    /// How far ahead the one-token product prefetches a matrix's rows.
+    const PREFETCH_ROWS: usize = 32;
+
+    /// Prefetches the rows PREFETCH_ROWS after row0..row0+n (codes, scales, biases): a matrix larger
+    /// than the caches (the lm_head) streams from memory, and the hardware prefetcher alone leaves
+    /// the core waiting. The addresses may run past the matrix: a prefetch never faults, and the
+    /// pointers are formed with wrapping arithmetic and never read.
+    #[inline(always)]
+    pub(super) fn prefetch_rows<S: Stored>(a: &Affine<S>, row0: usize, n: usize) {
+        let ahead = a.packed.as_ptr().wrapping_add((row0 + PREFETCH_ROWS) * a.words) as *const i8;
+        let g = (row0 + PREFETCH_ROWS) * a.groups;
+        // SAFETY: prefetches only (SSE, part of x86-64).
+        unsafe {
+            for line in (0..n * a.words * 4).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(line));
+            }
+            _mm_prefetch::<_MM_HINT_T0>(a.scales.as_ptr().wrapping_add(g) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(a.biases.as_ptr().wrapping_add(g) as *const i8);
+        }
+    }
+
     /// The eight lanes of `v`, combined in the fixed order.
     #[inline(always)]
     pub(super) unsafe fn reduce(v: __m256) -> f32 {
@@ -780,6 +801,7 @@ mod avx2 {
             }
             let cols = a.groups * a.group;
             assert!(x.len() >= cols && words.iter().all(|w| w.len() * 32 >= cols * BITS as usize));
+            prefetch_rows(a, row0, R);
             // SAFETY: columns below cols, checked above; AVX2 by the entry point.
             unsafe {
                 let mut acc = [_mm256_setzero_ps(); R];
@@ -961,6 +983,7 @@ mod avx512 {
             assert!(x.len() >= cols && words.iter().all(|w| w.len() * 32 >= cols * BITS as usize));
             // SAFETY: columns below cols, checked above; AVX-512F by the entry point.
             unsafe {
+                avx2::prefetch_rows(a, row0, R);
                 // Pair p = rows 2p (lanes 0–7) and 2p+1 (lanes 8–15); only the first R/2 are used.
                 let mut acc = [_mm512_setzero_ps(); R];
                 for g in 0..a.groups {
