@@ -13,8 +13,9 @@ use lily_model::ModelConfig;
 use rayon::prelude::*;
 
 use crate::kernels::{self, Isa};
-use crate::linear::{matmul, matmul_new};
+use crate::linear::matmul_buf;
 use crate::norm::{rms_norm_inplace, sigmoid};
+use crate::workspace::Buf;
 
 /// The KV cache of one attention layer: post-RoPE keys and values, `[pos, kv_heads, head_dim]`.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -59,16 +60,16 @@ pub fn rope(x: &mut [f32], heads: usize, head_dim: usize, rot: usize, theta: f64
 
 /// One attention layer on normed input x [T, H] at positions `cache.len()..`; appends to the cache.
 /// Returns [T, H].
-pub fn forward(w: &AttnWeights, cfg: &ModelConfig, x: &[f32], cache: &mut KvCache) -> Vec<f32> {
+pub fn forward(w: &AttnWeights, cfg: &ModelConfig, x: &[f32], cache: &mut KvCache) -> Buf {
     let (nh, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
     let t = x.len() / cfg.hidden_size;
     let pos0 = cache.len(cfg);
 
     // Projections. q_proj rows are per head [query(hd) | gate(hd)] when the output gate is on.
-    let qg = matmul_new(&w.q_proj, 0, x); // [T, nh·hd·(1+gate)]
+    let qg = matmul_buf(&w.q_proj, 0, x); // [T, nh·hd·(1+gate)]
     let per_head = if cfg.attn_output_gate { 2 * hd } else { hd };
-    let mut q = vec![0.0f32; t * nh * hd]; // [T, nh, hd]
-    let mut gate = vec![0.0f32; t * nh * hd]; // [T, nh·hd]
+    let mut q = Buf::for_output(t * nh * hd); // [T, nh, hd], written whole below
+    let mut gate = Buf::zeros(t * nh * hd); // [T, nh·hd]
     for ti in 0..t {
         for h in 0..nh {
             let src = &qg[(ti * nh + h) * per_head..(ti * nh + h + 1) * per_head];
@@ -78,8 +79,8 @@ pub fn forward(w: &AttnWeights, cfg: &ModelConfig, x: &[f32], cache: &mut KvCach
             }
         }
     }
-    let mut k = matmul_new(&w.k_proj, 0, x); // [T, kvh, hd]
-    let v = matmul_new(&w.v_proj, 0, x); // [T, kvh, hd]
+    let mut k = matmul_buf(&w.k_proj, 0, x); // [T, kvh, hd]
+    let v = matmul_buf(&w.v_proj, 0, x); // [T, kvh, hd]
 
     rms_norm_inplace(&mut q, &w.q_norm, cfg.rms_norm_eps);
     rms_norm_inplace(&mut k, &w.k_norm, cfg.rms_norm_eps);
@@ -88,16 +89,14 @@ pub fn forward(w: &AttnWeights, cfg: &ModelConfig, x: &[f32], cache: &mut KvCach
     cache.k.extend_from_slice(&k);
     cache.v.extend_from_slice(&v);
 
-    let mut o = vec![0.0f32; t * nh * hd]; // [T, nh, hd]
+    let mut o = Buf::for_output(t * nh * hd); // [T, nh, hd], written whole by attend
     attend(Isa::best(), &q, &cache.k, &cache.v, pos0, nh, kvh, hd, &mut o);
     if cfg.attn_output_gate {
-        for (a, g) in o.iter_mut().zip(&gate) {
+        for (a, g) in o.iter_mut().zip(gate.iter()) {
             *a *= sigmoid(*g);
         }
     }
-    let mut y = vec![0.0f32; t * cfg.hidden_size];
-    matmul(&w.o_proj, 0, &o, &mut y);
-    y
+    matmul_buf(&w.o_proj, 0, &o)
 }
 
 /// Scores of one block of query rows are kept whole (the softmax takes two passes): at most this
@@ -131,9 +130,9 @@ pub fn attend(isa: Isa, q: &[f32], kc: &[f32], vc: &[f32], pos0: usize, nh: usiz
     // Tasks: (KV head, block of new tokens).
     let blocks = t.div_ceil(tb);
     let tasks: Vec<(usize, usize)> = (0..kvh).flat_map(|kv| (0..blocks).map(move |b| (kv, b * tb))).collect();
-    let run = |scratch: &mut Scores, &(kv, t0): &(usize, usize)| -> Vec<f32> {
+    let run = |&(kv, t0): &(usize, usize)| -> Buf {
         let nt = tb.min(t - t0);
-        attend_block(isa, q, kc, vc, pos0, nh, kvh, hd, kv, t0, nt, scratch)
+        attend_block(isa, q, kc, vc, pos0, nh, kvh, hd, kv, t0, nt)
     };
     let put = |o: &mut [f32], (kv, t0): (usize, usize), out: &[f32]| {
         // out: [nt, group, hd] → o[t0 + i, kv·group.., :].
@@ -144,26 +143,16 @@ pub fn attend(isa: Isa, q: &[f32], kc: &[f32], vc: &[f32], pos0: usize, nh: usiz
     };
     let work = 2 * t * nh * hd * (pos0 + t.div_ceil(2));
     if work < PAR_MIN_WORK || rayon::current_num_threads() == 1 {
-        let mut scratch = Scores::default();
         for task in &tasks {
-            let out = run(&mut scratch, task);
+            let out = run(task);
             put(o, *task, &out);
         }
     } else {
-        let outs: Vec<Vec<f32>> = tasks.par_iter().map_init(Scores::default, run).collect();
+        let outs: Vec<Buf> = tasks.par_iter().map(run).collect();
         for (task, out) in tasks.iter().zip(&outs) {
             put(o, *task, out);
         }
     }
-}
-
-/// Per-worker buffers of [`attend_block`].
-#[derive(Default)]
-struct Scores {
-    /// The block's query rows [nt·group, hd].
-    q: Vec<f32>,
-    /// Their scores, then weights: [nt·group, n_max].
-    s: Vec<f32>,
 }
 
 /// Tokens t0..t0+nt with the query heads of KV head kv: returns their outputs [nt, group, hd].
@@ -180,41 +169,40 @@ fn attend_block(
     kv: usize,
     t0: usize,
     nt: usize,
-    sc: &mut Scores,
-) -> Vec<f32> {
+) -> Buf {
     let group = nh / kvh;
     let rows = nt * group;
     let n_max = pos0 + t0 + nt; // the last token's positions; earlier rows use a prefix
     let stride = kvh * hd; // between positions of one KV head in the cache
     let scale = 1.0 / (hd as f32).sqrt();
     // Query rows (token i, head kv·group + g) → row i·group + g: contiguous per token.
-    sc.q.clear();
-    for i in 0..nt {
+    let mut qs = Buf::for_output(rows * hd);
+    for (i, dst) in qs.chunks_exact_mut(group * hd).enumerate() {
         let at = ((t0 + i) * nh + kv * group) * hd;
-        sc.q.extend_from_slice(&q[at..at + group * hd]);
+        dst.copy_from_slice(&q[at..at + group * hd]);
     }
-    // Scores [rows, n_max]: every key of the block's widest prefix against every query row, a
-    // cache-sized block of keys at a time.
-    sc.s.resize(rows * n_max, 0.0);
+    // Scores [rows, n_max] (written whole): every key of the block's widest prefix against every
+    // query row, a cache-sized block of keys at a time.
+    let mut s = Buf::for_output(rows * n_max);
     let keys = (kernels::BLOCK_BYTES / (4 * hd)).max(4);
     for p0 in (0..n_max).step_by(keys) {
         let np = keys.min(n_max - p0);
-        kernels::dots(isa, &kc[p0 * stride + kv * hd..], stride, np, &sc.q, hd, rows, hd, &mut sc.s[p0..], n_max);
+        kernels::dots(isa, &kc[p0 * stride + kv * hd..], stride, np, &qs, hd, rows, hd, &mut s[p0..], n_max);
     }
     // Per row: its causal prefix, scaled, then the softmax.
     for r in 0..rows {
         let n = pos0 + t0 + r / group + 1;
-        kernels::softmax(isa, &mut sc.s[r * n_max..r * n_max + n], scale);
+        kernels::softmax(isa, &mut s[r * n_max..r * n_max + n], scale);
     }
     // Σ_p w_p·v_p per row, over blocks of value rows (each block reused by every row).
-    let mut out = vec![0.0f32; rows * hd];
+    let mut out = Buf::zeros(rows * hd);
     let vk = &vc[kv * hd..];
     for p0 in (0..n_max).step_by(VALUE_BLOCK) {
         for (r, orow) in out.chunks_exact_mut(hd).enumerate() {
             let n = pos0 + t0 + r / group + 1;
             if p0 < n {
                 let p1 = (p0 + VALUE_BLOCK).min(n);
-                kernels::weighted_sum(isa, &sc.s[r * n_max + p0..r * n_max + p1], &vk[p0 * stride..], stride, orow);
+                kernels::weighted_sum(isa, &s[r * n_max + p0..r * n_max + p1], &vk[p0 * stride..], stride, orow);
             }
         }
     }

@@ -341,7 +341,7 @@ fn for_each_head_block<S: Send>(
     let (hv, dv) = (dims.num_v_heads, dims.head_v_dim);
     let blk_len = CHUNK.min(t_len) * dv;
     // blk: [Hv, ≤CHUNK, Dv], the current block's output per head; scratch: one per head.
-    let mut blk = vec![0f32; hv * blk_len];
+    let mut blk = crate::workspace::Buf::for_output(hv * blk_len); // written before it is read
     let mut scratch: Vec<S> = (0..hv).map(|_| make_scratch()).collect();
     for t0 in (0..t_len).step_by(CHUNK) {
         let n = CHUNK.min(t_len - t0);

@@ -9,6 +9,7 @@
 //! - `attention`: gated full attention with partial RoPE and a KV cache
 //! - `moe`: router, experts, shared expert
 //! - `model`: the layer stack, the session state, and the [`lily_model::Backend`] impl
+//! - `workspace`: reused buffers for a forward call's activations
 
 pub mod attention;
 pub mod gdn;
@@ -17,5 +18,6 @@ pub mod linear;
 pub mod model;
 pub mod moe;
 pub mod norm;
+pub mod workspace;
 
 pub use model::{CpuModel, LayerState, State, Trace};

@@ -10,6 +10,7 @@ use lily_model::weights::Matrix;
 use rayon::prelude::*;
 
 use crate::kernels::{self, Isa};
+use crate::workspace::Buf;
 
 /// Multiply-adds below which a product runs on the calling thread (a split costs more than it
 /// saves below this).
@@ -85,6 +86,15 @@ pub fn matmul_with(isa: Isa, w: &Matrix, m: usize, x: &[f32], y: &mut [f32]) {
 pub fn matmul_new(w: &Matrix, m: usize, x: &[f32]) -> Vec<f32> {
     let t = x.len() / w.cols;
     let mut y = vec![0.0; t * w.rows];
+    matmul(w, m, x, &mut y);
+    y
+}
+
+/// A `[T, rows]` result in a reused buffer (see [`crate::workspace`]).
+pub fn matmul_buf(w: &Matrix, m: usize, x: &[f32]) -> Buf {
+    let t = x.len() / w.cols;
+    // Every element is written by the product.
+    let mut y = Buf::for_output(t * w.rows);
     matmul(w, m, x, &mut y);
     y
 }
