@@ -196,13 +196,15 @@ fn attend_block(
     }
     // Σ_p w_p·v_p per row, over blocks of value rows (each block reused by every row).
     let mut out = Buf::zeros(rows * hd);
+    // A token's `group` rows (one per query head of this KV head) see the same positions and are
+    // summed together, sharing each value row read.
     let vk = &vc[kv * hd..];
     for p0 in (0..n_max).step_by(VALUE_BLOCK) {
-        for (r, orow) in out.chunks_exact_mut(hd).enumerate() {
-            let n = pos0 + t0 + r / group + 1;
+        for (i, orows) in out.chunks_exact_mut(group * hd).enumerate() {
+            let n = pos0 + t0 + i + 1;
             if p0 < n {
                 let p1 = (p0 + VALUE_BLOCK).min(n);
-                kernels::weighted_sum(isa, &s[r * n_max + p0..r * n_max + p1], &vk[p0 * stride..], stride, orow);
+                kernels::weighted_sum(isa, &s[i * group * n_max + p0..], n_max, p1 - p0, &vk[p0 * stride..], stride, orows, group);
             }
         }
     }

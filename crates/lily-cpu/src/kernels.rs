@@ -132,17 +132,22 @@ pub fn dots(isa: Isa, a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb:
     }
 }
 
-/// `out[j] += Σ_{p < w.len()} w[p] · v[p·sv + j]` for j < out.len(), in increasing p for every j
-/// (attention's weighted sum of value rows).
-pub fn weighted_sum(isa: Isa, w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
+/// For each of the `rows` rows r of `out` ([rows, d]): `out[r·d + j] += Σ_{p < n} w[r·sw + p] ·
+/// v[p·sv + j]`, in increasing p for every element (attention's weighted sums of value rows; the
+/// rows share each value row read).
+#[allow(clippy::too_many_arguments)]
+pub fn weighted_sum(isa: Isa, w: &[f32], sw: usize, n: usize, v: &[f32], sv: usize, out: &mut [f32], rows: usize) {
+    assert!(rows > 0 && out.len() % rows == 0, "weighted_sum: out is not [rows, d]");
+    let d = out.len() / rows;
+    assert!(n == 0 || ((rows - 1) * sw + n <= w.len() && (n - 1) * sv + d <= v.len()), "weighted_sum: w or v too short");
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as in gemv_rows.
-        Isa::Avx2 => unsafe { avx2::weighted_sum(w, v, sv, out) },
+        Isa::Avx2 => unsafe { avx2::weighted_sum(w, sw, n, v, sv, out, rows) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: as above.
-        Isa::Avx512 => unsafe { avx512::weighted_sum(w, v, sv, out) },
-        _ => Portable::weighted_sum(w, v, sv, out),
+        Isa::Avx512 => unsafe { avx512::weighted_sum(w, sw, n, v, sv, out, rows) },
+        _ => Portable::weighted_sum(w, sw, n, v, sv, out, rows),
     }
 }
 
@@ -347,8 +352,9 @@ pub(crate) trait Kernels {
     /// `b[u·sb..][..d]`) into `out[u·os + i]`: tiles of this implementation's shape.
     #[allow(clippy::too_many_arguments)]
     fn dots(a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb: usize, d: usize, out: &mut [f32], os: usize);
-    /// `out[j] += Σ_{p < n} w[p] · v[p·sv + j]` for j < out.len(), p in increasing order for every j.
-    fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]);
+    /// [`weighted_sum`]'s contract (arguments checked by it).
+    #[allow(clippy::too_many_arguments)]
+    fn weighted_sum(w: &[f32], sw: usize, n: usize, v: &[f32], sv: usize, out: &mut [f32], rows: usize);
     /// The many-token product of a block of `nb` expanded rows (`cols` apart in `rows`) with every
     /// token of `x`, into `out[t·os + i]`; `pack` is room for a copy of the block in whatever
     /// layout the implementation prefers.
@@ -427,31 +433,53 @@ fn dots_tiled<K: Kernels, const R: usize, const U: usize>(
     }
 }
 
-/// [`Kernels::weighted_sum`] in plain Rust: C columns at a time, so the sums stay in registers over
-/// all the rows (each column's order over p is unchanged). C = 64 fills 8 AVX2 registers; the
-/// AVX-512 build takes 128 (8 registers of 16).
+/// [`Kernels::weighted_sum`] in plain Rust: R rows and C columns at a time, so the R·C sums stay in
+/// registers over all the positions and each value row read serves R rows (each element's order
+/// over p is unchanged). The builds choose R and C for their registers.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-fn weighted_sum_blocked<const C: usize>(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
-    let d = out.len();
-    let n = w.len();
-    assert!(n == 0 || (n - 1) * sv + d <= v.len(), "weighted_sum: v too short");
+fn weighted_sum_blocked<const R: usize, const C: usize>(w: &[f32], sw: usize, n: usize, v: &[f32], sv: usize, out: &mut [f32], rows: usize) {
+    let d = out.len() / rows;
+    let full_r = rows / R * R;
+    for r0 in (0..full_r).step_by(R) {
+        weighted_sum_rows::<R, C>(&w[r0 * sw..], sw, n, v, sv, &mut out[r0 * d..(r0 + R) * d]);
+    }
+    for r in full_r..rows {
+        weighted_sum_rows::<1, C>(&w[r * sw..], sw, n, v, sv, &mut out[r * d..(r + 1) * d]);
+    }
+}
+
+/// R rows of [`weighted_sum_blocked`]: out [R, d].
+#[inline(always)]
+fn weighted_sum_rows<const R: usize, const C: usize>(w: &[f32], sw: usize, n: usize, v: &[f32], sv: usize, out: &mut [f32]) {
+    let d = out.len() / R;
     let full = d / C * C;
     for j0 in (0..full).step_by(C) {
-        let mut acc: [f32; C] = out[j0..j0 + C].try_into().unwrap();
-        for (p, &wp) in w.iter().enumerate() {
+        let mut acc = [[0f32; C]; R];
+        for (r, acc) in acc.iter_mut().enumerate() {
+            acc.copy_from_slice(&out[r * d + j0..r * d + j0 + C]);
+        }
+        for p in 0..n {
             let vr: &[f32; C] = v[p * sv + j0..p * sv + j0 + C].try_into().unwrap();
-            for l in 0..C {
-                acc[l] += wp * vr[l];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let wp = w[r * sw + p];
+                for l in 0..C {
+                    acc[l] += wp * vr[l];
+                }
             }
         }
-        out[j0..j0 + C].copy_from_slice(&acc);
-    }
-    for j in full..d {
-        let mut acc = out[j];
-        for (p, &wp) in w.iter().enumerate() {
-            acc += wp * v[p * sv + j];
+        for (r, acc) in acc.iter().enumerate() {
+            out[r * d + j0..r * d + j0 + C].copy_from_slice(acc);
         }
-        out[j] = acc;
+    }
+    for r in 0..R {
+        for j in full..d {
+            let mut acc = out[r * d + j];
+            for p in 0..n {
+                acc += w[r * sw + p] * v[p * sv + j];
+            }
+            out[r * d + j] = acc;
+        }
     }
 }
 
@@ -656,8 +684,8 @@ impl Kernels for Portable {
     }
 
     #[inline(always)]
-    fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
-        weighted_sum_blocked::<64>(w, v, sv, out)
+    fn weighted_sum(w: &[f32], sw: usize, n: usize, v: &[f32], sv: usize, out: &mut [f32], rows: usize) {
+        weighted_sum_blocked::<2, 16>(w, sw, n, v, sv, out, rows)
     }
 }
 
@@ -696,9 +724,10 @@ mod avx2 {
         <Avx2 as Kernels>::dots(a, sa, na, b, sb, nb, d, out, os)
     }
 
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2")]
-    pub(super) fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
-        <Avx2 as Kernels>::weighted_sum(w, v, sv, out)
+    pub(super) fn weighted_sum(w: &[f32], sw: usize, n: usize, v: &[f32], sv: usize, out: &mut [f32], rows: usize) {
+        <Avx2 as Kernels>::weighted_sum(w, sw, n, v, sv, out, rows)
     }
 
     #[target_feature(enable = "avx2")]
@@ -888,9 +917,9 @@ mod avx2 {
         }
 
         #[inline(always)]
-        fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
-            // Plain Rust: with AVX2 enabled it keeps the 64 sums in 8 registers.
-            weighted_sum_blocked::<64>(w, v, sv, out)
+        fn weighted_sum(w: &[f32], sw: usize, n: usize, v: &[f32], sv: usize, out: &mut [f32], rows: usize) {
+            // Plain Rust: with AVX2 enabled, 4 rows × 16 columns are 8 registers of sums.
+            weighted_sum_blocked::<4, 16>(w, sw, n, v, sv, out, rows)
         }
     }
 }
@@ -929,9 +958,10 @@ mod avx512 {
         <Avx512 as Kernels>::dots(a, sa, na, b, sb, nb, d, out, os)
     }
 
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx512f")]
-    pub(super) fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
-        <Avx512 as Kernels>::weighted_sum(w, v, sv, out)
+    pub(super) fn weighted_sum(w: &[f32], sw: usize, n: usize, v: &[f32], sv: usize, out: &mut [f32], rows: usize) {
+        <Avx512 as Kernels>::weighted_sum(w, sw, n, v, sv, out, rows)
     }
 
     #[target_feature(enable = "avx512f")]
@@ -1048,8 +1078,9 @@ mod avx512 {
         }
 
         #[inline(always)]
-        fn weighted_sum(w: &[f32], v: &[f32], sv: usize, out: &mut [f32]) {
-            weighted_sum_blocked::<128>(w, v, sv, out)
+        fn weighted_sum(w: &[f32], sw: usize, n: usize, v: &[f32], sv: usize, out: &mut [f32], rows: usize) {
+            // 4 rows × 64 columns: 16 registers of sums, 4 value loads per position for 4 rows.
+            weighted_sum_blocked::<4, 64>(w, sw, n, v, sv, out, rows)
         }
 
         #[inline(always)]
