@@ -40,7 +40,9 @@ impl Buf {
             let best = (0..p.len()).filter(|&i| p[i].capacity() >= len).min_by_key(|&i| p[i].capacity());
             best.map(|i| p.swap_remove(i))
         });
-        let mut v = taken.unwrap_or_default();
+        // A new buffer gets a power-of-two capacity: sizes that grow a little with every call (the
+        // attention scores, one position per decoded token) then keep reusing it.
+        let mut v = taken.unwrap_or_else(|| Vec::with_capacity(len.next_power_of_two()));
         v.resize(len, 0.0);
         v.truncate(len);
         Buf(v)
@@ -110,10 +112,13 @@ mod tests {
         let c = Buf::zeros(n);
         assert_eq!(c.as_ptr(), ptr);
         assert!(c.iter().all(|&v| v == 0.0));
-        // A larger request than anything pooled gets a new buffer of its size.
-        let d = Buf::zeros(2 * n);
-        assert_eq!(d.len(), 2 * n);
+        // A larger request than anything pooled gets a new buffer, with room to grow into.
+        let d = Buf::zeros(2 * n + 1);
+        assert_eq!(d.len(), 2 * n + 1);
         assert_ne!(d.as_ptr(), ptr);
+        let dptr = d.as_ptr();
+        drop(d);
+        assert_eq!(Buf::for_output(2 * n + 100).as_ptr(), dptr);
         assert_eq!(Buf::copy_of(&[1.0, 2.0]).into_vec(), vec![1.0, 2.0]);
     }
 }

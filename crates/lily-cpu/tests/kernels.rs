@@ -259,7 +259,9 @@ fn timing_demo_shapes() {
         ("in_proj_qkv, decode", 2048, 256, 1),
         ("expert gate, decode", 128, 256, 1),
         ("in_proj_qkv, prefill 512", 2048, 256, 512),
+        ("in_proj_qkv, 128 tokens", 2048, 256, 128),
         ("out_proj, prefill 512", 256, 1024, 512),
+        ("out_proj, 128 tokens", 256, 1024, 128),
         ("expert down, 128 tokens", 256, 128, 128),
         ("in_proj_a, prefill 512", 8, 256, 512),
     ];
