@@ -56,8 +56,9 @@ pub fn matmul_with(isa: Isa, w: &Matrix, m: usize, x: &[f32], y: &mut [f32]) {
             .enumerate()
             .for_each_init(Vec::new, |s, (i, out)| kernels::gemv_rows(isa, w, m, i * chunk, x, out, s));
     } else if t >= tasks * MIN_TOKENS_PER_TASK {
-        // Over blocks of tokens: each task expands every row once for its tokens.
-        let tb = t.div_ceil(tasks);
+        // Over blocks of tokens: each task expands every row once for its tokens, so fewer, larger
+        // blocks (two per thread) than for the splits by rows.
+        let tb = t.div_ceil(2 * threads);
         y.par_chunks_mut(tb * rows)
             .zip(x.par_chunks(tb * cols))
             .for_each_init(Vec::new, |s, (out, xb)| kernels::gemm_rows(isa, w, m, 0, rows, xb, out, s));
