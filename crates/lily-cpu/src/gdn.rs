@@ -19,6 +19,8 @@
 
 use rayon::prelude::*;
 
+use crate::kernels::Isa;
+
 /// Tokens per chunk of [`delta_rule_chunked`] (as HF and FLA); also the token block that both rule
 /// functions hand to the value-head-parallel workers at a time.
 pub const CHUNK: usize = 64;
@@ -242,20 +244,35 @@ pub fn gated_rmsnorm(
 // ---------------------------------------------------------------------------------------------
 // The gated delta rule.
 //
-// Both forms work per value head on column tiles of TILE value dims: the columns of S (and of v,
-// o, δ) never mix, so each tile's sums stay in registers while the loops run over Dk or over the
-// chunk's tokens. A tail of Dv % TILE columns runs the same kernels with width 1.
+// Both forms work per value head on column tiles of W value dims: the columns of S (and of v, o,
+// δ) never mix, so each tile's sums stay in registers while the loops run over Dk or over the
+// chunk's tokens, and the width changes nothing in any column's arithmetic. A tail of Dv % W
+// columns runs the same kernels with width 1. The width is a parameter of the per-head loops: 16
+// for the portable build (SSE2 has 16 registers of 4 lanes), wider for AVX2 and AVX-512 (more
+// independent sums in flight, each chain's add latency hidden).
 
-/// Column tile width of the rule kernels (f32 lanes kept in registers).
+/// Column tile widths of the portable build.
 const TILE: usize = 16;
+/// Column tile widths of the AVX2 build: the rule kernels, and the state update of the chunked form
+/// (one sum per column: 8 registers).
+#[cfg(target_arch = "x86_64")]
+const TILE_AVX2: usize = 32;
+#[cfg(target_arch = "x86_64")]
+const TILE_AVX2_STATE: usize = 64;
+/// The same for the AVX-512 build (16-lane registers, 32 of them).
+#[cfg(target_arch = "x86_64")]
+const TILE_AVX512: usize = 64;
+#[cfg(target_arch = "x86_64")]
+const TILE_AVX512_STATE: usize = 128;
 
-/// Calls `$kernel::<W>(v0, args…)` on column tiles v0..v0+W covering 0..dv: W = TILE, then W = 1.
+/// Calls `$kernel::<W>(v0, args…)` on column tiles v0..v0+W covering 0..dv, then width 1 on the
+/// tail.
 macro_rules! over_column_tiles {
-    ($dv:expr, $kernel:ident($($arg:expr),* $(,)?)) => {{
+    ($w:ident, $dv:expr, $kernel:ident($($arg:expr),* $(,)?)) => {{
         let dv: usize = $dv;
-        let full = dv / TILE * TILE;
-        for v0 in (0..full).step_by(TILE) {
-            $kernel::<TILE>(v0, $($arg),*);
+        let full = dv / $w * $w;
+        for v0 in (0..full).step_by($w) {
+            $kernel::<$w>(v0, $($arg),*);
         }
         for v0 in full..dv {
             $kernel::<1>(v0, $($arg),*);
@@ -324,7 +341,7 @@ fn for_each_head_block<S: Send>(
     let (hv, dv) = (dims.num_v_heads, dims.head_v_dim);
     let blk_len = CHUNK.min(t_len) * dv;
     // blk: [Hv, ≤CHUNK, Dv], the current block's output per head; scratch: one per head.
-    let mut blk = vec![0f32; hv * blk_len];
+    let mut blk = crate::workspace::Buf::for_output(hv * blk_len); // written before it is read
     let mut scratch: Vec<S> = (0..hv).map(|_| make_scratch()).collect();
     for t0 in (0..t_len).step_by(CHUNK) {
         let n = CHUNK.min(t_len - t0);
@@ -361,37 +378,68 @@ pub fn delta_rule_recurrent(
     dims: &GdnDims,
     out: &mut [f32],
 ) {
+    delta_rule_recurrent_with(Isa::best(), qkv, g, beta, state, dims, out)
+}
+
+/// [`delta_rule_recurrent`] with a chosen compilation of the per-head loops (the tests compare them).
+pub fn delta_rule_recurrent_with(
+    isa: Isa,
+    qkv: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    state: &mut [f32],
+    dims: &GdnDims,
+    out: &mut [f32],
+) {
     let t_len = check_rule(qkv, g, beta, state, dims, out);
-    let (hv, dk, dv, c) = (
-        dims.num_v_heads,
-        dims.head_k_dim,
-        dims.head_v_dim,
-        dims.conv_dim(),
-    );
+    let rule = Rule { qkv, g, beta, dims };
+    for_each_head_block(t_len, state, dims, out, || (), |j, t0, n, s, o, _| match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Isa::Avx2 (Avx512) is only produced where the CPU has AVX2 (AVX-512F).
+        Isa::Avx2 => unsafe { recurrent_head_avx2(&rule, j, t0, n, s, o) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { recurrent_head_avx512(&rule, j, t0, n, s, o) },
+        _ => recurrent_head::<TILE>(&rule, j, t0, n, s, o),
+    });
+}
+
+/// The inputs of a rule call, shared by its per-head loops.
+struct Rule<'a> {
+    qkv: &'a [f32],
+    g: &'a [f32],
+    beta: &'a [f32],
+    dims: &'a GdnDims,
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn recurrent_head_avx2(rule: &Rule, j: usize, t0: usize, n: usize, s: &mut [f32], o: &mut [f32]) {
+    recurrent_head::<TILE_AVX2>(rule, j, t0, n, s, o)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn recurrent_head_avx512(rule: &Rule, j: usize, t0: usize, n: usize, s: &mut [f32], o: &mut [f32]) {
+    recurrent_head::<TILE_AVX512>(rule, j, t0, n, s, o)
+}
+
+/// Tokens t0..t0+n of value head j, one by one, on column tiles of W; s: [Dk, Dv], o: [n, Dv].
+#[inline(always)]
+fn recurrent_head<const W: usize>(rule: &Rule, j: usize, t0: usize, n: usize, s: &mut [f32], o: &mut [f32]) {
+    let Rule { qkv, g, beta, dims } = *rule;
+    let (hv, dk, dv, c) = (dims.num_v_heads, dims.head_k_dim, dims.head_v_dim, dims.conv_dim());
     let kd = dims.key_dim();
-    for_each_head_block(
-        t_len,
-        state,
-        dims,
-        out,
-        || (),
-        |j, t0, n, s, o, _| {
-            let kh = dims.key_head_of(j);
-            // Over the block's tokens i (sequential); s: [Dk, Dv], o: [n, Dv].
-            for i in 0..n {
-                let t = t0 + i;
-                let row = &qkv[t * c..(t + 1) * c];
-                let q = &row[kh * dk..(kh + 1) * dk];
-                let k = &row[kd + kh * dk..kd + (kh + 1) * dk];
-                let v = &row[2 * kd + j * dv..2 * kd + (j + 1) * dv];
-                let (decay, b) = (g[t * hv + j].exp(), beta[t * hv + j]);
-                over_column_tiles!(
-                    dv,
-                    recurrent_step(s, q, k, v, decay, b, &mut o[i * dv..(i + 1) * dv])
-                );
-            }
-        },
-    );
+    let kh = dims.key_head_of(j);
+    for i in 0..n {
+        let t = t0 + i;
+        let row = &qkv[t * c..(t + 1) * c];
+        let q = &row[kh * dk..(kh + 1) * dk];
+        let k = &row[kd + kh * dk..kd + (kh + 1) * dk];
+        let v = &row[2 * kd + j * dv..2 * kd + (j + 1) * dv];
+        let (decay, b) = (g[t * hv + j].exp(), beta[t * hv + j]);
+        over_column_tiles!(W, dv, recurrent_step(s, q, k, v, decay, b, &mut o[i * dv..(i + 1) * dv]));
+    }
 }
 
 /// One token of the recurrence on columns v0..v0+W of one head: s [Dk, Dv]; q, k [Dk]; v, o [Dv].
@@ -481,14 +529,21 @@ pub fn delta_rule_chunked(
     dims: &GdnDims,
     out: &mut [f32],
 ) {
+    delta_rule_chunked_with(Isa::best(), qkv, g, beta, state, dims, out)
+}
+
+/// [`delta_rule_chunked`] with a chosen compilation of the per-head loops (the tests compare them).
+pub fn delta_rule_chunked_with(
+    isa: Isa,
+    qkv: &[f32],
+    g: &[f32],
+    beta: &[f32],
+    state: &mut [f32],
+    dims: &GdnDims,
+    out: &mut [f32],
+) {
     let t_len = check_rule(qkv, g, beta, state, dims, out);
-    let (hv, dk, dv, c) = (
-        dims.num_v_heads,
-        dims.head_k_dim,
-        dims.head_v_dim,
-        dims.conv_dim(),
-    );
-    let kd = dims.key_dim();
+    let (dk, dv) = (dims.head_k_dim, dims.head_v_dim);
     let make = || ChunkScratch {
         q: vec![0f32; CHUNK * dk],
         k: vec![0f32; CHUNK * dk],
@@ -500,104 +555,135 @@ pub fn delta_rule_chunked(
         p: vec![0f32; CHUNK * CHUNK],
         r: vec![0f32; CHUNK * dv],
     };
-    for_each_head_block(t_len, state, dims, out, make, |j, t0, n, s, o, sc| {
-        let kh = dims.key_head_of(j);
-        let ChunkScratch {
-            q,
-            k,
-            kt,
-            decay,
-            cum,
-            to_end,
-            a,
-            p,
-            r,
-        } = sc;
-        let (q, k, r) = (&mut q[..n * dk], &mut k[..n * dk], &mut r[..n * dv]);
-
-        // Gather the chunk, over tokens i: q, k [n, Dk]; kt [Dk, n]; decay, cum [n].
-        let mut acc = 1f32;
-        for i in 0..n {
-            let row = &qkv[(t0 + i) * c..(t0 + i + 1) * c];
-            q[i * dk..(i + 1) * dk].copy_from_slice(&row[kh * dk..(kh + 1) * dk]);
-            k[i * dk..(i + 1) * dk].copy_from_slice(&row[kd + kh * dk..kd + (kh + 1) * dk]);
-            for d in 0..dk {
-                kt[d * CHUNK + i] = k[i * dk + d];
-            }
-            decay[i] = g[(t0 + i) * hv + j].exp();
-            acc *= decay[i];
-            cum[i] = acc;
-        }
-        // to_end [n], backwards over tokens.
-        to_end[n - 1] = 1.0;
-        for i in (0..n - 1).rev() {
-            to_end[i] = to_end[i + 1] * decay[i + 1];
-        }
-
-        // a, p [n, n]: over tokens i, row i of K Kᵀ and Q Kᵀ on the columns jj < m (the lower
-        // triangle, rounded up to whole tiles), then decay and β on jj ≤ i.
-        for i in 0..n {
-            let m = ((i + 1).div_ceil(TILE) * TILE).min(n);
-            let (ki, qi) = (&k[i * dk..(i + 1) * dk], &q[i * dk..(i + 1) * dk]);
-            let (ai, pi) = (
-                &mut a[i * CHUNK..i * CHUNK + m],
-                &mut p[i * CHUNK..i * CHUNK + m],
-            );
-            over_column_tiles!(m, project_cols(kt, CHUNK, ki, qi, ai, pi));
-            // Over jj = i down to 0: dec = exp(Γ_i − Γ_jj) = Π_{jj<s≤i} decay[s].
-            let bi = beta[(t0 + i) * hv + j];
-            let mut dec = 1f32;
-            for jj in (0..=i).rev() {
-                ai[jj] *= bi * dec;
-                pi[jj] *= dec;
-                dec *= decay[jj];
-            }
-        }
-
-        // Inter-chunk terms, over tokens i: r_i = β_i (v_i − exp(Γ_i) Sᵀk_i), o_i = exp(Γ_i) Sᵀq_i.
-        // r, o: [n, Dv]; S: [Dk, Dv].
-        for i in 0..n {
-            let (ki, qi) = (&k[i * dk..(i + 1) * dk], &q[i * dk..(i + 1) * dk]);
-            let (ri, oi) = (&mut r[i * dv..(i + 1) * dv], &mut o[i * dv..(i + 1) * dv]);
-            over_column_tiles!(dv, project_cols(s, dv, ki, qi, ri, oi));
-            let t = t0 + i;
-            let v = &qkv[t * c + 2 * kd + j * dv..t * c + 2 * kd + (j + 1) * dv];
-            let (bi, ei) = (beta[t * hv + j], cum[i]);
-            for (rv, &vv) in ri.iter_mut().zip(v) {
-                *rv = bi * (vv - ei * *rv);
-            }
-            oi.iter_mut().for_each(|x| *x *= ei);
-        }
-
-        // Forward substitution r ← L⁻¹ r fused with the intra-chunk read-out o_i += Σ_{jj≤i} p_ij r_jj,
-        // over tokens i (sequential; the rows jj < i are final by then). r, o: [n, Dv].
-        for i in 0..n {
-            let (done, rest) = r.split_at_mut(i * dv);
-            let (ai, pi) = (
-                &a[i * CHUNK..i * CHUNK + i],
-                &p[i * CHUNK..i * CHUNK + i + 1],
-            );
-            over_column_tiles!(
-                dv,
-                substitute_row(done, ai, pi, &mut rest[..dv], &mut o[i * dv..(i + 1) * dv])
-            );
-        }
-
-        // State: kt[d, jj] ← k_jj[d]·exp(Γ_last − Γ_jj); then S ← exp(Γ_last) S + Σ_jj kt[:, jj] ⊗ r_jj,
-        // over rows d of S [Dk, Dv].
-        for jj in 0..n {
-            for d in 0..dk {
-                kt[d * CHUNK + jj] *= to_end[jj];
-            }
-        }
-        let last = cum[n - 1];
-        for (d, srow) in s.chunks_exact_mut(dv).enumerate() {
-            over_column_tiles!(
-                dv,
-                update_state_row(srow, last, &kt[d * CHUNK..d * CHUNK + n], r)
-            );
-        }
+    let rule = Rule { qkv, g, beta, dims };
+    for_each_head_block(t_len, state, dims, out, make, |j, t0, n, s, o, sc| match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: Isa::Avx2 (Avx512) is only produced where the CPU has AVX2 (AVX-512F).
+        Isa::Avx2 => unsafe { chunked_head_avx2(&rule, j, t0, n, s, o, sc) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: as above.
+        Isa::Avx512 => unsafe { chunked_head_avx512(&rule, j, t0, n, s, o, sc) },
+        _ => chunked_head::<TILE, TILE>(&rule, j, t0, n, s, o, sc),
     });
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn chunked_head_avx2(rule: &Rule, j: usize, t0: usize, n: usize, s: &mut [f32], o: &mut [f32], sc: &mut ChunkScratch) {
+    chunked_head::<TILE_AVX2, TILE_AVX2_STATE>(rule, j, t0, n, s, o, sc)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn chunked_head_avx512(rule: &Rule, j: usize, t0: usize, n: usize, s: &mut [f32], o: &mut [f32], sc: &mut ChunkScratch) {
+    chunked_head::<TILE_AVX512, TILE_AVX512_STATE>(rule, j, t0, n, s, o, sc)
+}
+
+/// One chunk (tokens t0..t0+n, n ≤ CHUNK) of value head j on column tiles of W (WS for the state
+/// update); s: [Dk, Dv], o: [n, Dv].
+#[inline(always)]
+fn chunked_head<const W: usize, const WS: usize>(rule: &Rule, j: usize, t0: usize, n: usize, s: &mut [f32], o: &mut [f32], sc: &mut ChunkScratch) {
+    let Rule { qkv, g, beta, dims } = *rule;
+    let (hv, dk, dv, c) = (dims.num_v_heads, dims.head_k_dim, dims.head_v_dim, dims.conv_dim());
+    let kd = dims.key_dim();
+    let kh = dims.key_head_of(j);
+    let ChunkScratch {
+        q,
+        k,
+        kt,
+        decay,
+        cum,
+        to_end,
+        a,
+        p,
+        r,
+    } = sc;
+    let (q, k, r) = (&mut q[..n * dk], &mut k[..n * dk], &mut r[..n * dv]);
+
+    // Gather the chunk, over tokens i: q, k [n, Dk]; kt [Dk, n]; decay, cum [n].
+    let mut acc = 1f32;
+    for i in 0..n {
+        let row = &qkv[(t0 + i) * c..(t0 + i + 1) * c];
+        q[i * dk..(i + 1) * dk].copy_from_slice(&row[kh * dk..(kh + 1) * dk]);
+        k[i * dk..(i + 1) * dk].copy_from_slice(&row[kd + kh * dk..kd + (kh + 1) * dk]);
+        for d in 0..dk {
+            kt[d * CHUNK + i] = k[i * dk + d];
+        }
+        decay[i] = g[(t0 + i) * hv + j].exp();
+        acc *= decay[i];
+        cum[i] = acc;
+    }
+    // to_end [n], backwards over tokens.
+    to_end[n - 1] = 1.0;
+    for i in (0..n - 1).rev() {
+        to_end[i] = to_end[i + 1] * decay[i + 1];
+    }
+
+    // a, p [n, n]: over tokens i, row i of K Kᵀ and Q Kᵀ on the columns jj < m (the lower
+    // triangle, rounded up to whole tiles), then decay and β on jj ≤ i.
+    for i in 0..n {
+        let m = ((i + 1).div_ceil(W) * W).min(n);
+        let (ki, qi) = (&k[i * dk..(i + 1) * dk], &q[i * dk..(i + 1) * dk]);
+        let (ai, pi) = (
+            &mut a[i * CHUNK..i * CHUNK + m],
+            &mut p[i * CHUNK..i * CHUNK + m],
+        );
+        over_column_tiles!(W, m, project_cols(kt, CHUNK, ki, qi, ai, pi));
+        // Over jj = i down to 0: dec = exp(Γ_i − Γ_jj) = Π_{jj<s≤i} decay[s].
+        let bi = beta[(t0 + i) * hv + j];
+        let mut dec = 1f32;
+        for jj in (0..=i).rev() {
+            ai[jj] *= bi * dec;
+            pi[jj] *= dec;
+            dec *= decay[jj];
+        }
+    }
+
+    // Inter-chunk terms, over tokens i: r_i = β_i (v_i − exp(Γ_i) Sᵀk_i), o_i = exp(Γ_i) Sᵀq_i.
+    // r, o: [n, Dv]; S: [Dk, Dv].
+    for i in 0..n {
+        let (ki, qi) = (&k[i * dk..(i + 1) * dk], &q[i * dk..(i + 1) * dk]);
+        let (ri, oi) = (&mut r[i * dv..(i + 1) * dv], &mut o[i * dv..(i + 1) * dv]);
+        over_column_tiles!(W, dv, project_cols(s, dv, ki, qi, ri, oi));
+        let t = t0 + i;
+        let v = &qkv[t * c + 2 * kd + j * dv..t * c + 2 * kd + (j + 1) * dv];
+        let (bi, ei) = (beta[t * hv + j], cum[i]);
+        for (rv, &vv) in ri.iter_mut().zip(v) {
+            *rv = bi * (vv - ei * *rv);
+        }
+        oi.iter_mut().for_each(|x| *x *= ei);
+    }
+
+    // Forward substitution r ← L⁻¹ r fused with the intra-chunk read-out o_i += Σ_{jj≤i} p_ij r_jj,
+    // over tokens i (sequential; the rows jj < i are final by then). r, o: [n, Dv].
+    for i in 0..n {
+        let (done, rest) = r.split_at_mut(i * dv);
+        let (ai, pi) = (
+            &a[i * CHUNK..i * CHUNK + i],
+            &p[i * CHUNK..i * CHUNK + i + 1],
+        );
+        over_column_tiles!(
+            W,
+            dv,
+            substitute_row(done, ai, pi, &mut rest[..dv], &mut o[i * dv..(i + 1) * dv])
+        );
+    }
+
+    // State: kt[d, jj] ← k_jj[d]·exp(Γ_last − Γ_jj); then S ← exp(Γ_last) S + Σ_jj kt[:, jj] ⊗ r_jj,
+    // over rows d of S [Dk, Dv].
+    for jj in 0..n {
+        for d in 0..dk {
+            kt[d * CHUNK + jj] *= to_end[jj];
+        }
+    }
+    let last = cum[n - 1];
+    for (d, srow) in s.chunks_exact_mut(dv).enumerate() {
+        over_column_tiles!(
+            WS,
+            dv,
+            update_state_row(srow, last, &kt[d * CHUNK..d * CHUNK + n], r)
+        );
+    }
 }
 
 /// Columns v0..v0+W of xk = Xᵀk and xq = Xᵀq: x [Dk, ≥ v0+W] with rows `stride` apart (the state

@@ -1,89 +1,84 @@
-//! Matrix products on stored weights, `y = x Wᵀ`, for any [`Matrix`] storage. Quantised rows are
-//! expanded one at a time into a per-thread scratch row (never the whole matrix), then dotted with
-//! every activation row, so a row's weights are read once per call however many tokens there are.
-//! Work is split over output rows with rayon.
+//! Matrix products on stored weights, `y = x Wᵀ`, for any [`Matrix`] storage, split over the cores
+//! when the work pays for it. One token (decode) runs the fused kernel that expands each weight in
+//! registers and never stores a row; several tokens expand a block of rows at a time and run a
+//! register tile of rows × tokens over it, so a row's weights are expanded once per call (per
+//! token block) however many tokens there are. The kernels, and the fixed order in which every
+//! output element is summed (the same on every path, so results do not depend on T or on the
+//! split), are in [`crate::kernels`].
 
-use lily_model::affine::AffineParams;
-use lily_model::weights::{Matrix, Storage};
+use lily_model::weights::Matrix;
 use rayon::prelude::*;
 
-/// Rows of W handled by one rayon task.
-const ROWS_PER_TASK: usize = 16;
+use crate::kernels::{self, Isa};
+use crate::workspace::Buf;
+
+/// Multiply-adds below which a product runs on the calling thread (a split costs more than it
+/// saves below this).
+const PAR_MIN_WORK: usize = 1 << 18;
+/// Tasks per thread when a product is split (slack for a core taken by another process).
+const TASKS_PER_THREAD: usize = 4;
+/// Tokens per task below which a many-token product is split by rows rather than by tokens.
+const MIN_TOKENS_PER_TASK: usize = 32;
 
 /// Expands row `r` of matrix `m` of the stack into `out` (len = cols).
 pub fn dequantize_row(w: &Matrix, m: usize, r: usize, out: &mut [f32]) {
-    let cols = w.cols;
-    let row = m * w.rows + r;
-    match &w.storage {
-        Storage::Dense(data) => data.read_into(row * cols, out),
-        Storage::Affine { params, packed, scales, biases } => {
-            let AffineParams { bits, group_size } = *params;
-            let words = cols * bits as usize / 32;
-            let groups = cols / group_size;
-            let packed = &packed[row * words..(row + 1) * words];
-            let per_word = (32 / bits) as usize;
-            let mask = (1u32 << bits) - 1;
-            for g in 0..groups {
-                let s = scales.get(row * groups + g);
-                let b = biases.get(row * groups + g);
-                let wstart = g * group_size / per_word;
-                let dst = &mut out[g * group_size..(g + 1) * group_size];
-                for (wi, chunk) in dst.chunks_exact_mut(per_word).enumerate() {
-                    let mut word = packed[wstart + wi];
-                    for o in chunk {
-                        *o = s * (word & mask) as f32 + b;
-                        word >>= bits;
-                    }
-                }
-            }
-        }
-    }
-}
-
-#[inline]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    // Eight independent accumulators: vectorisable, and a fixed summation order.
-    let mut acc = [0.0f32; 8];
-    let (ac, ar) = a.split_at(a.len() / 8 * 8);
-    let (bc, br) = b.split_at(ac.len());
-    for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
-        for i in 0..8 {
-            acc[i] += x[i] * y[i];
-        }
-    }
-    let mut s = (acc[0] + acc[4]) + (acc[1] + acc[5]) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (x, y) in ar.iter().zip(br) {
-        s += x * y;
-    }
-    s
+    kernels::expand_row(Isa::best(), w, m, r, out);
 }
 
 /// `y[t, r] = Σ_c x[t, c] · W_m[r, c]`. x: [T, cols], y: [T, rows].
 pub fn matmul(w: &Matrix, m: usize, x: &[f32], y: &mut [f32]) {
+    matmul_with(Isa::best(), w, m, x, y)
+}
+
+/// [`matmul`] with a chosen compilation of the kernels (the tests compare them).
+pub fn matmul_with(isa: Isa, w: &Matrix, m: usize, x: &[f32], y: &mut [f32]) {
     let (rows, cols) = (w.rows, w.cols);
     let t = x.len() / cols;
-    debug_assert_eq!(x.len(), t * cols);
-    debug_assert_eq!(y.len(), t * rows);
+    assert_eq!(x.len(), t * cols, "matmul: x is not [T, {cols}]");
+    assert_eq!(y.len(), t * rows, "matmul: y is not [{t}, {rows}]");
+    assert!(m < w.count, "matmul: matrix {m} of a stack of {}", w.count);
     if t == 0 {
         return;
     }
-    // Computed transposed ([rows, T]) so that each task owns a contiguous block of the output.
-    let mut yt = vec![0.0f32; rows * t];
-    yt.par_chunks_mut(ROWS_PER_TASK * t).enumerate().for_each_init(
-        || vec![0.0f32; cols],
-        |scratch, (task, out)| {
-            for (i, out_row) in out.chunks_exact_mut(t).enumerate() {
-                let r = task * ROWS_PER_TASK + i;
-                dequantize_row(w, m, r, scratch);
-                for (ti, o) in out_row.iter_mut().enumerate() {
-                    *o = dot(scratch, &x[ti * cols..(ti + 1) * cols]);
-                }
+    let threads = rayon::current_num_threads();
+    let tasks = threads * TASKS_PER_THREAD;
+    if threads == 1 || rows * cols * t < PAR_MIN_WORK {
+        let mut scratch = Vec::new();
+        if t == 1 {
+            kernels::gemv_rows(isa, w, m, 0, x, y, &mut scratch);
+        } else {
+            kernels::gemm_rows(isa, w, m, 0, rows, x, y, &mut scratch);
+        }
+    } else if t == 1 {
+        // Over blocks of output rows (a multiple of 8, the kernels' row groups).
+        let chunk = rows.div_ceil(tasks).next_multiple_of(8);
+        y.par_chunks_mut(chunk)
+            .enumerate()
+            .for_each_init(Vec::new, |s, (i, out)| kernels::gemv_rows(isa, w, m, i * chunk, x, out, s));
+    } else if t >= tasks * MIN_TOKENS_PER_TASK {
+        // Over blocks of tokens: each task expands every row once for its tokens, so fewer, larger
+        // blocks (two per thread) than for the splits by rows.
+        let tb = t.div_ceil(2 * threads);
+        y.par_chunks_mut(tb * rows)
+            .zip(x.par_chunks(tb * cols))
+            .for_each_init(Vec::new, |s, (out, xb)| kernels::gemm_rows(isa, w, m, 0, rows, xb, out, s));
+    } else {
+        // Over blocks of rows: each task computes [T, its rows], then they are put in place.
+        let chunk = rows.div_ceil(tasks).max(1);
+        let parts: Vec<(usize, Vec<f32>)> = (0..rows.div_ceil(chunk))
+            .into_par_iter()
+            .map_init(Vec::new, |s, i| {
+                let (r0, nr) = (i * chunk, chunk.min(rows - i * chunk));
+                let mut out = vec![0.0f32; t * nr];
+                kernels::gemm_rows(isa, w, m, r0, nr, x, &mut out, s);
+                (r0, out)
+            })
+            .collect();
+        for (r0, part) in parts {
+            let nr = part.len() / t;
+            for (yt, pt) in y.chunks_exact_mut(rows).zip(part.chunks_exact(nr)) {
+                yt[r0..r0 + nr].copy_from_slice(pt);
             }
-        },
-    );
-    for ti in 0..t {
-        for r in 0..rows {
-            y[ti * rows + r] = yt[r * t + ti];
         }
     }
 }
@@ -92,6 +87,15 @@ pub fn matmul(w: &Matrix, m: usize, x: &[f32], y: &mut [f32]) {
 pub fn matmul_new(w: &Matrix, m: usize, x: &[f32]) -> Vec<f32> {
     let t = x.len() / w.cols;
     let mut y = vec![0.0; t * w.rows];
+    matmul(w, m, x, &mut y);
+    y
+}
+
+/// A `[T, rows]` result in a reused buffer (see [`crate::workspace`]).
+pub fn matmul_buf(w: &Matrix, m: usize, x: &[f32]) -> Buf {
+    let t = x.len() / w.cols;
+    // Every element is written by the product.
+    let mut y = Buf::for_output(t * w.rows);
     matmul(w, m, x, &mut y);
     y
 }

@@ -21,9 +21,10 @@ use lily_model::{Backend, BackendError, LayerKind, Logits, ModelConfig, ModelWei
 
 use crate::attention::{self, KvCache};
 use crate::gdn::{self, GdnDims};
-use crate::linear::{embed_row, matmul, matmul_new};
+use crate::linear::{embed_row, matmul, matmul_buf};
 use crate::moe;
 use crate::norm::rms_norm;
+use crate::workspace::Buf;
 
 /// GDN chunks of at least this many tokens use the chunked delta rule; shorter ones step.
 const CHUNKED_MIN_TOKENS: usize = 16;
@@ -96,6 +97,19 @@ impl CpuModel {
         state: &mut State,
         tokens: &[u32],
         want: Logits,
+        trace: Option<&mut Trace>,
+    ) -> Result<Vec<f32>, BackendError> {
+        // One hand-off to the thread pool per call: the parallel loops inside then start on a worker,
+        // where a loop too small to split runs in place. From outside the pool every one of them
+        // would wake a worker and wait for it (two context switches per loop, dozens per token).
+        rayon::scope(|_| self.forward_in_pool(state, tokens, want, trace))
+    }
+
+    fn forward_in_pool(
+        &self,
+        state: &mut State,
+        tokens: &[u32],
+        want: Logits,
         mut trace: Option<&mut Trace>,
     ) -> Result<Vec<f32>, BackendError> {
         let cfg = &self.w.config;
@@ -112,11 +126,11 @@ impl CpuModel {
         }
 
         // x = embed(ids): [T, H]
-        let mut x = vec![0.0f32; t * h];
+        let mut x = Buf::for_output(t * h);
         for (row, &id) in x.chunks_exact_mut(h).zip(tokens) {
             embed_row(&self.w.embed, id as usize, row);
         }
-        let mut normed = vec![0.0f32; t * h];
+        let mut normed = Buf::for_output(t * h);
         for (l, layer) in self.w.layers.iter().enumerate() {
             rms_norm(&x, &layer.input_norm, cfg.rms_norm_eps, &mut normed);
             let mixed = match (&layer.mixer, &mut state.layers[l]) {
@@ -124,23 +138,23 @@ impl CpuModel {
                 (Mixer::Full(w), LayerState::Full(cache)) => attention::forward(w, cfg, &normed, cache, self.kv_bf16),
                 _ => return Err(BackendError::BadState(format!("layer {l} kind does not match"))),
             };
-            x.iter_mut().zip(&mixed).for_each(|(a, b)| *a += b);
+            x.iter_mut().zip(mixed.iter()).for_each(|(a, b)| *a += b);
 
             rms_norm(&x, &layer.post_norm, cfg.rms_norm_eps, &mut normed);
             let mlp = match &layer.mlp {
                 Mlp::Moe(w) => moe::forward(w, cfg, &normed),
                 Mlp::Dense(w) => moe::dense_mlp(w, &normed),
             };
-            x.iter_mut().zip(&mlp).for_each(|(a, b)| *a += b);
+            x.iter_mut().zip(mlp.iter()).for_each(|(a, b)| *a += b);
             if let Some(tr) = trace.as_deref_mut() {
-                tr.layers.push(x.clone());
+                tr.layers.push(x.to_vec());
             }
         }
         state.pos += t;
 
         rms_norm(&x, &self.w.final_norm, cfg.rms_norm_eps, &mut normed);
         if let Some(tr) = trace.as_deref_mut() {
-            tr.final_norm = normed.clone();
+            tr.final_norm = normed.to_vec();
         }
         let rows: &[f32] = match want {
             Logits::None => return Ok(Vec::new()),
@@ -154,29 +168,30 @@ impl CpuModel {
 }
 
 /// One Gated DeltaNet mixer on normed input x [T, H]; advances the conv and recurrent states.
-fn gdn_layer(w: &GdnWeights, cfg: &ModelConfig, x: &[f32], conv: &mut [f32], ssm: &mut [f32]) -> Vec<f32> {
+fn gdn_layer(w: &GdnWeights, cfg: &ModelConfig, x: &[f32], conv: &mut [f32], ssm: &mut [f32]) -> Buf {
     let d = CpuModel::gdn_dims(cfg);
     let t = x.len() / cfg.hidden_size;
-    let mixed = matmul_new(&w.in_proj_qkv, 0, x); // [T, C] = q | k | v
-    let z = matmul_new(&w.in_proj_z, 0, x); // [T, Hv·Dv]
-    let b = matmul_new(&w.in_proj_b, 0, x); // [T, Hv]
-    let a = matmul_new(&w.in_proj_a, 0, x); // [T, Hv]
+    let mixed = matmul_buf(&w.in_proj_qkv, 0, x); // [T, C] = q | k | v
+    let z = matmul_buf(&w.in_proj_z, 0, x); // [T, Hv·Dv]
+    let b = matmul_buf(&w.in_proj_b, 0, x); // [T, Hv]
+    let a = matmul_buf(&w.in_proj_a, 0, x); // [T, Hv]
 
-    let mut qkv = vec![0.0f32; mixed.len()];
+    // Each of these is written whole by the function that fills it.
+    let mut qkv = Buf::for_output(mixed.len());
     gdn::causal_conv1d_silu(&mixed, &w.conv1d, conv, &d, &mut qkv);
     gdn::normalize_qk(&mut qkv, &d);
-    let (mut g, mut beta) = (vec![0.0f32; t * d.num_v_heads], vec![0.0f32; t * d.num_v_heads]);
+    let (mut g, mut beta) = (Buf::for_output(t * d.num_v_heads), Buf::for_output(t * d.num_v_heads));
     gdn::gates(&a, &b, &w.a_log, &w.dt_bias, &mut g, &mut beta);
 
-    let mut o = vec![0.0f32; t * d.value_dim()]; // [T, Hv, Dv]
+    let mut o = Buf::for_output(t * d.value_dim()); // [T, Hv, Dv]
     if t >= CHUNKED_MIN_TOKENS {
         gdn::delta_rule_chunked(&qkv, &g, &beta, ssm, &d, &mut o);
     } else {
         gdn::delta_rule_recurrent(&qkv, &g, &beta, ssm, &d, &mut o);
     }
-    let mut y = vec![0.0f32; t * d.value_dim()];
+    let mut y = Buf::for_output(t * d.value_dim());
     gdn::gated_rmsnorm(&o, &z, &w.norm, cfg.rms_norm_eps, &d, &mut y);
-    matmul_new(&w.out_proj, 0, &y) // [T, H]
+    matmul_buf(&w.out_proj, 0, &y) // [T, H]
 }
 
 impl Backend for CpuModel {

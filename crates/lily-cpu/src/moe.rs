@@ -5,20 +5,21 @@
 use lily_model::weights::{DenseMlpWeights, MoeWeights};
 use lily_model::ModelConfig;
 
-use crate::linear::{matmul, matmul_new};
+use crate::linear::{matmul, matmul_buf};
+use crate::workspace::Buf;
 use crate::norm::{sigmoid, silu};
 
 /// `down(silu(gate(x)) · up(x))` for matrix `m` of the stacks. x: [T, H] → [T, H].
-fn swiglu(gate: &lily_model::weights::Matrix, up: &lily_model::weights::Matrix, down: &lily_model::weights::Matrix, m: usize, x: &[f32]) -> Vec<f32> {
-    let mut g = matmul_new(gate, m, x); // [T, I]
-    let u = matmul_new(up, m, x); // [T, I]
-    for (a, b) in g.iter_mut().zip(&u) {
+fn swiglu(gate: &lily_model::weights::Matrix, up: &lily_model::weights::Matrix, down: &lily_model::weights::Matrix, m: usize, x: &[f32]) -> Buf {
+    let mut g = matmul_buf(gate, m, x); // [T, I]
+    let u = matmul_buf(up, m, x); // [T, I]
+    for (a, b) in g.iter_mut().zip(u.iter()) {
         *a = silu(*a) * b;
     }
-    matmul_new(down, m, &g) // [T, H]
+    matmul_buf(down, m, &g) // [T, H]
 }
 
-pub fn dense_mlp(w: &DenseMlpWeights, x: &[f32]) -> Vec<f32> {
+pub fn dense_mlp(w: &DenseMlpWeights, x: &[f32]) -> Buf {
     swiglu(&w.gate_proj, &w.up_proj, &w.down_proj, 0, x)
 }
 
@@ -42,10 +43,10 @@ pub fn route(logits: &[f32], e: usize, k: usize, renormalise: bool) -> Vec<Vec<(
 }
 
 /// x: [T, H] (post-attention-normed) → [T, H].
-pub fn forward(w: &MoeWeights, cfg: &ModelConfig, x: &[f32]) -> Vec<f32> {
+pub fn forward(w: &MoeWeights, cfg: &ModelConfig, x: &[f32]) -> Buf {
     let h = cfg.hidden_size;
     let t = x.len() / h;
-    let logits = matmul_new(&w.router, 0, x); // [T, E]
+    let logits = matmul_buf(&w.router, 0, x); // [T, E]
     let routes = route(&logits, cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob);
 
     // Group token rows by expert, run each expert once on its rows.
@@ -55,12 +56,15 @@ pub fn forward(w: &MoeWeights, cfg: &ModelConfig, x: &[f32]) -> Vec<f32> {
             by_expert[e].push((ti, wgt));
         }
     }
-    let mut out = vec![0.0f32; t * h];
+    let mut out = Buf::zeros(t * h);
     for (e, rows) in by_expert.iter().enumerate() {
         if rows.is_empty() {
             continue;
         }
-        let xe: Vec<f32> = rows.iter().flat_map(|&(ti, _)| x[ti * h..(ti + 1) * h].iter().copied()).collect();
+        let mut xe = Buf::for_output(rows.len() * h);
+        for (dst, &(ti, _)) in xe.chunks_exact_mut(h).zip(rows) {
+            dst.copy_from_slice(&x[ti * h..(ti + 1) * h]);
+        }
         let ye = swiglu(&w.gate_proj, &w.up_proj, &w.down_proj, e, &xe); // [n, H]
         for (j, &(ti, wgt)) in rows.iter().enumerate() {
             for (o, v) in out[ti * h..(ti + 1) * h].iter_mut().zip(&ye[j * h..(j + 1) * h]) {

@@ -63,3 +63,13 @@ pub fn agreement(a: &[u32], b: &[u32]) -> f64 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).filter(|(x, y)| x == y).count() as f64 / a.len() as f64
 }
+
+/// CPU time of this process so far, in seconds (all threads): timing runs on a shared machine
+/// measure this beside wall time, since a descheduled thread costs wall time but no CPU time.
+pub fn cpu_seconds() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime failed");
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
