@@ -181,6 +181,7 @@ fn gen_spec(app: &AppState, common: &Common, prompt_len: usize, prompt_param: &s
         stop_ids: app.stop_ids.clone(),
         max_tokens: Some(max_tokens),
         skip_special: true,
+        constraint: None,
     })
 }
 

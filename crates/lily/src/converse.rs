@@ -58,6 +58,7 @@ impl GenArgs {
             stop_ids: m.stop_ids.clone(),
             max_tokens: Some(self.max_tokens),
             skip_special: true,
+            constraint: None,
         }
     }
     pub fn kwargs(&self) -> Map<String, Value> {
