@@ -250,7 +250,8 @@ def run_checks(base, model_id_expected):
             "max_tokens 0": dict(messages=msgs, max_tokens=0),
             "n 2": dict(messages=msgs, n=2),
             "temperature -1": dict(messages=msgs, temperature=-1),
-            "response_format": dict(messages=msgs, response_format={"type": "json_object"}),
+            "impossible schema": dict(messages=msgs, response_format={"type": "json_schema", "json_schema": {
+                "name": "x", "schema": {"type": "integer", "minimum": 3, "maximum": 1}}}),
             "prompt too long": dict(messages=[{"role": "user", "content": "hello " * 5000}]),
             "max_tokens over the context": dict(messages=msgs, max_tokens=10**7),
         }

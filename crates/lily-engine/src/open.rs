@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use lily_cpu::CpuModel;
-use lily_model::{Backend, BackendError, DevicePick, LoadOptions, Logits, ModelConfig, ModelWeights};
+use lily_model::{Backend, BackendError, DevicePick, LoadOptions, Logits, MaskFill, ModelConfig, ModelWeights};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
@@ -149,6 +149,28 @@ impl Backend for LoadedModel {
             (LoadedModel::Cpu(m), LoadedState::Cpu(s)) => m.forward_pick(s, tokens, pick),
             #[cfg(feature = "cuda")]
             (LoadedModel::Cuda(m), LoadedState::Cuda(s)) => m.forward_pick(s, tokens, pick),
+            #[cfg(feature = "cuda")]
+            _ => Err(wrong_state()),
+        }
+    }
+    fn masks_on_device(&self) -> bool {
+        match self {
+            LoadedModel::Cpu(m) => m.masks_on_device(),
+            #[cfg(feature = "cuda")]
+            LoadedModel::Cuda(m) => m.masks_on_device(),
+        }
+    }
+    fn forward_pick_masked(
+        &mut self,
+        state: &mut LoadedState,
+        tokens: &[u32],
+        pick: &DevicePick,
+        fill: &mut MaskFill<'_>,
+    ) -> Result<u32, BackendError> {
+        match (self, state) {
+            (LoadedModel::Cpu(m), LoadedState::Cpu(s)) => m.forward_pick_masked(s, tokens, pick, fill),
+            #[cfg(feature = "cuda")]
+            (LoadedModel::Cuda(m), LoadedState::Cuda(s)) => m.forward_pick_masked(s, tokens, pick, fill),
             #[cfg(feature = "cuda")]
             _ => Err(wrong_state()),
         }

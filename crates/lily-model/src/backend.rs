@@ -26,7 +26,15 @@ pub enum BackendError {
     BadState(String),
     #[error("device error: {0}")]
     Device(String),
+    /// The token mask of a constrained step could not be made (the caller's callback failed).
+    #[error("the token mask could not be computed: {0}")]
+    Mask(String),
 }
+
+/// Fills the bitmask of the tokens the next pick may choose (constrained decoding): bit `id % 32` of
+/// word `id / 32` set when token `id` is allowed, `pick.vocab.div_ceil(32)` words. See
+/// [`Backend::forward_pick_masked`].
+pub type MaskFill<'a> = dyn FnMut(&mut [u32]) -> Result<(), BackendError> + 'a;
 
 /// A model on a device.
 pub trait Backend: Send {
@@ -67,5 +75,26 @@ pub trait Backend: Send {
     fn forward_pick(&mut self, state: &mut Self::State, tokens: &[u32], pick: &DevicePick) -> Result<u32, BackendError> {
         let _ = (state, tokens, pick);
         Err(BackendError::Device(format!("the {} backend does not choose tokens on the device", self.name())))
+    }
+    /// Whether [`Backend::forward_pick_masked`] works: the backend applies a token mask on the
+    /// device before its pick. When it does not, the engine runs constrained steps on the host
+    /// (logits back, mask and sampling there): the same tokens, slower.
+    fn masks_on_device(&self) -> bool {
+        false
+    }
+    /// [`Backend::forward_pick`] under a token mask: starts the forward pass of `tokens`, then, while
+    /// the device works, calls `fill` once with a host buffer of `pick.vocab.div_ceil(32)` words for
+    /// the host to write the mask into (the host computes it meanwhile); uploads it, sets every
+    /// disallowed logit to `-inf` after the pick's edits and before its choice, and chooses — the
+    /// token `lily_sampler::pick_on_cpu_masked` chooses. An error from `fill` ends the step with it.
+    fn forward_pick_masked(
+        &mut self,
+        state: &mut Self::State,
+        tokens: &[u32],
+        pick: &DevicePick,
+        fill: &mut MaskFill<'_>,
+    ) -> Result<u32, BackendError> {
+        let _ = (state, tokens, pick, fill);
+        Err(BackendError::Device(format!("the {} backend does not apply token masks on the device", self.name())))
     }
 }

@@ -15,7 +15,7 @@ pub mod synth;
 pub mod weights;
 
 pub use config::{GenerationConfig, LayerKind, ModelConfig, QuantizationConfig};
-pub use backend::{Backend, BackendError, DevicePick, Logits};
+pub use backend::{Backend, BackendError, DevicePick, Logits, MaskFill};
 pub use error::{Error, Result};
 pub use shapes::GdnDims;
 pub use weights::{LoadOptions, ModelWeights};

@@ -23,7 +23,8 @@
 //!    positive logits divided by it, negative multiplied.
 //! 4. Presence and frequency penalties over the generated tokens only (OpenAI/vLLM):
 //!    `logit -= presence * [count > 0] + frequency * count`.
-//! 5. Logit bias added.
+//! 5. Logit bias added; then, under constrained decoding, every token the mask does not allow set to
+//!    `-inf` (see *Token masks* below).
 //! 6. Temperature < 1e-5: greedy, argmax with ties to the lowest id (no random number used).
 //!    Otherwise weights `exp((l - max) / T)` (temperature), then top-k, then top-p on the
 //!    renormalised survivors (keep a token while the mass ranked above it is below top_p; the top
@@ -53,6 +54,14 @@
 //! buckets and the walk orders): a change to that arithmetic here needs the same change in
 //! `crates/lily-cuda/kernels/sample.cu` (its tests pick at the CPU's exact CDF boundaries, so they
 //! catch a mismatch). Requests with logprobs stay on the host (they need the logits).
+//!
+//! # Token masks (constrained decoding)
+//!
+//! [`Sampler::sample_masked`] and [`pick_on_cpu_masked`] take a bitmask over the vocabulary (bit
+//! `id % 32` of word `id / 32` set when token `id` may come next, as `lily-grammar` computes it):
+//! every other logit becomes `-inf` after the penalties and the bias, before the choice
+//! ([`ops::apply_token_mask`]). Log-probabilities stay those of the raw logits. A device applying
+//! the mask must choose what `pick_on_cpu_masked` chooses.
 
 pub mod ops;
 mod params;
@@ -62,6 +71,6 @@ mod sampler;
 mod stop;
 
 pub use params::{Defaults, Resolved, SamplerError, SamplingParams, GREEDY_EPS, MAX_TOP_LOGPROBS};
-pub use pick::{pick_on_cpu, DevicePick, LogitEdit};
+pub use pick::{pick_on_cpu, pick_on_cpu_masked, DevicePick, LogitEdit};
 pub use sampler::{Sampled, Sampler};
 pub use stop::{Finish, StopChecker, StopReason, StopStep};

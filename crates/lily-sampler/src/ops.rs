@@ -59,6 +59,48 @@ pub fn apply_logit_bias(logits: &mut [f32], bias: &[(u32, f32)]) {
     }
 }
 
+/// Constrained decoding: `mask` has bit `id % 32` of word `id / 32` set when token `id` may come
+/// next; every other logit becomes `-inf` (ids past the mask's words too). Applied after the
+/// penalties and the bias, just before the choice; `-inf` is absorbing under all three, so the order
+/// would not change the result anyway.
+pub fn apply_token_mask(logits: &mut [f32], mask: &[u32]) {
+    for (w, chunk) in logits.chunks_mut(32).enumerate() {
+        let bits = mask.get(w).copied().unwrap_or(0);
+        if bits == u32::MAX {
+            continue;
+        }
+        if bits == 0 {
+            chunk.fill(f32::NEG_INFINITY);
+            continue;
+        }
+        for (b, l) in chunk.iter_mut().enumerate() {
+            if bits >> b & 1 == 0 {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+    }
+}
+
+/// The choice under a mask when [`choose`] picked a token the mask does not allow, which happens
+/// only when every allowed logit is `-inf` or NaN (nothing to draw from): the lowest allowed id
+/// below `vocab` (the grammar's word is final). `token` itself otherwise.
+pub fn masked_choice(token: u32, mask: &[u32], vocab: usize) -> u32 {
+    if mask_allows(mask, token) {
+        return token;
+    }
+    mask.iter()
+        .enumerate()
+        .find(|(_, &w)| w != 0)
+        .map(|(i, &w)| i as u32 * 32 + w.trailing_zeros())
+        .filter(|&id| (id as usize) < vocab)
+        .unwrap_or(token)
+}
+
+/// Whether `mask` allows `id`.
+pub fn mask_allows(mask: &[u32], id: u32) -> bool {
+    mask.get(id as usize / 32).is_some_and(|w| w >> (id % 32) & 1 == 1)
+}
+
 /// The largest logit's id, ties to the lowest id; 0 when every logit is `-inf` or NaN.
 pub fn argmax(logits: &[f32]) -> u32 {
     let m = max_logit(logits);

@@ -129,6 +129,15 @@ impl Sampler {
 /// The CPU reference of a device pick: applies the edits to `logits[..pick.vocab]` (in place; ids
 /// at or past `vocab` are ignored) and [`ops::choose`]s with `pick.u` (greedy: the argmax).
 pub fn pick_on_cpu(logits: &mut [f32], pick: &DevicePick) -> u32 {
+    pick_on_cpu_masked(logits, pick, None)
+}
+
+/// [`pick_on_cpu`] under a token mask (constrained decoding): the edits, then every token the mask
+/// does not allow set to `-inf` ([`ops::apply_token_mask`]; `mask` has `pick.vocab.div_ceil(32)`
+/// words), then [`ops::choose`] ([`ops::masked_choice`]: the lowest allowed id when every allowed
+/// logit is `-inf` or NaN). The reference a device applying a mask must match: the same token
+/// as [`Sampler::sample_masked`](crate::Sampler::sample_masked) on the same logits and mask.
+pub fn pick_on_cpu_masked(logits: &mut [f32], pick: &DevicePick, mask: Option<&[u32]>) -> u32 {
     assert!(
         logits.len() >= pick.vocab,
         "logits have {} entries, fewer than the vocabulary's {}",
@@ -141,7 +150,14 @@ pub fn pick_on_cpu(logits: &mut [f32], pick: &DevicePick) -> u32 {
             *l = e.apply(*l);
         }
     }
-    ops::choose(logits, &pick.params, pick.u, &mut ops::Scratch::default())
+    match mask {
+        None => ops::choose(logits, &pick.params, pick.u, &mut ops::Scratch::default()),
+        Some(mask) => {
+            ops::apply_token_mask(logits, mask);
+            let token = ops::choose(logits, &pick.params, pick.u, &mut ops::Scratch::default());
+            ops::masked_choice(token, mask, pick.vocab)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -337,6 +353,88 @@ mod tests {
         for x in specials {
             let y = LogitEdit::NONE.apply(x);
             assert!(y.to_bits() == x.to_bits() || (x.is_nan() && y.is_nan()), "{x} -> {y}");
+        }
+    }
+
+    /// A random mask over `vocab` tokens in one of several shapes: one token, a handful, about
+    /// half, all but one, all; never empty.
+    fn mask(g: &mut Gen, vocab: usize, shape: usize) -> Vec<u32> {
+        let ids: Vec<usize> = match shape % 5 {
+            0 => vec![g.below(vocab)],
+            1 => (0..5).map(|_| g.below(vocab)).collect(),
+            2 => {
+                let extra = g.below(vocab);
+                let mut v: Vec<usize> = (0..vocab).filter(|_| g.below(2) == 0).collect();
+                v.push(extra);
+                v
+            }
+            3 => {
+                let skip = g.below(vocab);
+                (0..vocab).filter(|&i| i != skip || vocab == 1).collect()
+            }
+            _ => (0..vocab).collect(),
+        };
+        let mut m = vec![0u32; vocab.div_ceil(32)];
+        for id in ids {
+            m[id / 32] |= 1 << (id % 32);
+        }
+        m
+    }
+
+    /// Under a mask, the device pick's CPU reference chooses what `sample_masked` chooses, and the
+    /// token is always one the mask allows.
+    #[test]
+    fn masked_device_pick_replays_masked_sample_and_obeys_the_mask() {
+        let mut g = Gen(0x0BAD_CAFE_1234_5678);
+        let mut cases = 0;
+        for (pi, p) in params_sets().into_iter().enumerate() {
+            for &(vocab, pad) in &[(50usize, 0usize), (300, 13), (1000, 24)] {
+                let p = SamplingParams { seed: Some(31 * pi as u64 + vocab as u64), ..p.clone() };
+                let mut a = Sampler::new(&p, &Defaults::default(), vocab).unwrap();
+                a.observe_prompt(&[1, 2, 3, 5, 8, 13]);
+                let mut b = a.clone();
+                for step in 0..20 {
+                    let logits = row(&mut g, vocab, pad, step + pi);
+                    let m = mask(&mut g, vocab, step);
+                    let want = a.sample_masked(&mut logits.clone(), Some(&m)).token;
+                    assert!(ops::mask_allows(&m, want), "params {pi} vocab {vocab} step {step}: {want} is masked out");
+                    let pick = b.device_pick().unwrap();
+                    let got = pick_on_cpu_masked(&mut logits.clone(), &pick, Some(&m));
+                    b.record(got);
+                    assert_eq!(got, want, "params {pi} vocab {vocab} step {step}");
+                    cases += 1;
+                }
+            }
+        }
+        assert!(cases > 1000);
+    }
+
+    /// The mask sets exactly the disallowed logits to -inf, padding included, and an all-ones mask
+    /// changes nothing.
+    #[test]
+    fn apply_token_mask_is_exact() {
+        let mut g = Gen(77);
+        for vocab in [1usize, 31, 32, 33, 100, 1000] {
+            let raw = row(&mut g, vocab, 0, 0);
+            let m = mask(&mut g, vocab, 2);
+            let mut got = raw.clone();
+            ops::apply_token_mask(&mut got, &m);
+            for (i, (&x, &y)) in raw.iter().zip(&got).enumerate() {
+                if ops::mask_allows(&m, i as u32) {
+                    assert_eq!(x.to_bits(), y.to_bits());
+                } else {
+                    assert_eq!(y, f32::NEG_INFINITY);
+                }
+            }
+            // Logits past the mask's words are disallowed.
+            let mut long = raw.clone();
+            long.extend([5.0f32; 40]);
+            ops::apply_token_mask(&mut long, &m);
+            assert!(long[vocab.div_ceil(32) * 32..].iter().all(|&l| l == f32::NEG_INFINITY));
+            let ones = vec![u32::MAX; vocab.div_ceil(32)];
+            let mut same = raw.clone();
+            ops::apply_token_mask(&mut same, &ones);
+            assert!(same.iter().zip(&raw).all(|(a, b)| a.to_bits() == b.to_bits()));
         }
     }
 

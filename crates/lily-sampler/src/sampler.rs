@@ -129,6 +129,14 @@ impl Sampler {
     /// → logit bias → [`ops::choose`] (greedy, or temperature → top-k → top-p → min-p → draw).
     /// Consumes one random number per non-greedy step, none when greedy.
     pub fn sample(&mut self, logits: &mut [f32]) -> Sampled {
+        self.sample_masked(logits, None)
+    }
+
+    /// [`Sampler::sample`] under a token mask (constrained decoding; see [`ops::apply_token_mask`]):
+    /// the disallowed tokens' logits become `-inf` after the penalties and the bias, before the
+    /// choice ([`ops::masked_choice`] when every allowed logit is `-inf` or NaN). Log-probabilities stay those of the raw logits (the model's distribution, before
+    /// the mask, as vLLM reports them).
+    pub fn sample_masked(&mut self, logits: &mut [f32], mask: Option<&[u32]>) -> Sampled {
         assert!(
             logits.len() >= self.vocab,
             "logits have {} entries, fewer than the vocabulary's {}",
@@ -155,12 +163,18 @@ impl Sampler {
             self.counts.iter().map(|(&id, &c)| (id, c)),
         );
         ops::apply_logit_bias(logits, &self.bias);
-        let token = if self.params.is_greedy() {
+        if let Some(mask) = mask {
+            ops::apply_token_mask(logits, mask);
+        }
+        let mut token = if self.params.is_greedy() {
             ops::argmax(logits)
         } else {
             let u = self.rng.next_f64();
             ops::choose(logits, &self.params, u, &mut self.scratch)
         };
+        if let Some(mask) = mask {
+            token = ops::masked_choice(token, mask, self.vocab);
+        }
         let logprob = lse.map(|lse| (self.raw[token as usize] as f64 - lse) as f32);
         self.record(token);
         Sampled { token, logprob, top_logprobs }

@@ -3,6 +3,8 @@
 //! - `request`: reading and validating request bodies (a bad field is a 400 naming it)
 //! - `routes`: the HTTP routes, auth, and assembling responses and SSE streams from engine events
 //! - `worker`: the engine thread (one sequence at a time, a bounded FIFO queue, the prefix cache)
+//! - `structured`: structured outputs (`response_format`, `structured_outputs`, constrained tool
+//!   calls) compiled into the grammar the engine applies to every token
 //! - `metrics`, `error`
 //!
 //! The async side never touches the model: handlers render and tokenise the prompt, queue a job,
@@ -12,6 +14,7 @@ pub mod error;
 pub mod metrics;
 pub mod request;
 pub mod routes;
+pub mod structured;
 pub mod worker;
 
 use std::net::SocketAddr;
@@ -57,7 +60,9 @@ where
     let vocab = m.tokenizer.vocab_size().min(m.backend.config().vocab_size);
     let tokenizer = Arc::new(m.tokenizer);
     let engine = worker::spawn(m.backend, Arc::clone(&tokenizer), cfg.max_queue, cfg.cache_bytes);
+    let grammars = Arc::new(structured::GrammarCell::new(Arc::clone(&tokenizer), m.stop_ids.clone()));
     AppState {
+        grammars,
         engine,
         tokenizer,
         template: Arc::new(m.template),

@@ -177,18 +177,7 @@ pub fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
         }
         _ => {}
     }
-    if let Some(rf) = m.get("response_format") {
-        match rf.get("type").and_then(Value::as_str) {
-            None | Some("text") => {}
-            Some(t @ ("json_object" | "json_schema")) => {
-                return Err(ApiError::invalid(
-                    "response_format",
-                    format!("response_format `{t}` needs constrained decoding, which lily does not have yet; ask for JSON in the prompt instead"),
-                ))
-            }
-            Some(t) => return Err(ApiError::invalid("response_format", format!("unknown response_format type `{t}`"))),
-        }
-    }
+    // response_format / structured_outputs: read by `structured` (constrained decoding).
     Ok(ChatRequest { common, tools, tool_choice })
 }
 

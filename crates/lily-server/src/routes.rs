@@ -46,6 +46,8 @@ pub struct AppState {
     pub queue_timeout: Duration,
     pub metrics: Arc<Metrics>,
     pub started: Instant,
+    /// Structured outputs: the grammar factory, built on first use.
+    pub grammars: Arc<crate::structured::GrammarCell>,
 }
 
 pub fn router(state: AppState) -> Router {
@@ -181,6 +183,7 @@ fn gen_spec(app: &AppState, common: &Common, prompt_len: usize, prompt_param: &s
         stop_ids: app.stop_ids.clone(),
         max_tokens: Some(max_tokens),
         skip_special: true,
+        constraint: None,
     })
 }
 
@@ -217,12 +220,7 @@ fn prepare_chat(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
             }
             f.push_str("<tool_call>\n<function=");
             // A named tool, or the only tool there is: its name is certain too.
-            let name = match &req.tool_choice {
-                ToolChoice::Named(n) => Some(n.as_str()),
-                _ if tools.len() == 1 => Some(tools[0].name.as_str()),
-                _ => None,
-            };
-            if let Some(n) = name {
+            if let Some(n) = crate::structured::forced_call_name(&req.tool_choice, &tools) {
                 f.push_str(n);
                 f.push_str(">\n");
             }
@@ -242,7 +240,11 @@ fn prepare_chat(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
         }
         None => (app.tokenizer.encode(&format!("{text}{forced}")).map_err(tok_err)?, 0),
     };
-    let spec = gen_spec(app, &req.common, prompt.len(), "messages")?;
+    let mut spec = gen_spec(app, &req.common, prompt.len(), "messages")?;
+    if let Some((plan, param)) = crate::structured::chat_plan(&body, &req.tool_choice, &tools, thinking)? {
+        spec.constraint = Some(crate::structured::compile(&app.grammars, &plan, param.as_deref())?);
+    }
+    let tools = tools.iter().map(crate::structured::parser_tool).collect();
     let cfg = ParserConfig { reasoning: thinking, tools, id_seed: None };
     Ok(Prepared { prompt, history, spec, common: req.common, parse: Some((cfg, forced)) })
 }
@@ -254,7 +256,11 @@ fn prepare_completion(app: &AppState, body: &Value) -> Result<Prepared, ApiError
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
-    let spec = gen_spec(app, &common, prompt.len(), "prompt")?;
+    let mut spec = gen_spec(app, &common, prompt.len(), "prompt")?;
+    if let Some(a) = crate::structured::parse_answer(body)? {
+        let plan = lily_grammar::Plan { answer: Some(a.format), ..Default::default() };
+        spec.constraint = Some(crate::structured::compile(&app.grammars, &plan, Some(&a.param))?);
+    }
     Ok(Prepared { prompt, history: 0, spec, common, parse: None })
 }
 

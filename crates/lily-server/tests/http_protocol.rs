@@ -365,17 +365,6 @@ async fn multi_turn_tool_conversation_feeds_back_and_hits_the_cache() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn response_format_json_is_a_clear_400() {
-    let s = scripted().await;
-    for rf in [json!({"type": "json_object"}), json!({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}})] {
-        let (st, v) = s.post("/v1/chat/completions", &json!({"messages": user("hi"), "response_format": rf})).await;
-        assert_error(st, &v, 400, Some("response_format"));
-        assert!(v["error"]["message"].as_str().unwrap().contains("response_format"), "{v}");
-    }
-    s.chat(json!({"messages": user("hi"), "response_format": {"type": "text"}, "max_tokens": 2})).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_health_and_metrics() {
     let s = scripted().await;
     let (st, text) = s.get("/v1/models").await;

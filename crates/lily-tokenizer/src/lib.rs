@@ -299,6 +299,26 @@ impl Tokenizer {
         self.pad
     }
 
+    /// The bytes `id` stands for, as the decoder produces them (a byte-level token's bytes, which
+    /// may be part of a UTF-8 character; an added token's text). For constrained decoding, which
+    /// matches grammars against the bytes of every token.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>, TokenizerError> {
+        let mut out = Vec::new();
+        if self.byte_level {
+            self.push_token_bytes(id, &mut out)?;
+        } else {
+            out = self.decode(&[id], false)?.into_bytes();
+        }
+        Ok(out)
+    }
+
+    /// The added tokens (`<|im_end|>`, `<think>`, `<tool_call>`, ...): `(id, text)`, by id.
+    pub fn added_tokens(&self) -> Vec<(u32, String)> {
+        let mut v: Vec<(u32, String)> = self.inner.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, t.content)).collect();
+        v.sort_unstable_by_key(|t| t.0);
+        v
+    }
+
     /// The wrapped `tokenizers` tokenizer.
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner

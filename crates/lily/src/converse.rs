@@ -1,12 +1,17 @@
 //! What `lily run` and `lily chat` share: the generation flags, rendering a conversation with the
 //! checkpoint's chat template, and streaming one answer to the terminal — reasoning dimmed on
-//! stderr, the answer on stdout — with the speed after it.
+//! stderr, the answer on stdout — with the speed after it; and the answer's constraint
+//! (`--json-schema`, `--json`).
 
 use std::io::{IsTerminal, Write};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use anyhow::Result;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
 use lily_engine::{generate_cached, ChatModel, Flow, GenSpec, LoadedState, Outcome, PrefixCache};
+use lily_grammar::{Format, Grammars, Plan, Whitespace};
 use lily_parser::{Event, OutputParser, ParsedMessage, ParserConfig};
 use lily_sampler::SamplingParams;
 use serde_json::{json, Map, Value};
@@ -38,6 +43,29 @@ pub struct GenArgs {
     /// A system prompt.
     #[arg(long)]
     pub system: Option<String>,
+    /// Constrain the answer to JSON valid for the JSON Schema in FILE (after the reasoning, when
+    /// thinking is on).
+    #[arg(long, value_name = "FILE", conflicts_with = "json")]
+    pub json_schema: Option<PathBuf>,
+    /// Constrain the answer to a JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The answer's constraint from `--json-schema` / `--json`: the model's grammar factory and the
+/// format, compiled for each prompt (whether it leaves the model thinking decides where it starts).
+pub struct Structured {
+    grammars: Grammars,
+    format: Format,
+}
+
+impl Structured {
+    /// Sets `spec`'s constraint for `prompt`.
+    pub fn constrain(&self, spec: &mut GenSpec, prompt: &Prompt) -> Result<()> {
+        let plan = Plan { answer: Some(self.format.clone()), after_reasoning: prompt.thinking, ..Default::default() };
+        spec.constraint = Some(self.grammars.compile(&plan)?);
+        Ok(())
+    }
 }
 
 impl GenArgs {
@@ -58,7 +86,30 @@ impl GenArgs {
             stop_ids: m.stop_ids.clone(),
             max_tokens: Some(self.max_tokens),
             skip_special: true,
+            constraint: None,
         }
+    }
+    /// The constraint `--json-schema` or `--json` asks for (the schema checked now: a bad one is an
+    /// error naming the file).
+    pub fn structured(&self, m: &ChatModel) -> Result<Option<Structured>> {
+        let format = match (&self.json_schema, self.json) {
+            (Some(path), _) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("--json-schema {}", path.display()))?;
+                let schema: Value =
+                    serde_json::from_str(&text).with_context(|| format!("--json-schema {}: not valid JSON", path.display()))?;
+                Format::JsonSchema { schema, strict: true, whitespace: Whitespace::Bounded }
+            }
+            (None, true) => Format::JsonObject { whitespace: Whitespace::Bounded },
+            (None, false) => return Ok(None),
+        };
+        let grammars = Grammars::new(Arc::new(m.tokenizer.clone()), &m.stop_ids)?;
+        let st = Structured { grammars, format };
+        // Compile once now, so a bad schema fails before any model work.
+        st.grammars.compile(&Plan { answer: Some(st.format.clone()), ..Default::default() }).map_err(|e| match &self.json_schema {
+            Some(p) => anyhow::anyhow!("--json-schema {}: {e}", p.display()),
+            None => anyhow::anyhow!("--json: {e}"),
+        })?;
+        Ok(Some(st))
     }
     pub fn kwargs(&self) -> Map<String, Value> {
         let mut k = Map::new();

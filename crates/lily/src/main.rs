@@ -334,6 +334,8 @@ fn run(cli: Cli) -> Result<()> {
                 let addr: std::net::SocketAddr = format!("{host}:{port}").parse().with_context(|| format!("`{host}:{port}` is not an address"))?;
                 let listener = lily_server::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
                 let app = lily_server::build(served, &cfg);
+                // The structured-outputs vocabulary (a second or two), ready before the first request.
+                app.grammars.warm_in_background();
                 eprintln!(
                     "lily serving `{id}`{} on http://{} (backend {}, context {ctx} tokens{}). Ctrl-C stops.",
                     if demo { " (the built-in DEMO model: random weights, meaningless output)" } else { "" },
@@ -353,7 +355,10 @@ fn run(cli: Cli) -> Result<()> {
             }
             messages.push(serde_json::json!({"role": "user", "content": prompt}));
             let p = converse::render(&m, &messages, &gen.kwargs())?;
-            let spec = gen.spec(&m);
+            let mut spec = gen.spec(&m);
+            if let Some(st) = gen.structured(&m)? {
+                st.constrain(&mut spec, &p)?;
+            }
             let stop = install_ctrl_c();
             let mut cache = PrefixCache::new(0);
             let (_, outcome, cached) = converse::answer(&mut m, &mut cache, &p, &spec, &stop)?;
@@ -481,7 +486,8 @@ fn chat(mut m: ChatModel, gen: GenArgs) -> Result<()> {
     let mut editor = rustyline::DefaultEditor::new()?;
     let base: Vec<serde_json::Value> = gen.system.iter().map(|s| serde_json::json!({"role": "system", "content": s})).collect();
     let mut messages = base.clone();
-    let spec = gen.spec(&m);
+    let mut spec = gen.spec(&m);
+    let structured = gen.structured(&m)?;
     let mut cache = PrefixCache::new(2 << 30);
     loop {
         let line = match editor.readline(">>> ") {
@@ -512,6 +518,9 @@ fn chat(mut m: ChatModel, gen: GenArgs) -> Result<()> {
         messages.push(serde_json::json!({"role": "user", "content": line}));
         stop.store(false, Ordering::SeqCst);
         let prompt = converse::render(&m, &messages, &gen.kwargs())?;
+        if let Some(st) = &structured {
+            st.constrain(&mut spec, &prompt)?;
+        }
         let (msg, outcome, cached) = converse::answer(&mut m, &mut cache, &prompt, &spec, &stop)?;
         println!();
         let mut line = converse::speed_line(&outcome, cached);

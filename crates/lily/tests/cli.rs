@@ -325,3 +325,38 @@ fn cuda_backend_without_a_gpu_is_a_clear_error() {
     assert!(err.contains("CUDA"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
 }
+
+#[test]
+fn run_with_a_json_schema_answers_valid_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let schema = serde_json::json!({"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["city", "days"], "additionalProperties": false});
+    let path = dir.path().join("schema.json");
+    std::fs::write(&path, schema.to_string()).unwrap();
+    let model = fixtures().join("tiny-b/mlx");
+    let (m, p) = (model.to_str().unwrap(), path.to_str().unwrap());
+    for seed in ["1", "2", "3"] {
+        let out = lily(&["run", "--model", m, "--backend", "cpu", "--prompt", "Where to?", "--no-think", "--temperature", "1", "--seed", seed, "--json-schema", p]);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8(out.stdout).unwrap();
+        let v: Value = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("seed {seed}: not JSON ({e}): {text:?}"));
+        assert!(["Paris", "Rome"].contains(&v["city"].as_str().unwrap()), "{v}");
+        assert!((1..=9).contains(&v["days"].as_i64().unwrap()), "{v}");
+        assert_eq!(v.as_object().unwrap().len(), 2, "{v}");
+    }
+    // --json: any object (tiny-b's 368-token vocabulary closes its strings soon enough).
+    for seed in ["1", "2", "3"] {
+        let out = lily(&["run", "--model", m, "--backend", "cpu", "--prompt", "Hi", "--no-think", "--max-tokens", "3000", "--temperature", "1", "--seed", seed, "--json"]);
+        let err = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success() && err.contains(", stop]"), "{err}");
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(serde_json::from_str::<Value>(text.trim()).unwrap_or_else(|e| panic!("{e}: {text:?}")).is_object(), "{text:?}");
+    }
+    // A bad schema, or one that is not JSON, is an error naming the file.
+    std::fs::write(&path, r#"{"type": "integer", "minimum": 3, "maximum": 1}"#).unwrap();
+    let err = fails(&["run", "--model", m, "--backend", "cpu", "--prompt", "x", "--json-schema", p]);
+    assert!(err.contains("--json-schema") && err.contains("schema.json") && err.contains("minimum"), "{err}");
+    std::fs::write(&path, "{not json").unwrap();
+    let err = fails(&["run", "--model", m, "--backend", "cpu", "--prompt", "x", "--json-schema", p]);
+    assert!(err.contains("not valid JSON"), "{err}");
+}
