@@ -1,6 +1,7 @@
 //! lily's OpenAI-compatible server.
 //!
-//! - `request`: reading and validating request bodies (a bad field is a 400 naming it)
+//! - `request`: reading and validating request bodies (a bad field is a 400 naming it), with
+//!   `fields` (typed readers of single fields) and `messages` (the shape of messages and tools)
 //! - `routes`: the HTTP routes, auth, and assembling responses and SSE streams from engine events
 //! - `worker`: the engine thread (one sequence at a time, a bounded FIFO queue, the prefix cache)
 //! - `http`: the connection layer (HTTP/1.1 limits, JSON bodies for hyper's refusals, shutdown)
@@ -11,8 +12,10 @@
 //! and turn the engine thread's events into OpenAI JSON.
 
 pub mod error;
+pub mod fields;
 pub mod http;
 pub mod log;
+pub mod messages;
 pub mod metrics;
 pub mod request;
 pub mod routes;
