@@ -754,7 +754,16 @@ async fn whole(mut turn: Turn, mut rx: UnboundedReceiver<Event>, _guard: CancelO
                 Some(ev) => turn.feed(ev),
                 None => break,
             },
-            _ = &mut grace => turn.end_for_shutdown(),
+            _ = &mut grace => {
+                if !turn.started {
+                    // Still queued: nothing to end; say why it never ran.
+                    let e = ApiError::shutting_down();
+                    turn.line.status = e.status.as_u16();
+                    turn.line.finish = Some(format!("error: {}", e.message));
+                    return e.into_response();
+                }
+                turn.end_for_shutdown()
+            }
         };
         for out in outs {
             match out {
