@@ -139,6 +139,9 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         listener.set_nonblocking(true)?;
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let app = lily_server::build(served, &cfg);
+        // Listening from now on (before the banner says lily is ready), so that no Ctrl-C kills it
+        // uncleanly and a second one is never missed between the two waits.
+        let mut signals = Signals::new()?;
         let max = match default_max {
             Some(n) => format!("{n} tokens"),
             None => "the rest of the context".into(),
@@ -151,10 +154,10 @@ pub fn serve(a: ServeArgs) -> Result<()> {
         );
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         tokio::spawn(async move {
-            signal().await;
+            signals.next().await;
             eprintln!("lily: stopping: no new requests; ending the answers in flight (Ctrl-C again quits at once)");
             let _ = stop.send(());
-            signal().await;
+            signals.next().await;
             eprintln!("lily: quitting at once");
             std::process::exit(130);
         });
@@ -170,21 +173,33 @@ pub fn serve(a: ServeArgs) -> Result<()> {
     result
 }
 
-/// Ctrl-C or SIGTERM.
-async fn signal() {
+/// Ctrl-C (SIGINT) and SIGTERM.
+struct Signals {
     #[cfg(unix)]
-    {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(t) => t,
-            Err(_) => return std::future::pending().await,
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
+    int: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn new() -> std::io::Result<Self> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            Ok(Signals { int: signal(SignalKind::interrupt())?, term: signal(SignalKind::terminate())? })
         }
+        #[cfg(not(unix))]
+        Ok(Signals {})
     }
-    #[cfg(not(unix))]
-    {
+
+    /// The next Ctrl-C or SIGTERM (one that came since the last call counts).
+    async fn next(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.int.recv() => {}
+            _ = self.term.recv() => {}
+        }
+        #[cfg(not(unix))]
         let _ = tokio::signal::ctrl_c().await;
     }
 }
