@@ -309,8 +309,8 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 std::fs::read_to_string(&request).with_context(|| format!("reading {}", request.display()))?
             };
-            let body: serde_json::Value =
-                serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", request.display()))?;
+            let name = if request.as_os_str() == "-" { "stdin".to_string() } else { request.display().to_string() };
+            let body: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{name}: not valid JSON"))?;
             print!("{}", template.render_request(&body)?);
         }
         Command::Bench { model, lengths, decode_tokens, repeats, json, load } => {
