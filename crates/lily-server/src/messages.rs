@@ -209,31 +209,19 @@ fn check_schema(s: &Value, at: &str, depth: usize) -> Result<(), ApiError> {
                 Value::Array(a) if a.iter().all(Value::is_string) => {}
                 v => return Err(wrong(&p, "a list of property names", v)),
             },
-            "enum" => {
-                if !v.is_array() {
-                    return Err(wrong(&p, "a list of values", v));
-                }
+            "enum" if !v.is_array() => return Err(wrong(&p, "a list of values", v)),
+            "description" | "title" | "$ref" | "pattern" | "format" | "$schema" | "$id" | "$comment" if !v.is_string() => {
+                return Err(wrong(&p, "a string", v))
             }
-            "description" | "title" | "$ref" | "pattern" | "format" | "$schema" | "$id" | "$comment" => {
-                if !v.is_string() {
-                    return Err(wrong(&p, "a string", v));
-                }
+            "minimum" | "maximum" | "exclusiveMinimum" | "exclusiveMaximum" | "multipleOf" if !v.is_number() => {
+                return Err(wrong(&p, "a number", v))
             }
-            "minimum" | "maximum" | "exclusiveMinimum" | "exclusiveMaximum" | "multipleOf" => {
-                if !v.is_number() {
-                    return Err(wrong(&p, "a number", v));
-                }
+            "minLength" | "maxLength" | "minItems" | "maxItems" | "minProperties" | "maxProperties" | "minContains" | "maxContains"
+                if v.as_u64().is_none() =>
+            {
+                return Err(wrong(&p, "a non-negative integer", v))
             }
-            "minLength" | "maxLength" | "minItems" | "maxItems" | "minProperties" | "maxProperties" | "minContains" | "maxContains" => {
-                if !v.as_u64().is_some() {
-                    return Err(wrong(&p, "a non-negative integer", v));
-                }
-            }
-            "uniqueItems" | "nullable" | "deprecated" | "readOnly" | "writeOnly" => {
-                if !v.is_boolean() {
-                    return Err(wrong(&p, "a boolean", v));
-                }
-            }
+            "uniqueItems" | "nullable" | "deprecated" | "readOnly" | "writeOnly" if !v.is_boolean() => return Err(wrong(&p, "a boolean", v)),
             _ => {}
         }
     }
