@@ -127,7 +127,13 @@ def run_checks(base, model_id_expected):
         assert models[0].object == "model"
         if model_id_expected:
             assert models[0].id == model_id_expected, models[0].id
-        assert client.models.retrieve  # the method exists; lily serves one model
+        one = client.models.retrieve(models[0].id)
+        assert one.id == models[0].id and one.object == "model", one
+        try:
+            client.models.retrieve("no-such-model")
+            raise AssertionError("an unknown model id should be a 404")
+        except openai.NotFoundError:
+            pass
 
     @check
     def greedy_chat_is_deterministic():

@@ -217,7 +217,11 @@ fn parse_header(path: &Path, map: &[u8], shard: usize) -> Result<Vec<(String, En
             .and_then(|a| Some((a[0].as_u64()? as usize, a[1].as_u64()? as usize)))
             .ok_or_else(|| tbad("header entry has no valid data_offsets".into()))?;
         let (a, b) = offs;
-        let want = shape.iter().product::<usize>() * dtype.size();
+        // Checked: a shape whose size overflows would otherwise wrap to a small byte count.
+        let want = shape
+            .iter()
+            .try_fold(dtype.size(), |n, &d| n.checked_mul(d))
+            .ok_or_else(|| tbad(format!("shape {shape:?} of {dtype} is larger than any file (corrupt header)")))?;
         if b < a || b - a != want {
             return Err(tbad(format!("{} bytes of data for shape {shape:?} {dtype}, which needs {want} (corrupt header)", b.saturating_sub(a))));
         }

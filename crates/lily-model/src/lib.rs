@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod shapes;
 pub mod synth;
+mod synth_tokenizer;
 pub mod weights;
 
 pub use config::{GenerationConfig, LayerKind, ModelConfig, QuantizationConfig};

@@ -9,8 +9,10 @@
 //!   4-space indent, Python float spelling, and mlx-lm's in-place rename of
 //!   `rope_parameters.rope_type` to `type`. For the same input config this is byte-identical to
 //!   what mlx-lm 0.32 writes (checked against a converted tiny Hugging Face model);
-//! - `generation_config.json` (Qwen3.6's), `tokenizer.json` (the real Qwen3.5/3.6 tokenizer),
-//!   `tokenizer_config.json` (no BOS, eos `<|im_end|>`, pad `<|endoftext|>`, `Qwen2Tokenizer`);
+//! - `generation_config.json` (Qwen3.6's), `tokenizer.json` (the real Qwen3.5/3.6 tokenizer, or,
+//!   for a smaller vocabulary, that tokenizer cut down to it: see `synth_tokenizer`; the eos, bos
+//!   and pad ids of both configs then name its control tokens), `tokenizer_config.json` (no BOS,
+//!   eos `<|im_end|>`, pad `<|endoftext|>`, `Qwen2Tokenizer`);
 //! - `model.safetensors` or `model-0000i-of-0000n.safetensors` (5 digits, as mlx-lm), each header
 //!   sorted by name with `{"format": "mlx"}` metadata, and `model.safetensors.index.json` (always
 //!   written, like mlx-lm; its `total_size` and `total_parameters` count as mlx-lm does).
@@ -39,6 +41,7 @@ use serde_json::{json, Map, Value};
 
 use crate::config::{LayerKind, ModelConfig};
 use crate::error::{Error, Result};
+pub use crate::synth_tokenizer::SynthTokenizer;
 
 /// What to synthesise, and where.
 #[derive(Clone, Debug)]
@@ -73,6 +76,7 @@ pub struct SynthReport {
     pub parameters: u64,
     /// File names in `out`.
     pub files: Vec<String>,
+    pub tokenizer: SynthTokenizer,
 }
 
 const BUILTINS: &[&str] = &["qwen3.6-35b-a3b", "qwen3.6-tiny"];
@@ -209,13 +213,14 @@ fn qwen36_tiny() -> Value {
     c
 }
 
-/// Qwen3.6's `generation_config.json`.
-fn generation_config() -> Value {
+/// Qwen3.6's `generation_config.json`, with the ids of `<|im_end|>` and `<|endoftext|>` given
+/// (248046 and 248044 in the real tokenizer).
+fn generation_config(im_end: u32, endoftext: u32) -> Value {
     json!({
-        "bos_token_id": 248044,
+        "bos_token_id": endoftext,
         "do_sample": true,
-        "eos_token_id": [248046, 248044],
-        "pad_token_id": 248044,
+        "eos_token_id": [im_end, endoftext],
+        "pad_token_id": endoftext,
         "temperature": 1.0,
         "top_k": 20,
         "top_p": 0.95
@@ -238,7 +243,6 @@ fn tokenizer_config() -> Value {
     })
 }
 
-static TOKENIZER_GZ: &[u8] = include_bytes!("../../../assets/qwen3.6-tokenizer.json.gz");
 
 // ---------------------------------------------------------------------------------------------
 // Counter-based randomness.
@@ -1045,8 +1049,9 @@ pub fn synthesize(opts: &SynthOptions, progress: &indicatif::ProgressBar) -> Res
     let mut bytes = 0u64;
     let mut files = Vec::new();
 
+    let tok = crate::synth_tokenizer::for_vocab(cfg.vocab_size)?;
     // config.json, as mlx_lm.convert + save_config write it.
-    let gen = generation_config();
+    let gen = generation_config(tok.im_end, tok.endoftext);
     let mut q = Map::new();
     q.insert("group_size".into(), json!(opts.group_size));
     q.insert("bits".into(), json!(opts.bits));
@@ -1070,6 +1075,18 @@ pub fn synthesize(opts: &SynthOptions, progress: &indicatif::ProgressBar) -> Res
             }
         }
     }
+    if tok.kind != SynthTokenizer::Real {
+        // The config's own special ids must name the cut-down tokenizer's control tokens.
+        let text = match config.get_mut("text_config") {
+            Some(Value::Object(t)) => t,
+            _ => &mut config,
+        };
+        for key in ["eos_token_id", "bos_token_id", "pad_token_id"] {
+            if text.get(key).is_some_and(|v| !v.is_null()) {
+                text.insert(key.into(), json!(tok.endoftext));
+            }
+        }
+    }
     config.insert("eos_token_id".into(), gen["eos_token_id"].clone());
     config.insert("quantization".into(), Value::Object(q.clone()));
     config.insert("quantization_config".into(), Value::Object(q));
@@ -1085,9 +1102,8 @@ pub fn synthesize(opts: &SynthOptions, progress: &indicatif::ProgressBar) -> Res
     // tokenizer.json
     {
         let path = out.join("tokenizer.json");
-        let mut f = File::create(&path).map_err(|e| Error::io(&path, e))?;
-        let mut dec = flate2::read::GzDecoder::new(TOKENIZER_GZ);
-        bytes += std::io::copy(&mut dec, &mut f).map_err(|e| Error::io(&path, e))?;
+        std::fs::write(&path, &tok.json).map_err(|e| Error::io(&path, e))?;
+        bytes += tok.json.len() as u64;
         files.push("tokenizer.json".into());
     }
 
@@ -1111,7 +1127,7 @@ pub fn synthesize(opts: &SynthOptions, progress: &indicatif::ProgressBar) -> Res
     bytes += write_json(&out.join("model.safetensors.index.json"), &index, false)?;
     files.push("model.safetensors.index.json".into());
 
-    Ok(SynthReport { bytes, tensor_bytes, tensors: tensors.len(), parameters: planner.parameters, files })
+    Ok(SynthReport { bytes, tensor_bytes, tensors: tensors.len(), parameters: planner.parameters, files, tokenizer: tok.kind })
 }
 
 #[cfg(test)]

@@ -242,7 +242,11 @@ fn check_layout(config: Value, dir: &Path) -> (ModelConfig, Loaded) {
     assert_eq!(keys, sorted, "top-level keys are sorted, as mlx_lm's save_config writes them");
     assert!(c.get("vision_config").is_none());
     assert_eq!(c["quantization"], c["quantization_config"]);
-    assert_eq!(c["eos_token_id"], json!([248046, 248044]));
+    // The real tokenizer's <|im_end|> and <|endoftext|>, or the cut-down one's.
+    let tok = read_json(&dir.join("tokenizer.json"));
+    let id = |content: &str| tok["added_tokens"].as_array().unwrap().iter().find(|a| a["content"] == json!(content)).unwrap()["id"].clone();
+    let (im_end, eot) = (id("<|im_end|>"), id("<|endoftext|>"));
+    assert_eq!(c["eos_token_id"], json!([im_end, eot]));
     let q = c["quantization"].as_object().unwrap();
     let mut want_q = serde_json::Map::new();
     want_q.insert("group_size".into(), json!(64));
@@ -259,15 +263,35 @@ fn check_layout(config: Value, dir: &Path) -> (ModelConfig, Loaded) {
     assert_eq!(qc.for_module("language_model.model.layers.0.mlp.switch_mlp.up_proj"), Some((64, 4)));
 
     let g = read_json(&dir.join("generation_config.json"));
-    assert_eq!(g["eos_token_id"], json!([248046, 248044]));
+    assert_eq!(g["eos_token_id"], json!([im_end, eot]));
+    assert_eq!(g["pad_token_id"], eot);
     assert_eq!(g["top_k"], json!(20));
     let t = read_json(&dir.join("tokenizer_config.json"));
     assert_eq!(t["eos_token"], json!("<|im_end|>"));
     assert_eq!(t["pad_token"], json!("<|endoftext|>"));
     assert_eq!(t["add_bos_token"], json!(false));
-    let tok = read_json(&dir.join("tokenizer.json"));
+    // Every id the tokenizer makes is a row of the embedding; the added tokens follow the BPE ones.
+    let vocab = tok["model"]["vocab"].as_object().unwrap();
     let added = tok["added_tokens"].as_array().unwrap();
-    assert!(added.iter().any(|a| a["id"] == json!(248046) && a["content"] == json!("<|im_end|>")));
+    assert!(vocab.len() + added.len() <= cfg.vocab_size, "{} + {} entries for {} rows", vocab.len(), added.len(), cfg.vocab_size);
+    let mut ids: Vec<u64> = vocab.values().map(|v| v.as_u64().unwrap()).collect();
+    ids.sort();
+    assert!(ids.iter().enumerate().all(|(i, &id)| id == i as u64), "BPE ids are 0..n");
+    for (i, a) in added.iter().enumerate() {
+        assert_eq!(a["id"], json!(vocab.len() + i));
+    }
+    for m in tok["model"]["merges"].as_array().unwrap().iter().take(5000) {
+        let (a, b) = (m[0].as_str().unwrap(), m[1].as_str().unwrap());
+        assert!(vocab.contains_key(a) && vocab.contains_key(b) && vocab.contains_key(&format!("{a}{b}")), "merge {m}");
+    }
+    if cfg.vocab_size >= 248_077 {
+        assert_eq!((im_end, eot), (json!(248046), json!(248044)), "the real tokenizer");
+        assert_eq!(vocab.len(), 248_044);
+    } else {
+        // Cut down: the config's own special ids follow it.
+        assert_eq!(cfg.eos_token_ids.iter().map(|&i| json!(i)).collect::<Vec<_>>().contains(&eot), true, "{:?}", cfg.eos_token_ids);
+        assert_eq!(vocab.len() + added.len(), cfg.vocab_size);
+    }
     (cfg, l)
 }
 
@@ -372,6 +396,20 @@ fn bad_config_names_the_key() {
     let mut o = SynthOptions::new(odd_config(), tmp.path());
     o.bits = 3;
     assert!(matches!(synthesize(&o, &indicatif::ProgressBar::hidden()), Err(Error::Invalid(_))));
+}
+
+#[test]
+fn a_vocabulary_too_small_for_a_tokenizer_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut c = odd_config();
+    c["vocab_size"] = json!(200);
+    let err = synthesize(&SynthOptions::new(c, tmp.path()), &indicatif::ProgressBar::hidden()).unwrap_err();
+    assert!(err.to_string().contains("too small for a tokenizer"), "{err}");
+    // Just enough room: the byte tokens and the nine control tokens a conversation needs.
+    let mut c = odd_config();
+    c["vocab_size"] = json!(265);
+    let r = synthesize(&SynthOptions::new(c, tmp.path()), &indicatif::ProgressBar::hidden()).unwrap();
+    assert_eq!(r.tokenizer, lily_model::synth::SynthTokenizer::CutDown { bpe: 256, special: 9 });
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! Errors as OpenAI clients expect them: an HTTP status and
-//! `{"error": {"message", "type", "param", "code"}}`.
+//! `{"error": {"message", "type", "param", "code"}}` (and `Retry-After` on a 429 or 503 that says
+//! when to come back).
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -12,11 +13,13 @@ pub struct ApiError {
     pub kind: &'static str,
     pub param: Option<String>,
     pub code: Option<&'static str>,
+    /// Seconds after which a retry may succeed (the `Retry-After` header).
+    pub retry_after: Option<u64>,
 }
 
 impl ApiError {
     pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into(), kind, param: None, code: None }
+        ApiError { status, message: message.into(), kind, param: None, code: None, retry_after: None }
     }
     /// 400 about one field of the request.
     pub fn invalid(param: impl Into<String>, message: impl Into<String>) -> Self {
@@ -39,9 +42,19 @@ impl ApiError {
     pub fn too_large(limit: usize) -> Self {
         Self::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("The request body is larger than {limit} bytes."))
     }
-    pub fn queue_full() -> Self {
-        Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", "The server is busy: its request queue is full. Retry later.")
-            .with_code("queue_full")
+    /// 429; `retry_after`: seconds until a place in the queue is likely to be free.
+    pub fn queue_full(retry_after: u64) -> Self {
+        let mut e = Self::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_error",
+            format!("The server is busy: its request queue is full. Retry in about {retry_after} s."),
+        )
+        .with_code("queue_full");
+        e.retry_after = Some(retry_after);
+        e
+    }
+    pub fn shutting_down() -> Self {
+        Self::unavailable("The server is shutting down.").with_code("shutting_down")
     }
     pub fn unavailable(message: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
@@ -56,6 +69,15 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, axum::Json(self.body())).into_response()
+        let mut r = (self.status, axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(axum::http::header::RETRY_AFTER, s.into());
+        }
+        let note = match &self.param {
+            Some(p) => format!("{p}: {}", self.message),
+            None => self.message,
+        };
+        r.extensions_mut().insert(crate::log::ErrorNote(note));
+        r
     }
 }

@@ -1,23 +1,29 @@
 //! lily's OpenAI-compatible server.
 //!
-//! - `request`: reading and validating request bodies (a bad field is a 400 naming it)
+//! - `request`: reading and validating request bodies (a bad field is a 400 naming it), with
+//!   `fields` (typed readers of single fields) and `messages` (the shape of messages and tools)
 //! - `routes`: the HTTP routes, auth, and assembling responses and SSE streams from engine events
 //! - `worker`: the engine thread (one sequence at a time, a bounded FIFO queue, the prefix cache)
 //! - `structured`: structured outputs (`response_format`, `structured_outputs`, constrained tool
 //!   calls) compiled into the grammar the engine applies to every token
+//! - `http`: the connection layer (HTTP/1.1 limits, JSON bodies for hyper's refusals, shutdown)
+//! - `log`: one line per request
 //! - `metrics`, `error`
 //!
 //! The async side never touches the model: handlers render and tokenise the prompt, queue a job,
 //! and turn the engine thread's events into OpenAI JSON.
 
 pub mod error;
+pub mod fields;
+pub mod http;
+pub mod log;
+pub mod messages;
 pub mod metrics;
 pub mod request;
 pub mod routes;
 pub mod structured;
 pub mod worker;
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -26,7 +32,15 @@ use lily_sampler::Defaults;
 use lily_template::ChatTemplate;
 use lily_tokenizer::Tokenizer;
 
+pub use http::{serve_until, HttpLimits};
+pub use log::RequestLog;
 pub use routes::{router, AppState};
+
+/// A prompt (rendered, before tokenising) longer than this many bytes per token of the context is
+/// refused without tokenising it: real text runs at 3-5 bytes per token, so only text that cannot
+/// fit anyway (or pathological runs of whitespace) is refused, and a multi-megabyte prompt costs no
+/// tokeniser time (tokenising runs at about 1.5 MB/s on one core).
+pub const MAX_PROMPT_BYTES_PER_TOKEN: usize = 32;
 
 /// How to serve.
 #[derive(Clone, Debug)]
@@ -39,6 +53,12 @@ pub struct ServerConfig {
     pub queue_timeout: Duration,
     pub max_body_bytes: usize,
     pub cache_bytes: usize,
+    /// `max_tokens` of a request that sets none (None: the rest of the context).
+    pub default_max_tokens: Option<usize>,
+    /// A request's body must have arrived this long after its headers (else 408).
+    pub body_timeout: Duration,
+    /// Where the per-request log lines go (None: nowhere).
+    pub log: Option<RequestLog>,
 }
 
 /// A model's parts, as the server needs them.
@@ -75,21 +95,14 @@ where
         ctx_size: cfg.ctx_size,
         vocab,
         max_body_bytes: cfg.max_body_bytes,
+        max_prompt_bytes: cfg.ctx_size.saturating_mul(MAX_PROMPT_BYTES_PER_TOKEN),
+        default_max_tokens: cfg.default_max_tokens,
+        body_timeout: cfg.body_timeout,
         queue_timeout: cfg.queue_timeout,
         metrics: Arc::new(metrics::Metrics::default()),
         started: Instant::now(),
+        log: cfg.log.clone(),
+        shutdown: Arc::new(tokio::sync::watch::channel(None).0),
+        drain_grace: Duration::from_secs(1),
     }
-}
-
-/// Serves `app` on `addr` until Ctrl-C.
-pub async fn serve(app: AppState, listener: tokio::net::TcpListener) -> std::io::Result<()> {
-    axum::serve(listener, router(app)).with_graceful_shutdown(async {
-        let _ = tokio::signal::ctrl_c().await;
-    })
-    .await
-}
-
-/// Binds `addr` (a clear error if the port is taken).
-pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    tokio::net::TcpListener::bind(addr).await
 }

@@ -7,6 +7,8 @@ use lily_sampler::SamplingParams;
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::fields::{self, get, int_in, opt_array, opt_bool, opt_f32, opt_int, opt_object, opt_str, shown};
+use crate::messages::{check_messages, check_tool, check_tool_choice};
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum ToolChoice {
@@ -33,85 +35,84 @@ pub struct ChatRequest {
     pub tool_choice: ToolChoice,
 }
 
-pub const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+pub use crate::messages::ROLES;
 
 fn obj(body: &Value) -> Result<&Map<String, Value>, ApiError> {
     body.as_object().ok_or_else(|| ApiError::bad_request("The request body must be a JSON object."))
 }
 
-fn opt_bool(m: &Map<String, Value>, key: &str) -> Result<bool, ApiError> {
-    match m.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => Err(ApiError::invalid(key, format!("`{key}` must be a boolean, got {v}"))),
-    }
-}
+/// At most this many stop strings (OpenAI allows 4), each at most this many bytes.
+const MAX_STOP_STRINGS: usize = 16;
+const MAX_STOP_BYTES: usize = 1024;
 
 fn parse_common(m: &Map<String, Value>, logprobs_field_is_int: bool) -> Result<Common, ApiError> {
-    let stream = opt_bool(m, "stream")?;
-    let include_usage = match m.get("stream_options") {
-        None | Some(Value::Null) => false,
-        Some(Value::Object(o)) => opt_bool(o, "include_usage").map_err(|_| ApiError::invalid("stream_options.include_usage", "must be a boolean"))?,
-        Some(_) => return Err(ApiError::invalid("stream_options", "`stream_options` must be an object")),
+    opt_str(m, "model", "model")?;
+    opt_str(m, "user", "user")?;
+    let stream = opt_bool(m, "stream", "stream")?.unwrap_or(false);
+    let include_usage = match opt_object(m, "stream_options", "stream_options")? {
+        None => false,
+        Some(o) => opt_bool(o, "include_usage", "stream_options.include_usage")?.unwrap_or(false),
     };
     let mut max_tokens = None;
     for key in ["max_completion_tokens", "max_tokens"] {
-        match m.get(key) {
-            None | Some(Value::Null) => {}
-            Some(v) => match v.as_i64() {
-                Some(n) if n >= 1 => {
-                    max_tokens.get_or_insert(n as usize);
-                }
-                _ => return Err(ApiError::invalid(key, format!("`{key}` must be an integer of at least 1, got {v}"))),
-            },
+        if let Some(n) = opt_int(m, key, key, 1, i128::from(u64::MAX))? {
+            max_tokens.get_or_insert(usize::try_from(n).unwrap_or(usize::MAX));
         }
     }
-    match m.get("n") {
-        None | Some(Value::Null) => {}
-        Some(v) if v.as_i64() == Some(1) => {}
-        Some(v) => return Err(ApiError::invalid("n", format!("only n = 1 is supported (one sequence at a time), got {v}"))),
+    if let Some(v) = get(m, "n") {
+        if int_in(v, "n", 1, 1).is_err() {
+            return Err(ApiError::invalid("n", format!("only n = 1 is supported (one sequence at a time), got {}", shown(v))));
+        }
     }
-    let stop = match m.get("stop") {
-        None | Some(Value::Null) => Vec::new(),
+    let stop_error = || ApiError::invalid("stop", format!("`stop` must be a string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_BYTES} bytes"));
+    let stop: Vec<String> = match get(m, "stop") {
+        None => Vec::new(),
         Some(Value::String(s)) => vec![s.clone()],
-        Some(Value::Array(a)) => a
-            .iter()
-            .map(|s| s.as_str().map(str::to_string).ok_or_else(|| ApiError::invalid("stop", "`stop` must be a string or a list of strings")))
-            .collect::<Result<_, _>>()?,
-        Some(_) => return Err(ApiError::invalid("stop", "`stop` must be a string or a list of strings")),
+        Some(Value::Array(a)) if a.len() <= MAX_STOP_STRINGS => {
+            a.iter().map(|s| s.as_str().map(str::to_string).ok_or_else(stop_error)).collect::<Result<_, _>>()?
+        }
+        Some(_) => return Err(stop_error()),
     };
-    // Sampling fields (temperature, top_p, top_k, min_p, penalties, seed, logit_bias).
-    let mut sm = Map::new();
-    for key in ["temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "seed", "logit_bias"] {
-        if let Some(v) = m.get(key) {
-            sm.insert(key.into(), v.clone());
-        }
+    if stop.iter().any(|s| s.is_empty() || s.len() > MAX_STOP_BYTES) {
+        return Err(stop_error());
     }
-    let mut sampling: SamplingParams = serde_json::from_value(Value::Object(sm.clone())).map_err(|e| {
-        // serde's message does not name the field: find it by reading the fields one at a time.
-        let param = sm
-            .iter()
-            .find(|(k, v)| serde_json::from_value::<SamplingParams>(Value::Object(Map::from_iter([((*k).clone(), (*v).clone())]))).is_err())
-            .map(|(k, _)| k.as_str())
-            .unwrap_or("sampling");
-        ApiError::invalid(param, format!("invalid `{param}`: {e}"))
-    })?;
+    // Sampling fields, each of its type; their ranges are the sampler's to check.
+    let f = |key: &str| opt_f32(m, key, key);
+    let mut sampling = SamplingParams {
+        temperature: f("temperature")?,
+        top_p: f("top_p")?,
+        min_p: f("min_p")?,
+        presence_penalty: f("presence_penalty")?,
+        frequency_penalty: f("frequency_penalty")?,
+        repetition_penalty: f("repetition_penalty")?,
+        top_k: opt_int(m, "top_k", "top_k", i128::from(i32::MIN), i128::from(i32::MAX))?.map(|k| k as i32),
+        // Any 64-bit integer; a negative seed is read as its two's-complement u64 (as the sampler documents).
+        seed: opt_int(m, "seed", "seed", i128::from(i64::MIN), i128::from(u64::MAX))?.map(|s| if s < 0 { s as i64 as u64 } else { s as u64 }),
+        ..Default::default()
+    };
+    if let Some(bias) = opt_object(m, "logit_bias", "logit_bias")? {
+        for (k, v) in bias {
+            let Ok(id) = k.trim().parse::<u32>() else {
+                return Err(ApiError::invalid("logit_bias", format!("`logit_bias` keys must be token ids, got `{}`", shown(&Value::String(k.clone())))));
+            };
+            let Some(b) = v.as_f64().filter(|b| b.is_finite()) else {
+                return Err(fields::wrong(&format!("logit_bias.{id}"), "a number from -100 to 100", v));
+            };
+            sampling.logit_bias.push((id, b as f32));
+        }
+        sampling.logit_bias.sort_by_key(|&(id, _)| id);
+    }
     // logprobs: a boolean in chat, an integer (how many alternatives) in text completions.
-    match m.get("logprobs") {
-        None | Some(Value::Null) => {}
-        Some(Value::Bool(b)) if !logprobs_field_is_int => sampling.logprobs = *b,
-        Some(v) if logprobs_field_is_int && v.as_u64().is_some() => {
+    if logprobs_field_is_int {
+        if let Some(n) = opt_int(m, "logprobs", "logprobs", 0, i128::from(lily_sampler::MAX_TOP_LOGPROBS))? {
             sampling.logprobs = true;
-            sampling.top_logprobs = v.as_u64().unwrap() as u32;
+            sampling.top_logprobs = n as u32;
         }
-        Some(v) => return Err(ApiError::invalid("logprobs", format!("invalid `logprobs`: {v}"))),
+    } else {
+        sampling.logprobs = opt_bool(m, "logprobs", "logprobs")?.unwrap_or(false);
     }
-    match m.get("top_logprobs") {
-        None | Some(Value::Null) => {}
-        Some(v) => match v.as_u64() {
-            Some(n) => sampling.top_logprobs = n as u32,
-            None => return Err(ApiError::invalid("top_logprobs", format!("`top_logprobs` must be a non-negative integer, got {v}"))),
-        },
+    if let Some(n) = opt_int(m, "top_logprobs", "top_logprobs", 0, i128::from(lily_sampler::MAX_TOP_LOGPROBS))? {
+        sampling.top_logprobs = n as u32;
     }
     Ok(Common { stream, include_usage, max_tokens, stop, sampling })
 }
@@ -125,35 +126,29 @@ pub fn parse_chat(body: &Value) -> Result<ChatRequest, ApiError> {
         Some(_) => return Err(ApiError::invalid("messages", "`messages` must be a list of messages")),
         None => return Err(ApiError::invalid("messages", "`messages` is required")),
     };
-    for (i, msg) in messages.iter().enumerate() {
-        let Some(mo) = msg.as_object() else {
-            return Err(ApiError::invalid(format!("messages[{i}]"), "each message must be an object"));
-        };
-        match mo.get("role").and_then(Value::as_str) {
-            Some(r) if ROLES.contains(&r) => {}
-            Some(r) => {
-                return Err(ApiError::invalid(
-                    format!("messages[{i}].role"),
-                    format!("unknown role `{r}` (expected one of {})", ROLES.join(", ")),
-                ))
-            }
-            None => return Err(ApiError::invalid(format!("messages[{i}].role"), "each message needs a string `role`")),
-        }
-        match mo.get("content") {
-            None | Some(Value::Null) | Some(Value::String(_)) | Some(Value::Array(_)) => {}
-            Some(_) => return Err(ApiError::invalid(format!("messages[{i}].content"), "`content` must be a string or a list of parts")),
-        }
-    }
+    check_messages(messages)?;
     let common = parse_common(m, false)?;
+    opt_bool(m, "parallel_tool_calls", "parallel_tool_calls")?;
+    // What the chat template reads (it checks their contents).
+    opt_object(m, "chat_template_kwargs", "chat_template_kwargs")?;
+    opt_bool(m, "add_generation_prompt", "add_generation_prompt")?;
+    opt_bool(m, "continue_final_message", "continue_final_message")?;
+    opt_array(m, "documents", "documents")?;
     let tools = match m.get("tools") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(a)) => a
             .iter()
             .enumerate()
-            .map(|(i, t)| ToolSpec::from_openai(t).map_err(|e| ApiError::invalid(format!("tools[{i}]"), e.to_string())))
+            .map(|(i, t)| {
+                check_tool(t, &format!("tools[{i}]"))?;
+                ToolSpec::from_openai(t).map_err(|e| ApiError::invalid(format!("tools[{i}]"), e.to_string()))
+            })
             .collect::<Result<_, _>>()?,
-        Some(_) => return Err(ApiError::invalid("tools", "`tools` must be a list")),
+        Some(v) => return Err(fields::wrong("tools", "a list of tools", v)),
     };
+    if let Some(tc) = m.get("tool_choice") {
+        check_tool_choice(tc)?;
+    }
     let tool_choice = match m.get("tool_choice") {
         None | Some(Value::Null) => ToolChoice::Auto,
         Some(Value::String(s)) => match s.as_str() {
@@ -191,7 +186,7 @@ pub fn parse_completion(body: &Value) -> Result<(String, Common), ApiError> {
         Some(_) => return Err(ApiError::invalid("prompt", "`prompt` must be a string")),
         None => return Err(ApiError::invalid("prompt", "`prompt` is required")),
     };
-    if opt_bool(m, "echo")? {
+    if opt_bool(m, "echo", "echo")?.unwrap_or(false) {
         return Err(ApiError::invalid("echo", "`echo` is not supported"));
     }
     Ok((prompt, parse_common(m, true)?))

@@ -1,7 +1,11 @@
 //! The HTTP surface: routes, authentication, body limits, and the translation between the engine
-//! thread's events and OpenAI responses (whole, or streamed as SSE chunks ending in `[DONE]`).
+//! thread's events and OpenAI responses (whole, or streamed as SSE chunks ending in `[DONE]`). Once
+//! a shutdown begins, every answer in flight ends: at the engine's next token, or after a short
+//! grace if the engine is busy (a long prefill), with a final chunk and `[DONE]` all the same.
 
 use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -24,6 +28,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::error::ApiError;
+use crate::log::{GenerationLine, LogsItself, RequestLog};
 use crate::metrics::Metrics;
 use crate::request::{parse_chat, parse_completion, ChatRequest, Common, ToolChoice};
 use crate::worker::{EngineHandle, Event, Job, JobError, SubmitError};
@@ -43,11 +48,42 @@ pub struct AppState {
     pub ctx_size: usize,
     pub vocab: usize,
     pub max_body_bytes: usize,
+    /// A rendered prompt longer than this is refused before it is tokenised.
+    pub max_prompt_bytes: usize,
+    pub default_max_tokens: Option<usize>,
+    pub body_timeout: Duration,
     pub queue_timeout: Duration,
     pub metrics: Arc<Metrics>,
     pub started: Instant,
     /// Structured outputs: the grammar factory, built on first use.
     pub grammars: Arc<crate::structured::GrammarCell>,
+    pub log: Option<RequestLog>,
+    /// When the shutdown began (None: serving).
+    pub shutdown: Arc<tokio::sync::watch::Sender<Option<Instant>>>,
+    /// After a shutdown begins, how long an answer waits for the engine to end it before it ends
+    /// itself.
+    pub drain_grace: Duration,
+}
+
+impl AppState {
+    /// Begins the shutdown: the engine stops taking work and ends the running generation at its
+    /// next token; every answer in flight ends (see the module's doc).
+    pub fn begin_shutdown(&self) {
+        self.engine.stop();
+        self.shutdown.send_if_modified(|t| {
+            let first = t.is_none();
+            t.get_or_insert_with(Instant::now);
+            first
+        });
+    }
+
+    /// Resolves `drain_grace` after the shutdown began (never, while serving).
+    async fn grace_over(mut rx: tokio::sync::watch::Receiver<Option<Instant>>, grace: Duration) {
+        let Ok(t) = rx.wait_for(Option::is_some).await.map(|t| t.unwrap()) else {
+            return std::future::pending().await;
+        };
+        tokio::time::sleep_until((t + grace).into()).await;
+    }
 }
 
 pub fn router(state: AppState) -> Router {
@@ -55,6 +91,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
         .route("/metrics", get(metrics))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
@@ -64,6 +101,7 @@ pub fn router(state: AppState) -> Router {
             ApiError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "This method is not allowed on this route.")
         })
         .fallback(|| async { ApiError::not_found("This route was") })
+        .layer(axum::middleware::from_fn_with_state(state.clone(), crate::log::log_requests))
         .with_state(state)
 }
 
@@ -88,14 +126,52 @@ async fn health(State(app): State<AppState>) -> Json<Value> {
         "queue_depth": app.engine.queue_depth.load(Ordering::Relaxed)}))
 }
 
-async fn models(State(app): State<AppState>) -> Json<Value> {
+fn model_object(app: &AppState) -> Value {
     let created = unix_now() - app.started.elapsed().as_secs();
     let mut m = json!({"id": app.model_id, "object": "model", "created": created, "owned_by": "lily",
         "max_model_len": app.ctx_size});
     if app.demo {
         m["description"] = json!("lily's built-in demo model: random weights of the Qwen3.6 architecture with the real tokenizer. It does not produce meaningful text.");
     }
-    Json(json!({"object": "list", "data": [m]}))
+    m
+}
+
+async fn models(State(app): State<AppState>) -> Json<Value> {
+    Json(json!({"object": "list", "data": [model_object(&app)]}))
+}
+
+/// `%XX` escapes decoded (invalid ones kept as they are).
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        match (b[i], b.get(i + 1).copied().and_then(hex), b.get(i + 2).copied().and_then(hex)) {
+            (b'%', Some(h), Some(l)) => {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (c, _, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// `GET /v1/models/{id}` (the id may hold slashes, as `org/name` ids do).
+async fn model(State(app): State<AppState>, uri: axum::http::Uri) -> Response {
+    let id = percent_decode(uri.path().strip_prefix("/v1/models/").unwrap_or(""));
+    if id == app.model_id {
+        Json(model_object(&app)).into_response()
+    } else {
+        let mut e = ApiError::new(axum::http::StatusCode::NOT_FOUND, "invalid_request_error", format!("The model `{id}` does not exist; this server serves `{}`.", app.model_id))
+            .with_code("model_not_found");
+        e.param = Some("model".into());
+        e.into_response()
+    }
 }
 
 async fn metrics(State(app): State<AppState>) -> Response {
@@ -113,17 +189,31 @@ const DRAIN_FACTOR: usize = 16;
 /// Reads the body (at most `limit` bytes) and parses it as JSON. An oversized body is still read to
 /// its end (up to `DRAIN_FACTOR` × the limit, discarding it) before the 413 goes out, so the client
 /// gets the error instead of a connection reset in the middle of its upload.
-async fn read_json(body: Body, limit: usize) -> Result<Value, ApiError> {
+async fn read_json(body: Body, limit: usize, timeout: Duration) -> Result<Value, ApiError> {
     let mut stream = body.into_data_stream();
     let mut bytes: Vec<u8> = Vec::new();
     let mut seen = 0usize;
-    while let Some(chunk) = stream.next().await {
-        let chunk: Bytes = chunk.map_err(|e| ApiError::bad_request(format!("Reading the request body failed: {e}")))?;
-        seen += chunk.len();
-        if seen <= limit {
-            bytes.extend_from_slice(&chunk);
-        } else if seen > limit.saturating_mul(DRAIN_FACTOR) {
-            break;
+    let read = async {
+        while let Some(chunk) = stream.next().await {
+            let chunk: Bytes = chunk.map_err(|e| ApiError::bad_request(format!("Reading the request body failed: {e}")))?;
+            seen += chunk.len();
+            if seen <= limit {
+                bytes.extend_from_slice(&chunk);
+            } else if seen > limit.saturating_mul(DRAIN_FACTOR) {
+                break;
+            }
+        }
+        Ok::<_, ApiError>(())
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Ok(r) => r?,
+        Err(_) => {
+            return Err(ApiError::new(
+                axum::http::StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!("The request body did not arrive within {} s.", timeout.as_secs_f64()),
+            )
+            .with_code("request_timeout"))
         }
     }
     if seen > limit {
@@ -174,7 +264,8 @@ fn gen_spec(app: &AppState, common: &Common, prompt_len: usize, prompt_param: &s
             .with_code("context_length_exceeded"))
         }
         Some(n) => n,
-        None => room,
+        // The server's default (`lily serve -n`), within what the context leaves.
+        None => app.default_max_tokens.map_or(room, |d| d.min(room)),
     };
     Ok(GenSpec {
         sampling: common.sampling.clone(),
@@ -185,6 +276,21 @@ fn gen_spec(app: &AppState, common: &Common, prompt_len: usize, prompt_param: &s
         skip_special: true,
         constraint: None,
     })
+}
+
+/// Refuses a prompt too long to fit before spending tokeniser time on it.
+fn check_prompt_bytes(app: &AppState, bytes: usize, param: &str) -> Result<(), ApiError> {
+    if bytes > app.max_prompt_bytes {
+        return Err(ApiError::invalid(
+            param,
+            format!(
+                "The prompt is {bytes} bytes long: far more than this model's maximum context length of {} tokens can hold (at most {} bytes are accepted).",
+                app.ctx_size, app.max_prompt_bytes
+            ),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    Ok(())
 }
 
 fn template_error(e: lily_template::TemplateError) -> ApiError {
@@ -207,6 +313,7 @@ fn prepare_chat(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
         _ => req.tools.clone(),
     };
     let text = app.template.render_request(&body).map_err(template_error)?;
+    check_prompt_bytes(app, text.len(), "messages")?;
     let thinking = text.trim_end().ends_with("<think>");
     // Conversation history (no generation prompt): the point to snapshot for the next turn.
     body["add_generation_prompt"] = json!(false);
@@ -252,6 +359,7 @@ fn prepare_chat(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
 fn prepare_completion(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
     let (text, common) = parse_completion(body)?;
     check_sampling(app, &common)?;
+    check_prompt_bytes(app, text.len(), "prompt")?;
     let prompt = app.tokenizer.encode(&text).map_err(|e| ApiError::internal(e.to_string()))?;
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
@@ -284,23 +392,47 @@ fn submit(app: &AppState, p: &Prepared) -> Result<(UnboundedReceiver<Event>, Can
         deadline: Instant::now() + app.queue_timeout,
     };
     app.engine.submit(job).map_err(|e| match e {
-        SubmitError::QueueFull => ApiError::queue_full(),
+        SubmitError::QueueFull => ApiError::queue_full(retry_after(app)),
+        SubmitError::Stopped if app.engine.is_stopping() => ApiError::shutting_down(),
         SubmitError::Stopped => ApiError::unavailable("The engine has stopped."),
     })?;
     Ok((rx, CancelOnDrop(cancel)))
 }
 
-async fn chat_completions(State(app): State<AppState>, body: Body) -> Response {
-    handle(app, body, true).await
+/// Seconds until the queue is likely to have room: the mean time of a request so far (1 to 60).
+fn retry_after(app: &AppState) -> u64 {
+    app.engine.stats.mean_job_time().map_or(1, |t| t.as_secs_f64().ceil() as u64).clamp(1, 60)
 }
 
-async fn completions(State(app): State<AppState>, body: Body) -> Response {
-    handle(app, body, false).await
+async fn chat_completions(State(app): State<AppState>, req: Request) -> Response {
+    handle(app, req, true).await
 }
 
-async fn handle(app: AppState, body: Body, chat: bool) -> Response {
+async fn completions(State(app): State<AppState>, req: Request) -> Response {
+    handle(app, req, false).await
+}
+
+/// A body that is not JSON is refused by its content type (none at all is taken as JSON).
+fn check_content_type(req: &Request) -> Result<(), ApiError> {
+    let Some(ct) = req.headers().get(header::CONTENT_TYPE) else { return Ok(()) };
+    let ct = ct.to_str().unwrap_or("").to_ascii_lowercase();
+    let essence = ct.split(';').next().unwrap_or("").trim();
+    if essence == "application/json" || essence.ends_with("+json") {
+        return Ok(());
+    }
+    Err(ApiError::new(
+        axum::http::StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "invalid_request_error",
+        format!("The request body must be JSON, sent with `Content-Type: application/json` (got `{ct}`)."),
+    )
+    .with_code("unsupported_media_type"))
+}
+
+async fn handle(app: AppState, req: Request, chat: bool) -> Response {
+    let mut line = GenerationLine::new(app.log.clone(), req.method().as_str(), req.uri().path(), crate::http::peer(&req));
     let result = async {
-        let v = read_json(body, app.max_body_bytes).await?;
+        check_content_type(&req)?;
+        let v = read_json(req.into_body(), app.max_body_bytes, app.body_timeout).await?;
         let a = app.clone();
         let prepared = tokio::task::spawn_blocking(move || if chat { prepare_chat(&a, &v) } else { prepare_completion(&a, &v) })
             .await
@@ -313,16 +445,23 @@ async fn handle(app: AppState, body: Body, chat: bool) -> Response {
         Ok(x) => x,
         Err(e) => {
             app.metrics.count_status(e.status.as_u16());
+            // The log middleware writes this request's line (with the error).
+            line.disarm();
             return e.into_response();
         }
     };
     app.metrics.count_status(200);
-    let turn = Turn::new(&app, chat, &prepared);
-    if prepared.common.stream {
-        sse(turn, rx, guard).into_response()
+    line.prompt_tokens = prepared.prompt.len();
+    let turn = Turn::new(&app, chat, &prepared, line);
+    let grace = AppState::grace_over(app.shutdown.subscribe(), app.drain_grace);
+    let mut resp = if prepared.common.stream {
+        sse(turn, rx, guard, grace).into_response()
     } else {
-        whole(turn, rx, guard).await
-    }
+        whole(turn, rx, guard, grace).await
+    };
+    // The answer's own line is written when it has ended (the response may still be streaming).
+    resp.extensions_mut().insert(LogsItself);
+    resp
 }
 
 /// One response being assembled from engine events.
@@ -347,6 +486,9 @@ struct Turn {
     logprobs: Vec<Value>,
     /// Text completions: characters of the tokens given logprobs so far (`text_offset`).
     lp_offset: usize,
+    /// The engine has started the job (chat: the role chunk has gone out).
+    started: bool,
+    line: GenerationLine,
 }
 
 /// What one engine event turns into.
@@ -365,7 +507,7 @@ fn rand_id() -> u64 {
 }
 
 impl Turn {
-    fn new(app: &AppState, chat: bool, p: &Prepared) -> Self {
+    fn new(app: &AppState, chat: bool, p: &Prepared, line: GenerationLine) -> Self {
         let id = format!("{}-{:016x}", if chat { "chatcmpl" } else { "cmpl" }, rand_id());
         let mut parser = p.parse.as_ref().map(|(cfg, _)| OutputParser::new(cfg.clone()));
         let mut pending = Vec::new();
@@ -392,7 +534,20 @@ impl Turn {
             text: String::new(),
             logprobs: Vec::new(),
             lp_offset: 0,
+            started: false,
+            line,
         }
+    }
+
+    /// The shutdown's grace is over and the engine has not ended this answer (it is busy in a long
+    /// prefill): end it here, as the engine would have.
+    fn end_for_shutdown(&mut self) -> Vec<Out> {
+        let mut out = Vec::new();
+        if !self.started {
+            out = self.feed(Event::Started { prompt_tokens: self.prompt_tokens, cached_tokens: 0 });
+        }
+        out.extend(self.feed(Event::Done { finish: FinishReason::Cancelled, completion_tokens: self.completion_tokens, speed: None }));
+        out
     }
 
     fn usage(&self) -> Value {
@@ -472,8 +627,11 @@ impl Turn {
     fn feed(&mut self, ev: Event) -> Vec<Out> {
         match ev {
             Event::Started { prompt_tokens, cached_tokens } => {
+                self.started = true;
                 self.prompt_tokens = prompt_tokens;
                 self.cached_tokens = cached_tokens;
+                self.line.prompt_tokens = prompt_tokens;
+                self.line.cached_tokens = cached_tokens;
                 let mut out = Vec::new();
                 if self.chat {
                     out.push(Out::Chunk(self.chunk(json!({"role": "assistant", "content": ""}), None, None)));
@@ -503,8 +661,10 @@ impl Turn {
                 self.text_chunks(&text, lp)
             }
             Event::Tail(text) => self.text_chunks(&text, None),
-            Event::Done { finish, completion_tokens } => {
+            Event::Done { finish, completion_tokens, speed } => {
                 self.completion_tokens = completion_tokens;
+                self.line.completion_tokens = completion_tokens;
+                self.line.speed = speed;
                 let mut out = Vec::new();
                 let message = match self.parser.take() {
                     Some(p) => {
@@ -522,11 +682,23 @@ impl Turn {
                     _ => "stop",
                 };
                 out.push(Out::Chunk(self.chunk(json!({}), None, Some(finish_reason))));
+                self.line.finish = Some(match finish {
+                    FinishReason::Cancelled => format!("{finish_reason} (the server is shutting down)"),
+                    _ => finish_reason.to_string(),
+                });
                 out.push(Out::Finished { finish_reason, message });
                 out
             }
-            Event::Failed(JobError::TimedOut) => vec![Out::Error(ApiError::unavailable("The request waited too long in the queue."))],
-            Event::Failed(JobError::Engine(e)) => vec![Out::Error(ApiError::internal(e))],
+            Event::Failed(e) => {
+                let e = match e {
+                    JobError::TimedOut => ApiError::unavailable("The request waited too long in the queue."),
+                    JobError::ShuttingDown => ApiError::shutting_down(),
+                    JobError::Engine(e) => ApiError::internal(e),
+                };
+                self.line.status = e.status.as_u16();
+                self.line.finish = Some(format!("error: {}", e.message));
+                vec![Out::Error(e)]
+            }
         }
     }
 
@@ -580,9 +752,26 @@ fn legacy_logprobs(entries: &[Value], mut offset: usize) -> Value {
     json!({"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets})
 }
 
-async fn whole(mut turn: Turn, mut rx: UnboundedReceiver<Event>, _guard: CancelOnDrop) -> Response {
-    while let Some(ev) = rx.recv().await {
-        for out in turn.feed(ev) {
+async fn whole(mut turn: Turn, mut rx: UnboundedReceiver<Event>, _guard: CancelOnDrop, grace: impl Future<Output = ()>) -> Response {
+    tokio::pin!(grace);
+    loop {
+        let outs = tokio::select! {
+            ev = rx.recv() => match ev {
+                Some(ev) => turn.feed(ev),
+                None => break,
+            },
+            _ = &mut grace => {
+                if !turn.started {
+                    // Still queued: nothing to end; say why it never ran.
+                    let e = ApiError::shutting_down();
+                    turn.line.status = e.status.as_u16();
+                    turn.line.finish = Some(format!("error: {}", e.message));
+                    return e.into_response();
+                }
+                turn.end_for_shutdown()
+            }
+        };
+        for out in outs {
             match out {
                 Out::Chunk(_) => {}
                 Out::Finished { finish_reason, message } => {
@@ -592,21 +781,38 @@ async fn whole(mut turn: Turn, mut rx: UnboundedReceiver<Event>, _guard: CancelO
             }
         }
     }
-    ApiError::internal("the engine ended the request without an answer").into_response()
+    let e = ApiError::internal("the engine ended the request without an answer");
+    turn.line.status = e.status.as_u16();
+    turn.line.finish = Some(format!("error: {}", e.message));
+    e.into_response()
 }
 
-fn sse(turn: Turn, rx: UnboundedReceiver<Event>, guard: CancelOnDrop) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
-    // State: (turn, receiver, guard, finished). Each engine event becomes zero or more SSE events.
-    let s = stream::unfold(Some((turn, rx, guard)), |st| async move {
-        let (mut turn, mut rx, guard) = st?;
-        let Some(ev) = rx.recv().await else {
-            let e = ApiError::internal("the engine ended the request without an answer");
-            let items = vec![SseEvent::default().data(e.body().to_string()), SseEvent::default().data("[DONE]")];
-            return Some((items, None));
+fn sse(
+    turn: Turn,
+    rx: UnboundedReceiver<Event>,
+    guard: CancelOnDrop,
+    grace: impl Future<Output = ()> + Send + 'static,
+) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    // State: (turn, receiver, guard, the shutdown's grace). Each engine event becomes zero or more
+    // SSE events.
+    let grace: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(grace);
+    let s = stream::unfold(Some((turn, rx, guard, grace)), |st| async move {
+        let (mut turn, mut rx, guard, mut grace) = st?;
+        let outs = tokio::select! {
+            ev = rx.recv() => match ev {
+                Some(ev) => turn.feed(ev),
+                None => {
+                    let e = ApiError::internal("the engine ended the request without an answer");
+                    turn.line.finish = Some(format!("error: {}", e.message));
+                    let items = vec![SseEvent::default().data(e.body().to_string()), SseEvent::default().data("[DONE]")];
+                    return Some((items, None));
+                }
+            },
+            _ = &mut grace => turn.end_for_shutdown(),
         };
         let mut items = Vec::new();
         let mut done = false;
-        for out in turn.feed(ev) {
+        for out in outs {
             match out {
                 Out::Chunk(c) => items.push(SseEvent::default().data(c.to_string())),
                 Out::Finished { .. } => {
@@ -626,7 +832,7 @@ fn sse(turn: Turn, rx: UnboundedReceiver<Event>, guard: CancelOnDrop) -> Sse<imp
                 }
             }
         }
-        Some((items, if done { None } else { Some((turn, rx, guard)) }))
+        Some((items, if done { None } else { Some((turn, rx, guard, grace)) }))
     })
     .flat_map(|items| stream::iter(items.into_iter().map(Ok)));
     Sse::new(s).keep_alive(KeepAlive::default())

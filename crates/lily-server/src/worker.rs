@@ -1,7 +1,8 @@
 //! The engine thread: it owns the backend (one model, one sequence at a time), takes jobs from a
 //! bounded FIFO queue, resumes each prompt from the longest cached prefix, generates, and streams
 //! events back over a channel. A job whose receiver is gone (the client hung up) or whose cancel
-//! flag is set stops at the next token.
+//! flag is set stops at the next token; once the server stops ([`EngineHandle::stop`]) the running
+//! job stops at its next token too, and queued jobs fail.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
@@ -33,14 +34,25 @@ pub enum Event {
     Token { id: u32, text: String, logprob: Option<f32>, top_logprobs: Vec<(u32, f32)> },
     /// Text held back until the end (a partial character, a prefix of a stop string that never came).
     Tail(String),
-    Done { finish: FinishReason, completion_tokens: usize },
+    Done { finish: FinishReason, completion_tokens: usize, speed: Option<Speed> },
     Failed(JobError),
+}
+
+/// How fast a job ran (for the request log).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Speed {
+    /// Prompt tokens run through the model (not taken from the cache), and at what rate.
+    pub prefilled: usize,
+    pub prefill_tok_s: f64,
+    pub decode_tok_s: f64,
 }
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum JobError {
     #[error("the request waited too long in the queue")]
     TimedOut,
+    #[error("the server is shutting down")]
+    ShuttingDown,
     #[error("generation failed: {0}")]
     Engine(String),
 }
@@ -69,6 +81,16 @@ pub struct Stats {
     pub cache_bytes: AtomicU64,
     /// 1 while the engine runs a job.
     pub busy: AtomicU64,
+    /// Microseconds the engine spent on jobs (for Retry-After: the mean job time).
+    pub busy_micros: AtomicU64,
+}
+
+impl Stats {
+    /// The mean time of a job so far (None before the first).
+    pub fn mean_job_time(&self) -> Option<std::time::Duration> {
+        let jobs = self.jobs.load(Ordering::Relaxed);
+        (jobs > 0).then(|| std::time::Duration::from_micros(self.busy_micros.load(Ordering::Relaxed) / jobs))
+    }
 }
 
 /// The async side's handle on the engine thread.
@@ -77,11 +99,25 @@ pub struct EngineHandle {
     tx: SyncSender<Job>,
     pub queue_depth: Arc<AtomicUsize>,
     pub stats: Arc<Stats>,
+    stopping: Arc<AtomicBool>,
 }
 
 impl EngineHandle {
+    /// Stops the engine taking work: the running job ends at its next token (finish `Cancelled`),
+    /// queued jobs fail with [`JobError::ShuttingDown`], new ones are refused.
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::SeqCst);
+    }
+
+    pub fn is_stopping(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+    }
+
     /// Queues a job, or refuses at once when `max_queue` jobs are already waiting.
     pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+        if self.is_stopping() {
+            return Err(SubmitError::Stopped);
+        }
         self.queue_depth.fetch_add(1, Ordering::SeqCst);
         match self.tx.try_send(job) {
             Ok(()) => Ok(()),
@@ -105,7 +141,8 @@ where
     let (tx, rx) = sync_channel::<Job>(max_queue.max(1));
     let queue_depth = Arc::new(AtomicUsize::new(0));
     let stats = Arc::new(Stats::default());
-    let (depth, st) = (Arc::clone(&queue_depth), Arc::clone(&stats));
+    let stopping = Arc::new(AtomicBool::new(false));
+    let (depth, st, stop) = (Arc::clone(&queue_depth), Arc::clone(&stats), Arc::clone(&stopping));
     std::thread::Builder::new()
         .name("lily-engine".into())
         .spawn(move || {
@@ -115,17 +152,23 @@ where
                 if job.cancel.load(Ordering::SeqCst) || job.events.is_closed() {
                     continue;
                 }
+                if stop.load(Ordering::SeqCst) {
+                    let _ = job.events.send(Event::Failed(JobError::ShuttingDown));
+                    continue;
+                }
                 if Instant::now() > job.deadline {
                     let _ = job.events.send(Event::Failed(JobError::TimedOut));
                     continue;
                 }
                 st.busy.store(1, Ordering::SeqCst);
+                let t = Instant::now();
                 // A panic fails this job (its channel closes: the client gets an error), not the
                 // engine thread; the cache may hold a half-made snapshot, so it is dropped.
-                let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&mut backend, &tokenizer, &mut cache, &st, job)));
+                let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&mut backend, &tokenizer, &mut cache, &st, &stop, job)));
                 if ran.is_err() {
                     cache.clear();
                 }
+                st.busy_micros.fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
                 st.busy.store(0, Ordering::SeqCst);
                 st.cache_hits.store(cache.hits, Ordering::Relaxed);
                 st.cache_misses.store(cache.misses, Ordering::Relaxed);
@@ -133,10 +176,10 @@ where
             }
         })
         .expect("spawning the engine thread");
-    EngineHandle { tx, queue_depth, stats }
+    EngineHandle { tx, queue_depth, stats, stopping }
 }
 
-fn run<B: Backend>(backend: &mut B, tokenizer: &Tokenizer, cache: &mut PrefixCache<B::State>, st: &Stats, job: Job) {
+fn run<B: Backend>(backend: &mut B, tokenizer: &Tokenizer, cache: &mut PrefixCache<B::State>, st: &Stats, stop: &AtomicBool, job: Job) {
     let Job { prompt, history, spec, events, cancel, .. } = job;
     st.jobs.fetch_add(1, Ordering::Relaxed);
     let started = |cached: usize| {
@@ -155,7 +198,7 @@ fn run<B: Backend>(backend: &mut B, tokenizer: &Tokenizer, cache: &mut PrefixCac
             logprob: step.logprob,
             top_logprobs: step.top_logprobs.to_vec(),
         });
-        if sent.is_err() || cancel.load(Ordering::Relaxed) {
+        if sent.is_err() || cancel.load(Ordering::Relaxed) || stop.load(Ordering::Relaxed) {
             Flow::Cancel
         } else {
             Flow::Continue
@@ -172,8 +215,9 @@ fn run<B: Backend>(backend: &mut B, tokenizer: &Tokenizer, cache: &mut PrefixCac
     st.last_prefill_tok_s.store(outcome.prefill_tok_s().to_bits(), Ordering::Relaxed);
     st.last_decode_tok_s.store(outcome.decode_tok_s().to_bits(), Ordering::Relaxed);
     st.completion_tokens.fetch_add(outcome.tokens.len() as u64, Ordering::Relaxed);
+    let speed = Speed { prefilled: outcome.prefilled, prefill_tok_s: outcome.prefill_tok_s(), decode_tok_s: outcome.decode_tok_s() };
     if !outcome.trailing_text.is_empty() {
         let _ = events.send(Event::Tail(outcome.trailing_text));
     }
-    let _ = events.send(Event::Done { finish: outcome.finish, completion_tokens: outcome.tokens.len() });
+    let _ = events.send(Event::Done { finish: outcome.finish, completion_tokens: outcome.tokens.len(), speed: Some(speed) });
 }

@@ -372,7 +372,7 @@ async fn a_bad_schema_grammar_or_regex_is_a_400_naming_it() {
         ("both fields", chat(json!({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}})), "structured_outputs.regex", "twice"),
         ("a strict tool with a bad schema", chat(json!({"tools": [{"type": "function", "function": {"name": "f", "strict": true,
             "parameters": {"type": "object", "properties": {"n": {"type": "integer", "minimum": "low"}}, "required": ["n"]}}}], "tool_choice": "required"})),
-            "tools[0].function.parameters", ""),
+            "tools[0].function.parameters.properties.n.minimum", "number"),
         ("a bad regex in a completion", json!({"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "(("}}), "structured_outputs.regex", ""),
     ];
     for (what, body, param, needle) in cases {

@@ -70,6 +70,9 @@ pub enum TokenizerError {
 /// Stop tokens assumed when no `tokenizer_config.json` is given (ChatML end of turn, end of text).
 const DEFAULT_EOS: [&str; 2] = ["<|im_end|>", "<|endoftext|>"];
 
+/// The generic stream decoder holds back at most this many ids undecided.
+const MAX_UNDECIDED: usize = 16;
+
 /// A checkpoint's tokenizer: `tokenizer.json` + the special-token table.
 #[derive(Clone)]
 pub struct Tokenizer {
@@ -422,10 +425,13 @@ impl<'a> StreamDecoder<'a> {
                 ids.push(id);
                 let prefix_text = self.tok.decode_unchecked(&ids[*prefix..*read])?;
                 let new_text = self.tok.decode_unchecked(&ids[*prefix..])?;
-                if new_text.len() > prefix_text.len()
-                    && !new_text.ends_with('\u{FFFD}')
-                    && new_text.starts_with(&prefix_text)
-                {
+                let certain = new_text.len() > prefix_text.len() && !new_text.ends_with('\u{FFFD}');
+                // No character stays incomplete over this many ids: what is still held back then
+                // is an invalid sequence (or ids that decode to nothing), given out as `decode`
+                // would. Without this bound the window (and each push's work) grows with a run
+                // of such ids, quadratically in all (found by fuzz/decoder).
+                let stale = ids.len() - *read >= MAX_UNDECIDED;
+                if new_text.starts_with(&prefix_text) && (certain || stale) {
                     let out = new_text[prefix_text.len()..].to_string();
                     // The old read offset becomes the prefix; drop what is before it.
                     ids.drain(..*read);
@@ -433,6 +439,12 @@ impl<'a> StreamDecoder<'a> {
                     *read = ids.len();
                     Ok(out)
                 } else {
+                    if stale {
+                        // The decoder rewrites earlier text: decode the held ids without it.
+                        ids.drain(..*read);
+                        *prefix = 0;
+                        *read = 0;
+                    }
                     Ok(String::new())
                 }
             }

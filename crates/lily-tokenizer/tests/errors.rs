@@ -156,3 +156,33 @@ fn windowed_and_byte_decoders_agree_on_tiny() {
         }
     }
 }
+
+/// Found by `fuzz/decoder`: a long run of ids whose text ends in an invalid sequence (here lone
+/// UTF-8 continuation bytes) kept the generic decoder silent, its window and each push's work
+/// growing with the run (quadratic: 4,000 ids took seconds). The text now streams out as it comes,
+/// still equal to `decode`.
+#[test]
+fn a_run_of_invalid_bytes_streams_out_and_matches_decode() {
+    let tok = Tokenizer::from_dir(&tiny_dir()).unwrap();
+    // The byte-level token of 0x80 (a continuation byte with no lead): 'Ģ' in GPT-2's byte alphabet.
+    let cont = tok.token_id("\u{0122}").expect("the byte token of 0x80");
+    let hi = tok.encode("hi").unwrap();
+    let mut ids = hi.clone();
+    ids.extend(std::iter::repeat_n(cont, 400));
+    ids.extend(&hi);
+    for skip in [false, true] {
+        for windowed in [false, true] {
+            let mut s = if windowed { StreamDecoder::new_windowed(&tok, skip) } else { StreamDecoder::new(&tok, skip) };
+            let mut got = String::new();
+            let mut spoke = 0;
+            for &id in &ids {
+                let piece = s.push(id).unwrap();
+                spoke += usize::from(!piece.is_empty());
+                got.push_str(&piece);
+            }
+            got.push_str(&s.flush());
+            assert_eq!(got, tok.decode(&ids, skip).unwrap(), "windowed={windowed}");
+            assert!(spoke >= 400 / 16, "windowed={windowed}: only {spoke} pushes gave text: held back until the end");
+        }
+    }
+}

@@ -19,10 +19,10 @@ use serde_json::{json, Map, Value};
 #[derive(clap::Args, Clone, Debug)]
 pub struct GenArgs {
     /// Most tokens to generate for one answer.
-    #[arg(long, default_value_t = 2048)]
+    #[arg(short = 'n', long, visible_alias = "n-predict", default_value_t = 2048)]
     pub max_tokens: usize,
     /// Sampling temperature (0 = greedy). Unset: the checkpoint's generation_config.json.
-    #[arg(long)]
+    #[arg(long, visible_alias = "temp")]
     pub temperature: Option<f32>,
     #[arg(long)]
     pub top_p: Option<f32>,
@@ -35,7 +35,7 @@ pub struct GenArgs {
     #[arg(long)]
     pub repetition_penalty: Option<f32>,
     /// Seed for reproducible sampling.
-    #[arg(long)]
+    #[arg(short = 's', long)]
     pub seed: Option<u64>,
     /// Answer without thinking first (the template's enable_thinking=false).
     #[arg(long)]
@@ -149,7 +149,7 @@ pub fn render(m: &ChatModel, messages: &[Value], kwargs: &Map<String, Value>) ->
     Ok(Prompt { history, full, thinking })
 }
 
-/// Generates one answer to `prompt`, streaming it; reuses and refills `cache`.
+/// Generates one answer to `prompt`, streaming it to the terminal; reuses and refills `cache`.
 pub fn answer(
     m: &mut ChatModel,
     cache: &mut PrefixCache<LoadedState>,
@@ -158,10 +158,28 @@ pub fn answer(
     stop: &AtomicBool,
 ) -> Result<(ParsedMessage, Outcome, usize)> {
     let tty_err = std::io::stderr().is_terminal();
+    answer_to(m, cache, prompt, spec, stop, &mut std::io::stdout(), &mut std::io::stderr(), tty_err)
+}
+
+/// [`answer`], the answer written to `out` and the reasoning to `err` (dimmed when `dim_err`).
+/// Once `stop` is set nothing more is written: the text of the token being generated, and any
+/// held back, are dropped (and left out of the message returned, so the history holds what the
+/// user saw).
+#[allow(clippy::too_many_arguments)]
+pub fn answer_to(
+    m: &mut ChatModel,
+    cache: &mut PrefixCache<LoadedState>,
+    prompt: &Prompt,
+    spec: &GenSpec,
+    stop: &AtomicBool,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+    dim_err: bool,
+) -> Result<(ParsedMessage, Outcome, usize)> {
+    let tty_err = dim_err;
     let backend = &mut m.model;
     let mut parser = OutputParser::new(ParserConfig { reasoning: prompt.thinking, tools: Vec::new(), id_seed: None });
-    let mut out = std::io::stdout();
-    let mut err = std::io::stderr();
+    let (out, err) = (out, err);
     let mut show = |events: Vec<Event>| {
         for e in events {
             match e {
@@ -186,18 +204,22 @@ pub fn answer(
         }
     };
     let done = generate_cached(backend, cache, &prompt.full, prompt.history, &m.tokenizer, spec, |_| Flow::Continue, |step| {
-        show(parser.push(step.text));
+        // Ctrl-C came while this token was being made: it is not shown.
         if stop.load(Ordering::Relaxed) {
-            Flow::Cancel
-        } else {
-            Flow::Continue
+            return Flow::Cancel;
         }
+        show(parser.push(step.text));
+        Flow::Continue
     })?;
     let Some(done) = done else { anyhow::bail!("generation was cancelled before it started") };
     let (outcome, cached) = (done.outcome, done.cached_tokens);
-    show(parser.push(&outcome.trailing_text));
+    if outcome.finish != lily_engine::FinishReason::Cancelled {
+        show(parser.push(&outcome.trailing_text));
+    }
     let (events, message) = parser.finish();
-    show(events);
+    if outcome.finish != lily_engine::FinishReason::Cancelled {
+        show(events);
+    }
     Ok((message, outcome, cached))
 }
 
@@ -209,6 +231,85 @@ pub fn speed_line(o: &Outcome, cached: usize) -> String {
         o.prefill_tok_s(),
         o.tokens.len(),
         o.decode_tok_s(),
-        o.finish.as_str()
+        match o.finish {
+            lily_engine::FinishReason::Cancelled => "stopped",
+            ref f => f.as_str(),
+        }
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// A terminal that presses Ctrl-C as soon as it shows something, and counts what it is given
+    /// after that.
+    struct Tripwire<'a> {
+        stop: &'a AtomicBool,
+        shown: usize,
+        after_stop: usize,
+    }
+
+    impl Write for Tripwire<'_> {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            if self.stop.load(Ordering::SeqCst) {
+                self.after_stop += b.len();
+            } else if !b.is_empty() {
+                self.shown += b.len();
+                self.stop.store(true, Ordering::SeqCst);
+            }
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn model() -> ChatModel {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/tiny-a/mlx");
+        ChatModel::open(&dir, lily_engine::BackendKind::Cpu, &Default::default()).unwrap()
+    }
+
+    fn args() -> GenArgs {
+        GenArgs {
+            max_tokens: 60,
+            temperature: Some(0.0),
+            top_p: None,
+            top_k: None,
+            min_p: None,
+            presence_penalty: None,
+            repetition_penalty: None,
+            seed: None,
+            no_think: false,
+            system: None,
+            json_schema: None,
+            json: false,
+        }
+    }
+
+    #[test]
+    fn nothing_is_printed_after_ctrl_c() {
+        let mut m = model();
+        let messages = vec![json!({"role": "user", "content": "Hello"})];
+        let p = render(&m, &messages, &Map::new()).unwrap();
+        let spec = args().spec(&m);
+        let stop = AtomicBool::new(false);
+        let mut cache = PrefixCache::new(0);
+        let (mut out, mut err) = (Tripwire { stop: &stop, shown: 0, after_stop: 0 }, Tripwire { stop: &stop, shown: 0, after_stop: 0 });
+        let (_, outcome, _) = answer_to(&mut m, &mut cache, &p, &spec, &stop, &mut out, &mut err, false).unwrap();
+        assert!(out.shown + err.shown > 0, "something was shown before Ctrl-C");
+        assert_eq!((out.after_stop, err.after_stop), (0, 0), "text printed after Ctrl-C");
+        assert_eq!(outcome.finish, lily_engine::FinishReason::Cancelled);
+        assert!(outcome.tokens.len() < 60);
+        assert!(speed_line(&outcome, 0).ends_with("stopped]"));
+
+        // Ctrl-C before the first token: nothing at all.
+        let stop = AtomicBool::new(true);
+        let (mut out, mut err) = (Tripwire { stop: &stop, shown: 0, after_stop: 0 }, Tripwire { stop: &stop, shown: 0, after_stop: 0 });
+        let (msg, outcome, _) = answer_to(&mut m, &mut cache, &p, &spec, &stop, &mut out, &mut err, false).unwrap();
+        assert_eq!(out.after_stop + err.after_stop + out.shown + err.shown, 0);
+        assert_eq!(outcome.tokens.len(), 1);
+        assert!(msg.content.unwrap_or_default().is_empty() && msg.reasoning.unwrap_or_default().is_empty());
+    }
 }

@@ -3,6 +3,8 @@
 
 mod converse;
 mod profile;
+mod info;
+mod serve;
 
 use std::io::{IsTerminal, Read};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,37 +31,11 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// The OpenAI-compatible server: POST /v1/chat/completions and /v1/completions (streamed with
-    /// "stream": true), GET /v1/models, /health, /metrics. Without --model it serves the built-in
-    /// demo model (random weights, the real tokenizer and chat template) and says so.
-    Serve {
-        /// Checkpoint directory (MLX 4-bit or Hugging Face bf16).
-        #[arg(long)]
-        model: Option<PathBuf>,
-        #[arg(long, default_value = "127.0.0.1")]
-        host: String,
-        #[arg(long, default_value_t = 8080)]
-        port: u16,
-        /// Require `Authorization: Bearer KEY` on /v1/* and /metrics.
-        #[arg(long, env = "LILY_API_KEY")]
-        api_key: Option<String>,
-        /// Context length in tokens: prompt plus answer. Default: the model's maximum, capped at 32768.
-        #[arg(long)]
-        ctx_size: Option<usize>,
-        /// Requests allowed to wait for the engine (at least 1); beyond that, 429.
-        #[arg(long, default_value_t = 16)]
-        max_queue: usize,
-        /// Seconds a request may wait in the queue before a 503.
-        #[arg(long, default_value_t = 600)]
-        queue_timeout: u64,
-        /// Memory for the prefix cache's state snapshots, in MiB.
-        #[arg(long, default_value_t = 4096)]
-        cache_mb: usize,
-        /// Name the model is served under (default: the directory name, or "lily-demo").
-        #[arg(long)]
-        model_id: Option<String>,
-        #[command(flatten)]
-        load: LoadArgs,
-    },
+    /// "stream": true), GET /v1/models, /v1/models/{id}, /health, /metrics. Without --model it
+    /// serves the built-in demo model (random weights, the real tokenizer and chat template) and
+    /// says so. A line per request goes to stderr. Ctrl-C (or SIGTERM) ends the answers in flight
+    /// and stops; a second Ctrl-C quits at once.
+    Serve(serve::ServeArgs),
     /// Teacher-forced scoring: prints {"positions", "perplexity", "token_logprobs", "argmax"} as JSON.
     ///
     /// Entry i of token_logprobs is the log-probability of token i+1 given tokens 0..=i (so
@@ -67,7 +43,7 @@ enum Command {
     /// perplexity = exp(-mean(token_logprobs)).
     Score {
         /// Checkpoint directory (config.json + safetensors; MLX 4-bit or Hugging Face bf16).
-        #[arg(long)]
+        #[arg(short = 'm', long)]
         model: PathBuf,
         /// A JSON file holding an array of token ids (at least 2).
         #[arg(long)]
@@ -98,13 +74,17 @@ enum Command {
         group_size: usize,
     },
     /// One answer to one prompt, streamed: reasoning (dimmed) to stderr, the answer to stdout.
+    /// The prompt is the argument, or -p/--prompt; `-` reads it from stdin.
     Run {
         /// Checkpoint directory; without it, the built-in demo model (random weights).
-        #[arg(long)]
+        #[arg(short = 'm', long)]
         model: Option<PathBuf>,
-        /// The user's message.
-        #[arg(long)]
-        prompt: String,
+        /// The user's message (`-`: read it from stdin).
+        #[arg(value_name = "PROMPT", conflicts_with = "prompt")]
+        text: Option<String>,
+        /// The user's message (`-`: read it from stdin).
+        #[arg(short = 'p', long)]
+        prompt: Option<String>,
         #[command(flatten)]
         load: LoadArgs,
         #[command(flatten)]
@@ -113,7 +93,7 @@ enum Command {
     /// Interactive chat in the terminal: history, /reset, Ctrl-C stops an answer, Ctrl-D quits.
     Chat {
         /// Checkpoint directory; without it, the built-in demo model (random weights).
-        #[arg(long)]
+        #[arg(short = 'm', long)]
         model: Option<PathBuf>,
         #[command(flatten)]
         load: LoadArgs,
@@ -123,7 +103,7 @@ enum Command {
     /// Text on stdin to token ids (a JSON array on stdout); with --decode, ids on stdin to text.
     Tokenize {
         /// Checkpoint directory (its tokenizer.json).
-        #[arg(long)]
+        #[arg(short = 'm', long)]
         model: PathBuf,
         #[arg(long)]
         decode: bool,
@@ -136,7 +116,7 @@ enum Command {
     Render {
         /// Checkpoint directory (tokenizer_config.json's chat_template or chat_template.jinja;
         /// the built-in Qwen3.6 template when it has none).
-        #[arg(long)]
+        #[arg(short = 'm', long)]
         model: PathBuf,
         /// The request body, as JSON (`-` for stdin).
         #[arg(long)]
@@ -147,7 +127,7 @@ enum Command {
     /// it; medians of --repeats runs after a warm-up. A table on stdout; --json writes the rows.
     Bench {
         /// Checkpoint directory (e.g. one written by `lily synth --config qwen3.6-35b-a3b`).
-        #[arg(long)]
+        #[arg(short = 'm', long)]
         model: PathBuf,
         /// Prompt and context lengths, comma-separated (K suffix allowed: 4K = 4096).
         #[arg(long, value_delimiter = ',', default_value = "256,512,1K,2K,4K,8K,16K,32K,64K,128K", value_parser = parse_length)]
@@ -188,7 +168,7 @@ enum Command {
     },
     /// Describes a checkpoint: its configuration, format and size.
     Info {
-        #[arg(long)]
+        #[arg(short = 'm', long)]
         model: PathBuf,
         #[command(flatten)]
         load: LoadArgs,
@@ -244,7 +224,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", explain(&e));
             ExitCode::FAILURE
         }
     }
@@ -253,6 +233,7 @@ fn main() -> ExitCode {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Score { model, tokens, load, chunk } => {
+            check_model_dir(&model)?;
             let text = std::fs::read_to_string(&tokens).with_context(|| format!("reading {}", tokens.display()))?;
             let ids: Vec<u32> = serde_json::from_str(&text)
                 .with_context(|| format!("{}: expected a JSON array of token ids", tokens.display()))?;
@@ -289,65 +270,31 @@ fn run(cli: Cli) -> Result<()> {
             let t = std::time::Instant::now();
             let report = lily_model::synth::synthesize(&opts, &bar)?;
             bar.finish_and_clear();
-            eprintln!("wrote {} in {:.1}s: {report:?}", out.display(), t.elapsed().as_secs_f64());
-        }
-        Command::Serve { model, host, port, api_key, ctx_size, max_queue, queue_timeout, cache_mb, model_id, load } => {
-            let m = open_chat(model.as_deref(), &load)?;
-            let max_pos = m.model.config().max_position_embeddings;
-            let ctx = ctx_size.unwrap_or(max_pos.min(32768));
-            if ctx > max_pos || ctx < 2 {
-                bail!("--ctx-size {ctx} must be between 2 and the model's maximum ({max_pos})");
-            }
-            // One session of the whole context, sized now: what each request's reserve asks for at
-            // most, and a clear error at start (not at the first long request) when it does not fit.
-            let mut m = m;
-            let mut probe = m.model.new_state();
-            m.model
-                .reserve(&mut probe, ctx)
-                .with_context(|| format!("a session of --ctx-size {ctx} tokens does not fit on the {} backend", m.model.name()))?;
             eprintln!(
-                "a session of the full context ({ctx} tokens) holds {:.2} GB (KV caches and recurrent states; sized per request for its prompt and max_tokens)",
-                m.model.state_bytes(&probe) as f64 / 1e9
+                "wrote {} in {:.1} s: {} parameters in {} tensors ({bits}-bit, groups of {group_size}; the router gates 8-bit), {} in {} files; tokenizer: {}.",
+                out.display(),
+                t.elapsed().as_secs_f64(),
+                info::count(report.parameters),
+                report.tensors,
+                info::bytes(report.bytes),
+                report.files.len(),
+                report.tokenizer
             );
-            drop(probe);
-            let id = model_id.unwrap_or_else(|| {
-                if m.demo {
-                    "lily-demo".to_string()
-                } else {
-                    m.dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| "lily".into())
-                }
-            });
-            let cfg = lily_server::ServerConfig {
-                model_id: id.clone(),
-                demo: m.demo,
-                api_key,
-                ctx_size: ctx,
-                max_queue,
-                queue_timeout: std::time::Duration::from_secs(queue_timeout),
-                max_body_bytes: 32 << 20,
-                cache_bytes: cache_mb << 20,
-            };
-            let demo = m.demo;
-            let served = lily_server::ServedModel { backend: m.model, tokenizer: m.tokenizer, template: m.template, defaults: m.defaults, stop_ids: m.stop_ids };
-            let rt = tokio::runtime::Runtime::new()?;
-            rt.block_on(async move {
-                let addr: std::net::SocketAddr = format!("{host}:{port}").parse().with_context(|| format!("`{host}:{port}` is not an address"))?;
-                let listener = lily_server::bind(addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-                let app = lily_server::build(served, &cfg);
-                // The structured-outputs vocabulary (a second or two), ready before the first request.
-                app.grammars.warm_in_background();
-                eprintln!(
-                    "lily serving `{id}`{} on http://{} (backend {}, context {ctx} tokens{}). Ctrl-C stops.",
-                    if demo { " (the built-in DEMO model: random weights, meaningless output)" } else { "" },
-                    listener.local_addr()?,
-                    app.backend,
-                    if cfg.api_key.is_some() { ", API key required" } else { "" },
-                );
-                lily_server::serve(app, listener).await?;
-                anyhow::Ok(())
-            })?;
         }
-        Command::Run { model, prompt, load, gen } => {
+        Command::Serve(args) => serve::serve(args)?,
+        Command::Run { model, text, prompt, load, gen } => {
+            let prompt = match text.or(prompt) {
+                Some(p) if p == "-" => {
+                    let mut s = String::new();
+                    std::io::stdin().read_to_string(&mut s).context("reading the prompt from stdin")?;
+                    s
+                }
+                Some(p) => p,
+                None => bail!("no prompt: give it as an argument (lily run \"Hello\"), with -p, or `-` to read it from stdin"),
+            };
+            if prompt.trim().is_empty() {
+                bail!("the prompt is empty");
+            }
             let mut m = open_chat(model.as_deref(), &load)?;
             let mut messages = Vec::new();
             if let Some(sys) = &gen.system {
@@ -367,6 +314,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Chat { model, load, gen } => chat(open_chat(model.as_deref(), &load)?, gen)?,
         Command::Tokenize { model, decode, skip_special } => {
+            check_model_dir(&model)?;
             let tok = lily_tokenizer::Tokenizer::from_dir(&model)?;
             let mut input = String::new();
             std::io::stdin().read_to_string(&mut input).context("reading stdin")?;
@@ -378,6 +326,7 @@ fn run(cli: Cli) -> Result<()> {
             }
         }
         Command::Render { model, request } => {
+            check_model_dir(&model)?;
             let template = lily_template::ChatTemplate::from_dir(&model)?;
             let text = if request.as_os_str() == "-" {
                 let mut s = String::new();
@@ -386,11 +335,12 @@ fn run(cli: Cli) -> Result<()> {
             } else {
                 std::fs::read_to_string(&request).with_context(|| format!("reading {}", request.display()))?
             };
-            let body: serde_json::Value =
-                serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", request.display()))?;
+            let name = if request.as_os_str() == "-" { "stdin".to_string() } else { request.display().to_string() };
+            let body: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{name}: not valid JSON"))?;
             print!("{}", template.render_request(&body)?);
         }
         Command::Bench { model, lengths, decode_tokens, repeats, json, load } => {
+            check_model_dir(&model)?;
             if decode_tokens == 0 {
                 bail!("--decode-tokens must be at least 1");
             }
@@ -428,32 +378,57 @@ fn run(cli: Cli) -> Result<()> {
             profile::run(&mut m, &model, &context, &prompt, repeats, json.as_deref())?;
         }
         Command::Info { model, load } => {
-            let cfg = lily_model::ModelConfig::from_dir(&model)?;
+            check_model_dir(&model)?;
             let w = lily_model::ModelWeights::load(&model, &load.options().load)?;
-            println!("{}", model.display());
-            println!("  family       {}", cfg.model_type);
-            println!("  format       {:?}", w.source);
-            println!("  layers       {} ({} full attention)", cfg.num_hidden_layers, cfg.num_full_attention_layers());
-            println!("  hidden       {}", cfg.hidden_size);
-            println!("  attention    {} q heads / {} kv heads × {}", cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-            println!(
-                "  deltanet     {} k heads / {} v heads × {}/{}",
-                cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-            );
-            println!("  experts      {} (top {}), {} wide", cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size);
-            println!("  vocab        {}", cfg.vocab_size);
-            if let Some(q) = &cfg.quantization {
-                println!("  quantisation {} bits, group {} ({} overrides)", q.bits, q.group_size, q.overrides.len());
-            }
+            info::print(&model, &w)?;
         }
     }
     Ok(())
 }
 
+/// A --model that is not a directory, said once and plainly (before any file in it is opened).
+fn check_model_dir(dir: &std::path::Path) -> Result<()> {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => bail!("{}: not a directory (--model takes a checkpoint directory)", dir.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => bail!("{}: no such directory", dir.display()),
+        Err(e) => bail!("{}: {}", dir.display(), plain_io(&e)),
+    }
+}
+
+/// An OS error without Rust's "(os error N)".
+fn plain_io(e: &std::io::Error) -> String {
+    let s = e.to_string();
+    match s.find(" (os error") {
+        Some(i) => s[..i].to_string(),
+        None => s,
+    }
+}
+
+/// An error and its causes in one line, each said once (many errors already include their cause's
+/// text, which the chain would repeat).
+fn explain(e: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in e.chain() {
+        let s = cause.to_string();
+        if out.contains(&s) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&s);
+    }
+    out
+}
+
 /// A checkpoint for conversations, or the demo model (and a line saying so).
 fn open_chat(model: Option<&std::path::Path>, load: &LoadArgs) -> Result<ChatModel> {
     match model {
-        Some(dir) => Ok(ChatModel::open(dir, load.backend, &load.options())?),
+        Some(dir) => {
+            check_model_dir(dir)?;
+            Ok(ChatModel::open(dir, load.backend, &load.options())?)
+        }
         None => {
             eprintln!(
                 "No --model given: using the built-in demo model (random weights of the real architecture, \
@@ -492,7 +467,11 @@ fn chat(mut m: ChatModel, gen: GenArgs) -> Result<()> {
     loop {
         let line = match editor.readline(">>> ") {
             Ok(l) => l,
-            Err(ReadlineError::Interrupted) => continue,
+            // Ctrl-C at the prompt: nothing to stop; say how to leave.
+            Err(ReadlineError::Interrupted) => {
+                eprintln!("{}", converse::dim(tty, "(Ctrl-C stops an answer; /exit or Ctrl-D quits)"));
+                continue;
+            }
             Err(ReadlineError::Eof) => break,
             Err(e) => return Err(e.into()),
         };
@@ -523,11 +502,7 @@ fn chat(mut m: ChatModel, gen: GenArgs) -> Result<()> {
         }
         let (msg, outcome, cached) = converse::answer(&mut m, &mut cache, &prompt, &spec, &stop)?;
         println!();
-        let mut line = converse::speed_line(&outcome, cached);
-        if outcome.finish == lily_engine::FinishReason::Cancelled {
-            line.push_str(" (stopped)");
-        }
-        eprintln!("{}", converse::dim(tty, &line));
+        eprintln!("{}", converse::dim(tty, &converse::speed_line(&outcome, cached)));
         let mut reply = serde_json::json!({"role": "assistant", "content": msg.content.unwrap_or_default()});
         if let Some(r) = msg.reasoning {
             reply["reasoning_content"] = serde_json::Value::String(r);

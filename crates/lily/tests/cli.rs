@@ -360,3 +360,116 @@ fn run_with_a_json_schema_answers_valid_json() {
     let err = fails(&["run", "--model", m, "--backend", "cpu", "--prompt", "x", "--json-schema", p]);
     assert!(err.contains("not valid JSON"), "{err}");
 }
+
+/// Runs lily with `input` on stdin.
+fn lily_stdin(args: &[&str], input: &str) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lily"))
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input.as_bytes()).unwrap();
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn synth_of_a_fixture_config_writes_a_model_that_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("m");
+    let cfg = fixtures().join("tiny-b/hf/config.json");
+    let o = lily(&["synth", "--config", cfg.to_str().unwrap(), "--out", out.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    // Words, not a Rust debug dump.
+    assert!(!err.contains("SynthReport") && !err.contains("files: [") && !err.contains('{'), "{err}");
+    assert!(err.contains("parameters") && err.contains("tokenizer: the Qwen3.5/3.6 tokenizer cut down"), "{err}");
+    // The tokenizer fits the 384-row vocabulary, and lily run answers with it.
+    let m = out.to_str().unwrap();
+    let o = lily(&["run", "-m", m, "--backend", "cpu", "-n", "8", "--temp", "0", "Hello there"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(e.contains("8 generated") || e.contains(", stop]"), "{e}");
+    let ids = lily_stdin(&["tokenize", "-m", m], "Hello, wörld! 🦀 <|im_start|>user");
+    let ids: Vec<u32> = serde_json::from_slice(&ids.stdout).unwrap();
+    assert!(ids.iter().all(|&i| i < 384), "{ids:?}");
+}
+
+#[test]
+fn run_takes_the_prompt_as_an_argument_an_option_or_stdin() {
+    let m = fixtures().join("tiny-a/mlx");
+    let m = m.to_str().unwrap();
+    let base = ["run", "-m", m, "--backend", "cpu", "-n", "3", "--temp", "0"];
+    let with = |extra: &[&str]| -> Vec<String> { base.iter().chain(extra).map(|s| s.to_string()).collect() };
+    let speed = |o: &Output| {
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let e = String::from_utf8_lossy(&o.stderr).into_owned();
+        e.lines().last().unwrap().to_string()
+    };
+    // The same prompt three ways: the same prompt length.
+    let run = |extra: &[&str]| lily(&with(extra).iter().map(String::as_str).collect::<Vec<_>>());
+    let run_stdin = |extra: &[&str], input: &str| lily_stdin(&with(extra).iter().map(String::as_str).collect::<Vec<_>>(), input);
+    let a = speed(&run(&["Hello there"]));
+    let b = speed(&run(&["-p", "Hello there"]));
+    let c = speed(&run_stdin(&["-"], "Hello there"));
+    let prompt_tokens = |l: &str| l.split(" prompt tokens").next().unwrap().trim_start_matches('[').to_string();
+    assert_eq!(prompt_tokens(&a), prompt_tokens(&b));
+    assert_eq!(prompt_tokens(&a), prompt_tokens(&c), "{a} / {c}");
+    // No prompt, an empty one, or two: clear errors.
+    assert!(fails(&base).contains("no prompt"));
+    let o = run_stdin(&["-"], "  \n");
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("empty"));
+    let o = run(&["a", "-p", "b"]);
+    assert!(!o.status.success());
+}
+
+#[test]
+fn render_reads_the_request_from_stdin() {
+    let data = template_data();
+    let model = data.join("models/qwen36");
+    let req = data.join("requests").join("01_plain.json");
+    let from_file = lily(&["render", "--model", model.to_str().unwrap(), "--request", req.to_str().unwrap()]);
+    let from_stdin = lily_stdin(&["render", "--model", model.to_str().unwrap(), "--request", "-"], &std::fs::read_to_string(&req).unwrap());
+    assert!(from_stdin.status.success(), "{}", String::from_utf8_lossy(&from_stdin.stderr));
+    assert_eq!(from_file.stdout, from_stdin.stdout);
+    let bad = lily_stdin(&["render", "--model", model.to_str().unwrap(), "--request", "-"], "{nope");
+    let e = String::from_utf8_lossy(&bad.stderr);
+    assert!(!bad.status.success() && e.contains("stdin") && e.contains("not valid JSON"), "{e}");
+}
+
+#[test]
+fn a_missing_model_directory_is_said_once() {
+    for args in [
+        vec!["run", "-m", "/nonexistent/model", "hi"],
+        vec!["info", "-m", "/nonexistent/model"],
+        vec!["score", "-m", "/nonexistent/model", "--tokens", "/nonexistent/t.json"],
+        vec!["serve", "-m", "/nonexistent/model", "--port", "0"],
+    ] {
+        let e = fails(&args);
+        assert_eq!(e.trim_end(), "error: /nonexistent/model: no such directory", "{args:?}");
+    }
+    let file = fixtures().join("tiny-a/tokens.json");
+    assert!(fails(&["info", "-m", file.to_str().unwrap()]).contains("not a directory"));
+    // An error that carries its cause says it once, not "...: No such file (os error 2): No such file (os error 2)".
+    let d = tempfile::tempdir().unwrap();
+    let e = fails(&["info", "-m", d.path().to_str().unwrap()]);
+    assert_eq!(e.matches("No such file or directory").count(), 1, "{e}");
+    assert!(e.contains("config.json"), "{e}");
+}
+
+#[test]
+fn info_speaks_plain_words() {
+    let m = fixtures().join("tiny-a/mlx");
+    let o = lily(&["info", "-m", m.to_str().unwrap()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8(o.stdout).unwrap();
+    for want in ["parameters", "in all", "used per token", "MLX affine 4-bit, groups of 64", "on disk", "in memory", "up to 4,096 tokens", "512 tokens", "chat template"] {
+        assert!(text.contains(want), "{want:?} missing from:\n{text}");
+    }
+    assert!(!text.contains("MlxAffine") && !text.contains("Some("), "{text}");
+    let h = fixtures().join("tiny-a/hf");
+    let text = String::from_utf8(lily(&["info", "-m", h.to_str().unwrap()]).stdout).unwrap();
+    assert!(text.contains("Hugging Face bf16") && text.contains("7 safetensors files"), "{text}");
+}

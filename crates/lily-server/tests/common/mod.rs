@@ -50,6 +50,9 @@ pub fn default_config() -> ServerConfig {
         queue_timeout: Duration::from_secs(60),
         max_body_bytes: 1 << 20,
         cache_bytes: 256 << 20,
+        default_max_tokens: None,
+        body_timeout: Duration::from_secs(60),
+        log: None,
     }
 }
 
@@ -262,13 +265,27 @@ pub fn tiny_model_dir() -> &'static Path {
 
 pub struct Server {
     pub base: String,
+    pub addr: std::net::SocketAddr,
     pub http: reqwest::Client,
     pub api_key: Option<String>,
     pub app: lily_server::AppState,
+    /// Resolves the server's shutdown future (what Ctrl-C does in `lily serve`).
+    pub stop: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The serving task: done once the shutdown has drained.
+    pub served: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
-/// Starts the real server (engine thread + axum on the current tokio runtime) on 127.0.0.1:0.
+/// Starts the real server (engine thread + the connection layer of `lily serve` on the current
+/// tokio runtime) on 127.0.0.1:0.
 pub async fn start<B>(m: ServedModel<B>, cfg: ServerConfig) -> Server
+where
+    B: Backend + 'static,
+    B::State: 'static,
+{
+    start_with(m, cfg, lily_server::HttpLimits::default()).await
+}
+
+pub async fn start_with<B>(m: ServedModel<B>, cfg: ServerConfig, limits: lily_server::HttpLimits) -> Server
 where
     B: Backend + 'static,
     B::State: 'static,
@@ -276,11 +293,11 @@ where
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let app = lily_server::build(m, &cfg);
-    let router = lily_server::router(app.clone());
-    tokio::spawn(async move {
-        axum::serve(listener, router).await.unwrap();
-    });
-    Server { base: format!("http://{addr}"), http: reqwest::Client::new(), api_key: cfg.api_key.clone(), app }
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let served = tokio::spawn(lily_server::serve_until(app.clone(), listener, limits, async move {
+        let _ = stopped.await;
+    }));
+    Server { base: format!("http://{addr}"), addr, http: reqwest::Client::new(), api_key: cfg.api_key.clone(), app, stop: Some(stop), served }
 }
 
 pub async fn start_scripted(cfg: ServerConfig, delay: Duration) -> (Server, Arc<AtomicUsize>) {
