@@ -48,6 +48,10 @@
 
 #include <stdint.h>
 #include "pdl.cuh"
+#include "route.cuh"
+
+// The router entries select among up to 32 * ROUTE_NPER experts.
+constexpr int ROUTE_NPER = 16;
 
 struct GemvParams {
     const uint4* w;           // [count, rows, chunks]
@@ -66,6 +70,21 @@ struct GemvParams {
     int group_shift;          // log2(group size); unused for dense
     int matrix;
     int pad_;
+    // Fusions (all off when zero/null; see "Fusions" at the top):
+    const float* norm_w;      // [cols] or null: the product uses RMSNorm(x) * norm_w (a shared x only)
+    float norm_eps;
+    int accumulate;           // y[r] += result instead of y[r] = result (the residual stream)
+    uint32_t* counter;        // router entries: finished blocks (0 between launches; the last resets it)
+    uint32_t* route_idx;      // router entries: [route_k] chosen experts, best first
+    float* route_w;           // router entries: [route_k] their weights
+    int route_e;              // router entries: the first route_e rows of y are the experts' logits
+    int route_k;
+    int route_renorm;
+    int pad2_;
+    const float* mix_w;       // mix entries: [mix_k] the weights of slots 0..mix_k-1
+    const float* gate_logit;  // mix entries: slot mix_k (if mix_shared) is weighted by sigmoid(*gate_logit)
+    int mix_k;
+    int mix_shared;
 };
 
 __device__ __forceinline__ float bf16_to_f32(uint16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
@@ -165,6 +184,108 @@ __device__ __forceinline__ float chunk_dot(uint4 w, float s, float b, const floa
 
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g)); }
 
+constexpr int STAGE_V4 = 4;  // x float4s each thread loads at once in stage_x
+
+// Activations (x, the router's indices and weights) are read from L2 (ld.global.cg), never through
+// L1 or the non-coherent path: with programmatic dependent launch an SM's L1 may still hold lines an
+// earlier kernel read there and a later one has since rewritten. Measured: with __ldg the fused decode
+// read the previous layer's expert indices under PDL (ppl 12.31 for 11.19 on tiny-a) and matched the
+// CPU without PDL, or with the indexed GEMVs launched without it.
+// x -> shared memory, transposed: element j = chunk c, offset e lands in float4 (e/4)*nch + c, so lanes
+// reading consecutive chunks read consecutive 16-byte words; then (affine) the per-chunk sums of x.
+// With p.norm_w the staged values are x * norm_w and the function returns 1 / rms(x), which the caller
+// applies to its dot products (RMSNorm(x) . w = inv * ((x * norm_w) . w)); otherwise it returns 1.
+// Ends with the block synchronised.
+template <int MODE>
+__device__ __forceinline__ float stage_x(const GemvParams& p, const float* x, float* xs, int cols, int nch) {
+    constexpr int E = Fmt<MODE>::E;
+    constexpr int F = E / 4;
+    constexpr bool AFFINE = MODE != MODE_BF16;
+    __shared__ float ss_part[32];
+    const float4* xs4 = reinterpret_cast<const float4*>(xs);
+    float* csum = xs + cols;
+    const bool norm = p.norm_w != nullptr;
+    float ss = 0.0f;
+    const bool v4 = ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(p.norm_w)) & 15) == 0 && (cols & 3) == 0;
+    if (v4) {
+        // 16-byte loads, STAGE_V4 per thread issued before any is used (the staging is a chain of L2
+        // latencies otherwise); four consecutive elements share a chunk, so they land as one float4.
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        const float4* w4 = reinterpret_cast<const float4*>(p.norm_w);
+        float4* xw = reinterpret_cast<float4*>(xs);
+        const int n4 = cols >> 2;
+        for (int j0 = threadIdx.x; j0 < n4; j0 += STAGE_V4 * blockDim.x) {
+            float4 v[STAGE_V4], g[STAGE_V4];
+#pragma unroll
+            for (int u = 0; u < STAGE_V4; ++u) {
+                const int j = j0 + u * blockDim.x;
+                if (j < n4) {
+                    v[u] = __ldcg(x4 + j);
+                    if (norm) g[u] = __ldg(w4 + j);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < STAGE_V4; ++u) {
+                const int j = j0 + u * blockDim.x;
+                if (j < n4) {
+                    float4 a = v[u];
+                    if (norm) {
+                        ss = fmaf(a.x, a.x, ss);
+                        ss = fmaf(a.y, a.y, ss);
+                        ss = fmaf(a.z, a.z, ss);
+                        ss = fmaf(a.w, a.w, ss);
+                        a = make_float4(a.x * g[u].x, a.y * g[u].y, a.z * g[u].z, a.w * g[u].w);
+                    }
+                    const int c = (4 * j) / E, e = (4 * j) % E;
+                    xw[(e >> 2) * nch + c] = a;
+                }
+            }
+        }
+    } else {
+        for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+            const int c = j / E, e = j % E;
+            float v = __ldcg(x + j);
+            if (norm) {
+                ss = fmaf(v, v, ss);
+                v *= __ldg(p.norm_w + j);
+            }
+            xs[((e >> 2) * nch + c) * 4 + (e & 3)] = v;
+        }
+    }
+    if (norm) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if ((threadIdx.x & 31) == 0) ss_part[threadIdx.x >> 5] = ss;
+    }
+    __syncthreads();
+    if (AFFINE) {
+        for (int c = threadIdx.x; c < nch; c += blockDim.x) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < F; ++i) {
+                const float4 v = xs4[i * nch + c];
+                sum += (v.x + v.y) + (v.z + v.w);
+            }
+            csum[c] = sum;
+        }
+        __syncthreads();
+    }
+    if (!norm) return 1.0f;
+    float t = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += ss_part[w];
+    return 1.0f / sqrtf(t / (float)cols + p.norm_eps);
+}
+
+// Writes one output row: the fused scale, the SwiGLU, the residual add; NaN for a bad matrix index.
+template <bool SWIGLU>
+__device__ __forceinline__ void put_row(const GemvParams& p, float* y, int r, float a0, float a1, float inv, bool bad) {
+    float out = SWIGLU ? silu_f(a0 * inv) * (a1 * inv) : a0 * inv;
+    // The residual is read from L2 (ld.global.cg): an L1 line filled here would hold elements other
+    // SMs are about to write, and a dependent kernel placed early on this SM (PDL) could read it stale.
+    if (p.accumulate) out = __ldcg(y + r) + out;
+    y[r] = bad ? __int_as_float(0x7fc00000) : out;
+}
+
 // One batch of loads: U chunks (c0, c0+TPR, ...) of NR consecutive rows, of NW matrices (2 for SwiGLU).
 template <int MODE, int TPR, int U, int NR, int NW>
 struct Batch {
@@ -224,7 +345,7 @@ struct Batch {
 
 // TPR lanes per row; each lane keeps U chunks of NR consecutive rows (U*NR 16-byte loads) in flight.
 // A warp covers 32/TPR row groups of NR rows; a block of 8 warps covers 8*(32/TPR)*NR rows per step.
-template <int MODE, int TPR, int U, int NR, bool SWIGLU>
+template <int MODE, int TPR, int U, int NR, bool SWIGLU, bool ROUTE = false>
 __device__ __forceinline__ void gemv(const GemvParams& p) {
     constexpr int E = Fmt<MODE>::E;  // weights per 16-byte chunk
     constexpr int F = E / 4;         // x float4s per chunk
@@ -235,11 +356,11 @@ __device__ __forceinline__ void gemv(const GemvParams& p) {
     float* xs = reinterpret_cast<float*>(xs4);
     const int rows = p.rows, cols = p.cols;
     const int nch = cols / E;
-    float* csum = xs + cols;
+    const float* csum = xs + cols;
 
     const int slot = blockIdx.y;
     if (p.idx) pdl_wait();  // the indices come from the router, a predecessor
-    const uint32_t m = p.idx ? __ldg(p.idx + slot) : (uint32_t)p.matrix;
+    const uint32_t m = p.idx ? __ldcg(p.idx + slot) : (uint32_t)p.matrix;  // L2: see stage_x
     const bool bad = m >= (uint32_t)p.count;
     const float* x = p.x + (long long)slot * p.x_stride;
 
@@ -259,25 +380,7 @@ __device__ __forceinline__ void gemv(const GemvParams& p) {
     // Weights never change: their first loads may overlap the predecessor's tail; x may not.
     pdl_enter();
 
-    // x -> shared, transposed: element j = chunk c, offset e lands in float4 (e/4)*nch + c, so lanes
-    // reading consecutive chunks read consecutive 16-byte words.
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-        const int c = j / E, e = j % E;
-        xs[((e >> 2) * nch + c) * 4 + (e & 3)] = __ldg(x + j);
-    }
-    __syncthreads();
-    if (AFFINE) {
-        for (int c = threadIdx.x; c < nch; c += blockDim.x) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < F; ++i) {
-                const float4 v = xs4[i * nch + c];
-                sum += (v.x + v.y) + (v.z + v.w);
-            }
-            csum[c] = sum;
-        }
-        __syncthreads();
-    }
+    const float inv = stage_x<MODE>(p, x, xs, cols, nch);
 
     bool prefetched = true;
     for (; r0 < rows; r0 += gridDim.x * rows_per_block) {
@@ -303,10 +406,21 @@ __device__ __forceinline__ void gemv(const GemvParams& p) {
 #pragma unroll
         for (int rr = 0; rr < NR; ++rr) {
             const int r = rb + rr;
-            if (rr % TPR == tl && r < rows) {
-                const float out = SWIGLU ? silu_f(acc[0][rr]) * acc[NW - 1][rr] : acc[0][rr];
-                y[r] = bad ? __int_as_float(0x7fc00000) : out;
-            }
+            if (rr % TPR == tl && r < rows) put_row<SWIGLU>(p, y, r, acc[0][rr], acc[NW - 1][rr], inv, bad);
+        }
+    }
+    if constexpr (ROUTE) {
+        // The router: the last block to finish selects the experts from the logits every block wrote.
+        __shared__ __align__(16) float route_s[32 * ROUTE_NPER];
+        __shared__ int last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) last = atomicAdd(p.counter, 1u) == gridDim.x * gridDim.y - 1;
+        __syncthreads();
+        if (last) {
+            __threadfence();
+            if (warp == 0) route_row<ROUTE_NPER>(p.y, p.route_e, p.route_k, p.route_renorm, route_s, p.route_idx, p.route_w);
+            if (threadIdx.x == 0) *p.counter = 0u;
         }
     }
 }
@@ -355,7 +469,7 @@ __device__ __forceinline__ void gemv_async(const GemvParams& p) {
 
     const int slot = blockIdx.y;
     if (p.idx) pdl_wait();  // the indices come from the router, a predecessor
-    const uint32_t m = p.idx ? __ldg(p.idx + slot) : (uint32_t)p.matrix;
+    const uint32_t m = p.idx ? __ldcg(p.idx + slot) : (uint32_t)p.matrix;  // L2: see stage_x
     const bool bad = m >= (uint32_t)p.count;
     const float* x = p.x + (long long)slot * p.x_stride;
 
@@ -415,23 +529,7 @@ __device__ __forceinline__ void gemv_async(const GemvParams& p) {
     }
     pdl_enter();
 
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-        const int c = j / E, e = j % E;
-        xs[((e >> 2) * nch + c) * 4 + (e & 3)] = __ldg(x + j);
-    }
-    __syncthreads();
-    if (AFFINE) {
-        for (int c = threadIdx.x; c < nch; c += blockDim.x) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < F; ++i) {
-                const float4 v = xs4[i * nch + c];
-                sum += (v.x + v.y) + (v.z + v.w);
-            }
-            csum[c] = sum;
-        }
-        __syncthreads();
-    }
+    const float inv = stage_x<MODE>(p, x, xs, cols, nch);
 
     float acc[NW][NR];
     for (int j = 0; j < nsteps; ++j) {
@@ -494,14 +592,143 @@ __device__ __forceinline__ void gemv_async(const GemvParams& p) {
 #pragma unroll
             for (int rr = 0; rr < NR; ++rr) {
                 const int r = rb + rr;
-                if (rr % TPR == tl && r < rows) {
-                    const float out = SWIGLU ? silu_f(acc[0][rr]) * acc[NW - 1][rr] : acc[0][rr];
-                    y[r] = bad ? __int_as_float(0x7fc00000) : out;
-                }
+                if (rr % TPR == tl && r < rows) put_row<SWIGLU>(p, y, r, acc[0][rr], acc[NW - 1][rr], inv, bad);
             }
         }
     }
     cp_async_wait<0>();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The MoE down projection with the combine fused ("mix"): for one token, over ns = mix_k (+1 with
+// mix_shared) slots, slot k using matrix idx[k] of the stack and its own input x[k*cols ..],
+//   y[r] (+)= sum_k c_k * (W[idx[k]] x_k)[r],   c_k = mix_w[k] (k < mix_k), sigmoid(*gate_logit) (k = mix_k),
+// summed in slot order with f32 FMAs (deterministic; the unfused combine adds in ascending expert id
+// without FMAs, so the two differ by rounding only). With accumulate, y is the residual stream.
+// Each lane loads its chunk of one row for every slot before computing (ns loads in flight); every
+// slot's x is staged in shared memory (ns * stride floats, stride = cols + nch rounded up to 4).
+// Rows (of at most TPR chunks per batch) as in gemv(); NR = 1. A bad index makes its rows NaN.
+template <int MODE, int TPR, int MAXS>
+__device__ __forceinline__ void gemv_mix(const GemvParams& p) {
+    constexpr int E = Fmt<MODE>::E;
+    constexpr int F = E / 4;
+    constexpr int RPW = 32 / TPR;
+    constexpr bool AFFINE = MODE != MODE_BF16;
+    extern __shared__ float4 xs4[];
+    float* xs = reinterpret_cast<float*>(xs4);
+    __shared__ uint32_t mats[MAXS];
+    __shared__ float coef[MAXS];
+    const int rows = p.rows, cols = p.cols;
+    const int nch = cols / E;
+    const int ns = p.mix_k + (p.mix_shared ? 1 : 0);
+    const int stride = (cols + nch + 3) & ~3;
+
+    pdl_wait();  // the indices and weights come from the router, the inputs from the gate/up GEMV
+    pdl_launch_dependents();
+    if (threadIdx.x < ns) {
+        const int k = threadIdx.x;
+        mats[k] = __ldcg(p.idx + k);  // L2, not L1: see stage_x
+        coef[k] = k < p.mix_k ? __ldcg(p.mix_w + k) : 1.0f / (1.0f + expf(-__ldcg(p.gate_logit)));
+    }
+    __syncthreads();
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int tl = lane % TPR, sub = lane / TPR;
+    const int rows_per_block = (blockDim.x >> 5) * RPW;
+    const int groups = AFFINE ? (cols >> p.group_shift) : 0;
+    bool bad = false;
+    for (int k = 0; k < ns; ++k) bad |= mats[k] >= (uint32_t)p.count;
+
+    int r0 = blockIdx.x * rows_per_block;
+    Batch<MODE, TPR, 1, 1, 1> bt[MAXS];
+    auto load_all = [&](int rb, int c0) {
+#pragma unroll
+        for (int k = 0; k < MAXS; ++k) {
+            if (k < ns) {
+                const uint32_t m = mats[k];
+                const bool ok = m < (uint32_t)p.count;
+                bt[k].load(p, (long long)(ok ? m : 0) * rows, rb, ok ? rows : 0, nch, groups, c0);
+            }
+        }
+    };
+    load_all(r0 + warp * RPW + sub, tl);
+
+    // Every slot's x (staged plain: no norm here), then the chunk sums.
+    if ((reinterpret_cast<uintptr_t>(p.x) & 15) == 0 && (cols & 3) == 0) {
+        const int n4 = cols >> 2;
+        const float4* x4 = reinterpret_cast<const float4*>(p.x);
+        for (int j0 = threadIdx.x; j0 < ns * n4; j0 += STAGE_V4 * blockDim.x) {
+            float4 v[STAGE_V4];
+#pragma unroll
+            for (int u = 0; u < STAGE_V4; ++u) {
+                const int j = j0 + u * blockDim.x;
+                if (j < ns * n4) v[u] = __ldcg(x4 + j);  // x_stride == cols: slot k's x follows slot k-1's
+            }
+#pragma unroll
+            for (int u = 0; u < STAGE_V4; ++u) {
+                const int j = j0 + u * blockDim.x;
+                if (j < ns * n4) {
+                    const int k = j / n4, jj = 4 * (j - k * n4);
+                    const int c = jj / E, e = jj % E;
+                    reinterpret_cast<float4*>(xs + k * stride)[(e >> 2) * nch + c] = v[u];
+                }
+            }
+        }
+    } else {
+        for (int j = threadIdx.x; j < ns * cols; j += blockDim.x) {
+            const int k = j / cols, jj = j - k * cols;
+            const int c = jj / E, e = jj % E;
+            xs[k * stride + ((e >> 2) * nch + c) * 4 + (e & 3)] = __ldcg(p.x + (long long)k * p.x_stride + jj);
+        }
+    }
+    __syncthreads();
+    if (AFFINE) {
+        for (int j = threadIdx.x; j < ns * nch; j += blockDim.x) {
+            const int k = j / nch, c = j - k * nch;
+            const float4* x4 = reinterpret_cast<const float4*>(xs + k * stride);
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < F; ++i) {
+                const float4 v = x4[i * nch + c];
+                sum += (v.x + v.y) + (v.z + v.w);
+            }
+            xs[k * stride + cols + c] = sum;
+        }
+        __syncthreads();
+    }
+
+    bool prefetched = true;
+    for (; r0 < rows; r0 += gridDim.x * rows_per_block) {
+        const int r = r0 + warp * RPW + sub;
+        float acc[MAXS][1][1];
+#pragma unroll
+        for (int k = 0; k < MAXS; ++k) acc[k][0][0] = 0.0f;
+        for (int c0 = tl; c0 < nch || c0 == tl; c0 += TPR) {
+            if (!prefetched) load_all(r, c0);
+            prefetched = false;
+#pragma unroll
+            for (int k = 0; k < MAXS; ++k) {
+                if (k < ns) {
+                    const float4* x4 = reinterpret_cast<const float4*>(xs + k * stride);
+                    bt[k].compute(x4, xs + k * stride + cols, nch, c0, acc[k]);
+                }
+            }
+        }
+        float out = 0.0f;
+#pragma unroll
+        for (int k = 0; k < MAXS; ++k) {
+            if (k < ns) {
+                float a = acc[k][0][0];
+#pragma unroll
+                for (int o = TPR / 2; o > 0; o >>= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
+                out = fmaf(coef[k], a, out);
+            }
+        }
+        if (tl == 0 && r < rows) {
+            if (p.accumulate) out = __ldcg(p.y + r) + out;  // from L2: see put_row
+            p.y[r] = bad ? __int_as_float(0x7fc00000) : out;
+        }
+    }
 }
 
 #define GEMV_ASYNC_ENTRY(name, MODE, TPR, U, NR, SW, WARPS, S)                                  \
@@ -556,3 +783,36 @@ GEMV_FAMILY(dense_gemv_bf16, MODE_BF16)
 SWIGLU_FAMILY(affine_swiglu_q4, MODE_Q4)
 SWIGLU_FAMILY(affine_swiglu_q8, MODE_Q8)
 SWIGLU_FAMILY(dense_swiglu_bf16, MODE_BF16)
+
+// The router with its selection fused (register kernel, every variant): affine_gemv_route_{q4,q8}_*,
+// dense_gemv_route_bf16_*.
+#define ROUTE_ENTRY(name, MODE, TPR, U, NR)                                        \
+    extern "C" __global__ void __launch_bounds__(256) name(const GemvParams p) { \
+        gemv<MODE, TPR, U, NR, false, true>(p);                                    \
+    }
+#define ROUTE_FAMILY(prefix, MODE)                   \
+    ROUTE_ENTRY(prefix##_t4_u1r8, MODE, 4, 1, 8)     \
+    ROUTE_ENTRY(prefix##_t8_u1r8, MODE, 8, 1, 8)     \
+    ROUTE_ENTRY(prefix##_t16_u1r8, MODE, 16, 1, 8)   \
+    ROUTE_ENTRY(prefix##_t32_u1r8, MODE, 32, 1, 8)   \
+    ROUTE_ENTRY(prefix##_t32_u2r4, MODE, 32, 2, 4)   \
+    ROUTE_ENTRY(prefix##_t32_u4r2, MODE, 32, 4, 2)   \
+    ROUTE_ENTRY(prefix##_t32_u8r1, MODE, 32, 8, 1)
+ROUTE_FAMILY(affine_gemv_route_q4, MODE_Q4)
+ROUTE_FAMILY(affine_gemv_route_q8, MODE_Q8)
+ROUTE_FAMILY(dense_gemv_route_bf16, MODE_BF16)
+
+// Down projection + combine, up to MIX_SLOTS slots: affine_mix_{q4,q8}_t{4,8,16,32}, dense_mix_bf16_t*.
+constexpr int MIX_SLOTS = 16;
+#define MIX_ENTRY(name, MODE, TPR)                                                 \
+    extern "C" __global__ void __launch_bounds__(256) name(const GemvParams p) { \
+        gemv_mix<MODE, TPR, MIX_SLOTS>(p);                                         \
+    }
+#define MIX_FAMILY(prefix, MODE)      \
+    MIX_ENTRY(prefix##_t4, MODE, 4)   \
+    MIX_ENTRY(prefix##_t8, MODE, 8)   \
+    MIX_ENTRY(prefix##_t16, MODE, 16) \
+    MIX_ENTRY(prefix##_t32, MODE, 32)
+MIX_FAMILY(affine_mix_q4, MODE_Q4)
+MIX_FAMILY(affine_mix_q8, MODE_Q8)
+MIX_FAMILY(dense_mix_bf16, MODE_BF16)

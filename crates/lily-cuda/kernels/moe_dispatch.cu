@@ -17,7 +17,8 @@
 //
 // Combine: out[t, :] = sum over the k terms of token t, in ascending expert id (ties by j), of
 // w[t,j] * y[slot(t,j), :], then + sigmoid(gate_logit[t]) * shared[t, :], each product and sum rounded
-// separately in f32 (no FMA), starting from 0: the order and rounding of lily_cpu::moe::forward. The
+// separately in f32 (no FMA), starting from 0: the order and rounding of lily_cpu::moe::forward; with
+// `accumulate` the result is then added to out (the residual stream: x += moe(x) as the CPU does). The
 // sigmoid is 1 / (1 + expf(-x)) with glibc's expf (the x86-64 FMA build, as Rust's f32::exp calls it)
 // ported op for op in double precision; checked equal to glibc 2.36's on all 2^32 inputs.
 // Entry points moe_combine_f32 (scalar) and moe_combine_f32_v4 (float4; h % 4 == 0, 16-byte aligned).
@@ -150,6 +151,8 @@ struct MoeCombineParams {
     int k;
     int h;
     int n;  // t * k
+    int accumulate;  // out += the sum (out is the residual stream), else out = the sum
+    int pad_;
 };
 
 // glibc's expf (sysdeps/ieee754/flt-32/e_expf.c, the FMA build), every double op rounded as there.
@@ -255,7 +258,11 @@ __device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
         acc = CVec<V>::madd(acc, ord_w[r], v);
     }
     if (p.shared) acc = CVec<V>::madd(acc, gate, reinterpret_cast<const T*>(p.shared)[(long long)tok * nv + c]);
-    reinterpret_cast<T*>(p.out)[(long long)tok * nv + c] = acc;
+    T* o = reinterpret_cast<T*>(p.out) + (long long)tok * nv + c;
+    // x + 1*sum: the residual add, rounded once; x read from L2 (ld.global.cg), as affine_gemv.cu's
+    // put_row explains.
+    if (p.accumulate) acc = CVec<V>::madd(__ldcg(o), 1.0f, acc);
+    *o = acc;
 }
 
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32(const MoeCombineParams p) { pdl_enter();

@@ -11,7 +11,10 @@
 //! logits = RMSNorm(x += y, final_norm) · lm_headᵀ         [T, V] (or the last row only)
 //! ```
 //!
-//! One token (decode) runs GEMVs (the experts as indexed GEMVs over the router's device-side choice);
+//! One token (decode) runs GEMVs (the experts as indexed GEMVs over the router's device-side choice)
+//! with the norms and residual adds fused into them: each RMSNorm is computed by the GEMVs that
+//! read it, as they stage x; the mixer's output projection and the MoE's down projection (which also
+//! does the weighted sum and the shared gate) add into x; the router selects its top-k itself;
 //! more (prefill) run tensor-core GEMMs, and the MoE dispatches the T·k (token, expert) slots on the
 //! device (histogram, scan, scatter) into grouped GEMMs. Nothing in a forward call waits for the
 //! device until the logits (or, with [`Backend::forward_pick`], the chosen token id) are read back.
@@ -189,6 +192,7 @@ struct Activations {
     pick_scratch: CudaSlice<f32>,
     pick_edits: sample::EditBuffer,
     pick_out: CudaSlice<u32>, // [1]
+    route_counter: CudaSlice<u32>, // [1] the fused router's finished blocks (0 between launches)
 }
 
 /// What [`CudaModel::counts`] reports.
@@ -269,6 +273,8 @@ pub struct CudaModel {
     /// The decode graph's kernels are captured with programmatic dependent launch (each may be placed
     /// while its predecessor finishes; `kernels/pdl.cuh`). `LILY_NO_PDL=1` turns it off at load.
     pdl: bool,
+    /// Decode fusions left off (bits `UNFUSE_*`; `LILY_FUSE` turns them on).
+    unfused: u32,
     /// The captured decode step and the state buffers it was captured against.
     decode_graph: Option<(Vec<u64>, StepGraph)>,
     /// KV cache allocations and decode-graph captures so far (tests check a decode step makes none).
@@ -421,7 +427,8 @@ impl CudaModel {
         };
         let graphs = std::env::var_os("LILY_NO_GRAPHS").is_none();
         let pdl = std::env::var_os("LILY_NO_PDL").is_none();
-        Ok(CudaModel { dev, cfg, embed, lm_head, final_norm, layers, act, max_chunk, report, graphs, pdl, decode_graph: None, counts: Default::default() })
+        let unfused = unfused_from_env();
+        Ok(CudaModel { dev, cfg, embed, lm_head, final_norm, layers, act, max_chunk, report, graphs, pdl, unfused, decode_graph: None, counts: Default::default() })
     }
 
     pub fn report(&self) -> &LoadReport {
@@ -544,7 +551,7 @@ impl CudaModel {
     /// `device_pos` (one token), attention reads its position from `act.step_pos`, so the launches can
     /// be captured once and replayed at every position.
     fn layers_pass(&mut self, state: &mut CudaState, t: usize, device_pos: bool) -> Result<()> {
-        let CudaModel { dev, cfg, embed: table, final_norm, layers, act: a, .. } = self;
+        let CudaModel { dev, cfg, embed: table, final_norm, layers, act: a, unfused, .. } = self;
         let dev: &Device = dev;
         let eps = cfg.rms_norm_eps;
         let pos0 = state.pos;
@@ -553,29 +560,51 @@ impl CudaModel {
         dev.set_layer(-1);
         dev.mark("embed", tt * (table.bytes_per_matrix() / table.rows) as u64 + 4 * tt * h, 0)?;
         embed::embed(dev, table, &a.ids.slice(0..t), &mut a.x)?; // x: [T, H]
+        // One token (decode): no norm kernels. Each block's first GEMV normalises x itself as it
+        // stages it (Fuse::rms_norm), and each block's last GEMV adds its output into x (the residual
+        // stream) — so the decode step is x += mixer(RMSNorm(x)); x += moe(RMSNorm(x)), as below.
+        let decode = t == 1;
         for (li, (l, ls)) in layers.iter().zip(state.layers.iter_mut()).enumerate() {
             dev.set_layer(li as i32);
             // h = RMSNorm(x += previous MLP output)
-            dev.mark("norm", 4 * tt * h * if li == 0 { 2 } else { 4 }, 0)?;
-            if li == 0 {
-                rmsnorm::rms_norm(dev, &a.x, &l.input_norm, eps, t, &mut a.normed)?;
+            let in_norm = if decode {
+                Some(affine_gemv::Fuse::rms_norm(dev, &l.input_norm, eps))
             } else {
-                rmsnorm::add_rms_norm(dev, &a.mlp, &mut a.x, &l.input_norm, eps, t, &mut a.normed)?;
-            }
+                dev.mark("norm", 4 * tt * h * if li == 0 { 2 } else { 4 }, 0)?;
+                if li == 0 {
+                    rmsnorm::rms_norm(dev, &a.x, &l.input_norm, eps, t, &mut a.normed)?;
+                } else {
+                    rmsnorm::add_rms_norm(dev, &a.mlp, &mut a.x, &l.input_norm, eps, t, &mut a.normed)?;
+                }
+                None
+            };
             match (&l.mixer, ls) {
-                (DevMixer::Gdn(g), DevLayerState::Gdn { conv, ssm }) => gdn_mixer(dev, cfg, g, a, t, conv, ssm)?,
+                (DevMixer::Gdn(g), DevLayerState::Gdn { conv, ssm }) => gdn_mixer(dev, cfg, g, a, t, in_norm, conv, ssm)?,
                 (DevMixer::Attn(at), DevLayerState::Attn { k, v, cap }) => {
                     let at_pos = if device_pos { AtPos::Device { cap: *cap } } else { AtPos::Host(pos0) };
-                    attn_mixer(dev, cfg, at, a, t, at_pos, k, v, *cap)?
+                    attn_mixer(dev, cfg, at, a, t, in_norm, at_pos, k, v, *cap)?
                 }
                 _ => return Err(CudaError::Shape(format!("layer {li}: state kind does not match the layer"))),
+            }
+            if decode {
+                let post = affine_gemv::Fuse::rms_norm(dev, &l.post_norm, eps);
+                match &l.mlp {
+                    DevMlp::Moe { router, router_plus, experts, shared } => {
+                        moe_decode(dev, cfg, &l.post_norm, post, router, router_plus.as_ref(), experts, shared, a, *unfused)?
+                    }
+                    DevMlp::Dense(m) => {
+                        mark_swiglu(dev, "mlp.gate_up", &m.gate, 1, 1)?;
+                        affine_gemv::swiglu_fused(dev, &m.gate, &m.up, Select::matrix(0), &a.x, false, &mut a.act, post)?;
+                        mark_linear(dev, "mlp.down", &m.down, 1)?;
+                        affine_gemv::gemv_fused(dev, &m.down, Select::matrix(0), &a.act, false, &mut a.x, affine_gemv::Fuse::none().accumulate())?;
+                    }
+                }
+                continue;
             }
             dev.mark("norm", 16 * tt * h, 0)?;
             rmsnorm::add_rms_norm(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed)?;
             match &l.mlp {
-                DevMlp::Moe { router, router_plus, experts, shared } => {
-                    moe(dev, cfg, router, router_plus.as_ref(), experts, shared, a, t)?
-                }
+                DevMlp::Moe { router, experts, shared, .. } => moe(dev, cfg, router, experts, shared, a, t)?,
                 DevMlp::Dense(m) => {
                     mark_swiglu(dev, "mlp.gate_up", &m.gate, 1, t)?;
                     swiglu_linear(dev, &m.gate, &m.up, &a.normed, t, &mut a.act)?;
@@ -585,6 +614,10 @@ impl CudaModel {
             }
         }
         dev.set_layer(-1);
+        if decode {
+            dev.mark("norm", 12 * h, 0)?;
+            return rmsnorm::rms_norm(dev, &a.x, final_norm, eps, 1, &mut a.normed);
+        }
         dev.mark("norm", 16 * tt * h, 0)?;
         rmsnorm::add_rms_norm(dev, &a.mlp, &mut a.x, final_norm, eps, t, &mut a.normed)
     }
@@ -659,17 +692,36 @@ fn swiglu_linear<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, g: &Devi
 }
 
 /// Gated DeltaNet on a.normed [T, H] → a.mix [T, H]; advances the conv and recurrent states.
-fn gdn_mixer(dev: &Device, cfg: &ModelConfig, g: &GdnLayer, a: &mut Activations, t: usize, conv: &mut CudaSlice<f32>, ssm: &mut CudaSlice<f32>) -> Result<()> {
+/// Decode (`dec` = the input norm, one token): on RMSNorm(a.x) instead, normalised inside the input
+/// projection, and the output projection adds into a.x.
+#[allow(clippy::too_many_arguments)]
+fn gdn_mixer(
+    dev: &Device,
+    cfg: &ModelConfig,
+    g: &GdnLayer,
+    a: &mut Activations,
+    t: usize,
+    dec: Option<affine_gemv::Fuse>,
+    conv: &mut CudaSlice<f32>,
+    ssm: &mut CudaSlice<f32>,
+) -> Result<()> {
     let d = GdnDims::from_config(cfg);
     let (c, vd, hv) = (d.conv_dim(), d.value_dim(), d.num_v_heads);
     // The projections qkv [T, C] (= q | k | v), z [T, Hv·Dv], b and a [T, Hv]: one token takes them
     // from one fused GEMV when the layer has it.
-    let (x, z, b, av) = match (t, &g.in_fused) {
-        (1, Some(fused)) => {
+    let (x, z, b, av) = match (dec, &g.in_fused) {
+        (Some(f), Some(fused)) => {
             mark_linear(dev, "gdn.in_proj", fused, 1)?;
-            linear(dev, fused, &a.normed, 1, &mut a.proj1)?; // [qkv | z | b | a]
+            affine_gemv::gemv_fused(dev, fused, Select::matrix(0), &a.x, false, &mut a.proj1, f)?; // [qkv | z | b | a]
             let p = &a.proj1;
             (p.slice(0..c), p.slice(c..c + vd), p.slice(c + vd..c + vd + hv), p.slice(c + vd + hv..c + vd + 2 * hv))
+        }
+        (Some(f), None) => {
+            for (w, y) in [(&g.qkv, &mut a.qkv_raw), (&g.z, &mut a.z), (&g.b, &mut a.b), (&g.a, &mut a.a)] {
+                mark_linear(dev, "gdn.in_proj", w, 1)?;
+                affine_gemv::gemv_fused(dev, w, Select::matrix(0), &a.x, false, y, f)?;
+            }
+            (a.qkv_raw.slice(0..c), a.z.slice(0..vd), a.b.slice(0..hv), a.a.slice(0..hv))
         }
         _ => {
             mark_linear(dev, "gdn.in_proj", &g.qkv, t)?;
@@ -700,6 +752,9 @@ fn gdn_mixer(dev: &Device, cfg: &ModelConfig, g: &GdnLayer, a: &mut Activations,
     dev.mark("gdn.norm", 12 * tt * vd64, 0)?;
     gdn::gated_rmsnorm(dev, &d, t, &a.rule, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
     mark_linear(dev, "gdn.out_proj", &g.out, t)?;
+    if dec.is_some() {
+        return affine_gemv::gemv_fused(dev, &g.out, Select::matrix(0), &a.normed_rule, false, &mut a.x, affine_gemv::Fuse::none().accumulate()); // x += [H]
+    }
     linear(dev, &g.out, &a.normed_rule, t, &mut a.mix) // [T, H]
 }
 
@@ -711,6 +766,7 @@ fn attn_mixer(
     w: &AttnLayer,
     a: &mut Activations,
     t: usize,
+    dec: Option<affine_gemv::Fuse>,
     at: AtPos,
     kc: &mut CudaSlice<bf16>,
     vc: &mut CudaSlice<bf16>,
@@ -718,7 +774,7 @@ fn attn_mixer(
 ) -> Result<()> {
     let dims = attn_dims(cfg);
     let gate = if dims.gated { Some(&mut a.gate) } else { None };
-    if t > 1 {
+    let Some(f) = dec.filter(|_| t == 1) else {
         let AtPos::Host(pos0) = at else { return Err(CudaError::Shape("a device-side position takes one token".into())) };
         mark_linear(dev, "attn.qkv", &w.q, t)?;
         linear(dev, &w.q, &a.normed, t, &mut a.qg)?; // [T, nh·hd·(1+gate)]
@@ -738,23 +794,21 @@ fn attn_mixer(
         attn_prefill::prefill(dev, &a.q, kc, vc, cap, gate, dims.nh, dims.kvh, dims.hd, pos0, t, &mut a.att)?; // [T, nh, hd]
         mark_linear(dev, "attn.o_proj", &w.o, t)?;
         return linear(dev, &w.o, &a.att, t, &mut a.mix);
-    }
-    // One token: q, k, v from one fused GEMV when the layer has it.
+    };
+    // One token: q, k, v from one fused GEMV when the layer has it, on RMSNorm(x) (normalised in the GEMV).
     let (qn, kvn) = (dims.nh * dims.hd * if dims.gated { 2 } else { 1 }, dims.kvh * dims.hd);
     let (q, k, v) = match &w.qkv_fused {
         Some(fused) => {
             mark_linear(dev, "attn.qkv", fused, 1)?;
-            linear(dev, fused, &a.normed, 1, &mut a.proj1)?; // [q | k | v]
+            affine_gemv::gemv_fused(dev, fused, Select::matrix(0), &a.x, false, &mut a.proj1, f)?; // [q | k | v]
             let p = &a.proj1;
             (p.slice(0..qn), p.slice(qn..qn + kvn), p.slice(qn + kvn..qn + 2 * kvn))
         }
         None => {
-            mark_linear(dev, "attn.qkv", &w.q, 1)?;
-            linear(dev, &w.q, &a.normed, 1, &mut a.qg)?;
-            mark_linear(dev, "attn.qkv", &w.k, 1)?;
-            linear(dev, &w.k, &a.normed, 1, &mut a.k)?;
-            mark_linear(dev, "attn.qkv", &w.v, 1)?;
-            linear(dev, &w.v, &a.normed, 1, &mut a.v)?;
+            for (m, y) in [(&w.q, &mut a.qg), (&w.k, &mut a.k), (&w.v, &mut a.v)] {
+                mark_linear(dev, "attn.qkv", m, 1)?;
+                affine_gemv::gemv_fused(dev, m, Select::matrix(0), &a.x, false, y, f)?;
+            }
             (a.qg.slice(0..qn), a.k.slice(0..kvn), a.v.slice(0..kvn))
         }
     };
@@ -777,7 +831,7 @@ fn attn_mixer(
     let gate = if dims.gated { Some(&a.gate) } else { None };
     attention::decode(dev, &a.q, kc, vc, cap, n, dims.nh, dims.kvh, dims.hd, gate, &mut a.att, &mut a.att_scratch)?;
     mark_linear(dev, "attn.o_proj", &w.o, 1)?;
-    linear(dev, &w.o, &a.att, 1, &mut a.mix)
+    affine_gemv::gemv_fused(dev, &w.o, Select::matrix(0), &a.att, false, &mut a.x, affine_gemv::Fuse::none().accumulate()) // x += [H]
 }
 
 /// Where an attention layer's first new position comes from.
@@ -817,22 +871,18 @@ fn attn_dims(cfg: &ModelConfig) -> attn_prep::AttnDims {
     }
 }
 
-/// The sparse MoE block on a.normed [T, H] → a.mlp [T, H].
+/// The sparse MoE block on a.normed [T, H] → a.mlp [T, H] (prompt chunks; one token: [`moe_decode`]).
 #[allow(clippy::too_many_arguments)]
 fn moe(
     dev: &Device,
     cfg: &ModelConfig,
     router: &DeviceMatrix,
-    router_plus: Option<&DeviceMatrix>,
     ex: &Swiglu,
     shared: &Shared,
     a: &mut Activations,
     t: usize,
 ) -> Result<()> {
     let (h, e, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
-    if t == 1 {
-        return moe_decode(dev, cfg, router, router_plus, ex, shared, a);
-    }
     mark_linear(dev, "moe.router", router, t)?;
     linear(dev, router, &a.normed, t, &mut a.router)?; // [T, E]
     dev.mark("moe.route", 4 * (t * e + 2 * t * k) as u64, 0)?;
@@ -866,20 +916,54 @@ fn moe(
     moe_dispatch::combine(dev, &a.expert_out, &a.idx, Some(&a.slot_of), &a.route_w, shared_terms, t, k, h, &mut a.mlp)
 }
 
-/// One token: the router (with the shared expert's gate as its row E when fused), then the experts as
-/// indexed GEMVs over the router's device-side choice (slot j of the token is row j of the outputs;
-/// with the shared expert in the stack it is slot k), then the weighted sum.
+/// One token: x += MoE(RMSNorm(x)). With the shared expert in the stack and its gate as the router's
+/// row E (the full-size model's layout): the router GEMV on RMSNorm(x) (normalised as it stages x)
+/// and the top-k selection, the experts' gate+up as one indexed SwiGLU GEMV over the k chosen and the
+/// shared expert (slot k), the down projections, and the combine adding into x — or, with the opt-in
+/// fusions (`LILY_FUSE`), the selection inside the router's last block and the combine inside the
+/// down projection (three launches). Otherwise the norm runs as its own kernel
+/// and the unfused router, selection, GEMVs and combine follow (slot j of the token is row j of the
+/// outputs), the combine adding into x.
+#[allow(clippy::too_many_arguments)]
 fn moe_decode(
     dev: &Device,
     cfg: &ModelConfig,
+    post_norm: &CudaSlice<f32>,
+    post: affine_gemv::Fuse,
     router: &DeviceMatrix,
     router_plus: Option<&DeviceMatrix>,
     ex: &Swiglu,
     shared: &Shared,
     a: &mut Activations,
+    unfused: u32,
 ) -> Result<()> {
     let (h, e, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
     let fused_gate = router_plus.is_some() && !matches!(shared, Shared::None);
+    if let (Some(rp), Shared::InStack { .. }, true) = (router_plus, shared, k < affine_gemv::MIX_SLOTS && e <= affine_gemv::ROUTE_MAX_EXPERTS && k <= 32) {
+        mark_linear(dev, "moe.router", rp, 1)?;
+        if unfused & UNFUSE_ROUTE == 0 {
+            let mut chosen = a.idx1.slice_mut(0..k);
+            affine_gemv::router_route(dev, rp, &a.x, post, &mut a.router, e, k, cfg.norm_topk_prob, &mut a.route_counter, &mut chosen, &mut a.route_w)?; // logits [E + 1], idx1[..k], w [k]
+        } else {
+            affine_gemv::gemv_fused(dev, rp, Select::matrix(0), &a.x, false, &mut a.router, post)?;
+            dev.mark("moe.route", 4 * (e + 2 * k) as u64, 0)?;
+            moe_route::route(dev, &a.router, 1, e, k, cfg.norm_topk_prob, &mut a.idx1, &mut a.route_w)?;
+        }
+        let idx = a.idx1.slice(0..k + 1); // the k chosen, then E: the shared expert
+        mark_swiglu(dev, "moe.gate_up", &ex.gate, k + 1, 1)?;
+        affine_gemv::swiglu_fused(dev, &ex.gate, &ex.up, Select::indexed(dev, &idx), &a.x, false, &mut a.act, post)?; // [k+1, I]
+        mark_grouped(dev, "moe.down", &ex.down, 1, k + 1, k + 1)?;
+        let gate_logit = a.router.slice(e..e + 1);
+        if unfused & UNFUSE_MIX == 0 {
+            return affine_gemv::down_mix(dev, &ex.down, &idx, &a.act, &a.route_w, Some(&gate_logit), k, true, &mut a.x); // x += [H]
+        }
+        affine_gemv::gemv(dev, &ex.down, Select::indexed(dev, &idx), &a.act, true, &mut a.expert_out)?; // [k+1, H]
+        let (y, shared_row) = (a.expert_out.slice(0..k * h), a.expert_out.slice(k * h..(k + 1) * h));
+        dev.mark("moe.combine", 4 * ((k + 3) * h) as u64, 2 * ((k + 1) * h) as u64)?;
+        return moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, Some((&shared_row, &gate_logit)), 1, k, h, &mut a.x, true);
+    }
+    dev.mark("norm", 12 * h as u64, 0)?;
+    rmsnorm::rms_norm(dev, &a.x, post_norm, cfg.rms_norm_eps, 1, &mut a.normed)?;
     mark_linear(dev, "moe.router", router_plus.unwrap_or(router), 1)?;
     linear(dev, router_plus.unwrap_or(router), &a.normed, 1, &mut a.router)?; // [E (+1)]
     dev.mark("moe.route", 4 * (e + 2 * k) as u64, 0)?;
@@ -920,7 +1004,25 @@ fn moe_decode(
     };
     let y = a.expert_out.slice(0..k * h);
     dev.mark("moe.combine", 4 * ((k + 3) * h) as u64, 2 * ((k + 1) * h) as u64)?;
-    moe_dispatch::combine(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, shared_terms, 1, k, h, &mut a.mlp)
+    moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, shared_terms, 1, k, h, &mut a.x, true) // x += [H]
+}
+
+/// Two decode fusions are built and tested but off by default, because they measured slower
+/// (docs/PERF.md, 2026-12-02: 380 vs 412 tok/s at 4K on the H200): `route`, the router's top-k in
+/// its GEMV's last block (`affine_gemv::router_route`), and `mix`, the down projections with the
+/// combine (`affine_gemv::down_mix`). `LILY_FUSE=route,mix` turns them on (benchmarks); without it
+/// the router's selection and the combine run as kernels of their own.
+const UNFUSE_ROUTE: u32 = 1;
+const UNFUSE_MIX: u32 = 2;
+
+fn unfused_from_env() -> u32 {
+    let v = std::env::var("LILY_FUSE").unwrap_or_default();
+    let on = v.split(',').map(|w| match w.trim() {
+        "route" => UNFUSE_ROUTE,
+        "mix" => UNFUSE_MIX,
+        _ => 0,
+    }).fold(0, |a, b| a | b);
+    (UNFUSE_ROUTE | UNFUSE_MIX) & !on
 }
 
 /// Bytes per element of the KV caches (bf16).
@@ -1045,6 +1147,7 @@ impl Activations {
         let rows = u(t * k)?;
         let slot_of = u(t * k)?;
         let pick_out = u(1)?;
+        let route_counter = u(1)?;
         let step_pos = dev.zeros::<i32>(2)?;
         bytes += 4 * (t + 3 * t * k + moe_dispatch::plan_scratch_len(t, k, e) + e + 2);
         let pick_edits = sample::EditBuffer::new(dev)?;
@@ -1091,6 +1194,7 @@ impl Activations {
                 pick_scratch,
                 pick_edits,
                 pick_out,
+                route_counter,
             },
             bytes,
         ))

@@ -436,6 +436,174 @@ fn gemv_rejects_bad_lengths() {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// GEMV fusions (decode): the RMSNorm in the x staging, the residual add, the router's selection,
+// the down projection with the combine.
+
+/// RMSNorm(x) · w in f64, as `lily_cpu::norm::rms_norm` defines it.
+fn ref_norm(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let ss: f64 = x.iter().map(|v| (*v as f64) * (*v as f64)).sum();
+    let inv = 1.0 / (ss / x.len() as f64 + eps as f64).sqrt();
+    x.iter().zip(w).map(|(a, b)| (*a as f64 * inv * *b as f64) as f32).collect()
+}
+
+fn any_matrix(rng: &mut Rng, count: usize, rows: usize, cols: usize, bits: u32, gs: usize) -> Matrix {
+    if bits == 16 { dense_matrix(rng, count, rows, cols) } else { affine_matrix(rng, count, rows, cols, bits, gs, "bf16") }
+}
+
+#[test]
+fn gemv_fused_norm_and_residual() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(21);
+    let mut worst = 0.0f64;
+    // Register and pipelined kernels (8192 columns of 4-bit take the pipelined one), every TPR.
+    for (bits, gs, rows, cols) in [(4, 64, 300, 2048), (8, 64, 257, 2048), (16, 0, 50, 1024), (4, 32, 13, 96), (4, 64, 70, 8192), (8, 32, 9, 64)] {
+        let w = any_matrix(&mut rng, 2, rows, cols, bits, gs);
+        let dw = upload_matrix(&dev, &w).unwrap();
+        // x with a large scale (the residual stream is not normalised), a norm weight around 1.
+        let x: Vec<f32> = rng.vec(cols).iter().map(|v| 7.0 * v).collect();
+        let nw: Vec<f32> = rng.vec(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let eps = 1e-6f32;
+        let (xd, nwd) = (dev.upload(&x).unwrap(), dev.upload(&nw).unwrap());
+        let xn = ref_norm(&x, &nw, eps);
+        let fuse = affine_gemv::Fuse::rms_norm(&dev, &nwd, eps);
+        let mut y = poisoned(&dev, rows);
+        affine_gemv::gemv_fused(&dev, &dw, Select::matrix(1), &xd, false, &mut y, fuse).unwrap();
+        let want = ref_gemv(&w, 1, &xn);
+        worst = worst.max(check(&dev.download(&y).unwrap(), &want, GEMV_TOL, &format!("norm q{bits} [{rows}x{cols}]")));
+        // The residual add: y0 + W RMSNorm(x), and y0 + W x.
+        let y0 = rng.vec(rows);
+        let mut y = dev.upload(&y0).unwrap();
+        affine_gemv::gemv_fused(&dev, &dw, Select::matrix(1), &xd, false, &mut y, fuse.accumulate()).unwrap();
+        let want_acc: Vec<f64> = want.iter().zip(&y0).map(|(a, b)| a + *b as f64).collect();
+        worst = worst.max(check(&dev.download(&y).unwrap(), &want_acc, GEMV_TOL, &format!("norm + residual q{bits} [{rows}x{cols}]")));
+        let mut y = dev.upload(&y0).unwrap();
+        affine_gemv::gemv_fused(&dev, &dw, Select::matrix(0), &xd, false, &mut y, affine_gemv::Fuse::none().accumulate()).unwrap();
+        let want_plain: Vec<f64> = ref_gemv(&w, 0, &x).iter().zip(&y0).map(|(a, b)| a + *b as f64).collect();
+        worst = worst.max(check(&dev.download(&y).unwrap(), &want_plain, GEMV_TOL, &format!("residual q{bits} [{rows}x{cols}]")));
+        // SwiGLU on RMSNorm(x), indexed (the MoE gate+up) and on one matrix.
+        let u = any_matrix(&mut rng, 2, rows, cols, bits, gs);
+        let du = upload_matrix(&dev, &u).unwrap();
+        let idx = dev.upload(&[1u32, 0, 1]).unwrap();
+        let mut y = poisoned(&dev, 3 * rows);
+        affine_gemv::swiglu_fused(&dev, &dw, &du, Select::indexed(&dev, &idx), &xd, false, &mut y, fuse).unwrap();
+        let mut want_sw = Vec::new();
+        for m in [1, 0, 1] {
+            let (g, v) = (ref_gemv(&w, m, &xn), ref_gemv(&u, m, &xn));
+            want_sw.extend(g.iter().zip(&v).map(|(g, v)| silu64(*g) * v));
+        }
+        worst = worst.max(check(&dev.download(&y).unwrap(), &want_sw, GEMV_TOL, &format!("swiglu norm q{bits} [{rows}x{cols}]")));
+    }
+    // Refused: a norm with per-slot inputs, accumulating several slots.
+    let w = affine_matrix(&mut rng, 2, 16, 128, 4, 64, "bf16");
+    let dw = upload_matrix(&dev, &w).unwrap();
+    let nwd = dev.upload(&rng.vec(128)).unwrap();
+    let fuse = affine_gemv::Fuse::rms_norm(&dev, &nwd, 1e-6);
+    let idx = dev.upload(&[0u32, 1]).unwrap();
+    let x2 = dev.upload(&rng.vec(256)).unwrap();
+    let mut y = poisoned(&dev, 32);
+    assert!(affine_gemv::gemv_fused(&dev, &dw, Select::indexed(&dev, &idx), &x2, true, &mut y, fuse).is_err(), "norm of per-slot x");
+    let x1 = dev.upload(&rng.vec(128)).unwrap();
+    assert!(affine_gemv::gemv_fused(&dev, &dw, Select::indexed(&dev, &idx), &x1, false, &mut y, affine_gemv::Fuse::none().accumulate()).is_err(), "accumulate 2 slots");
+    println!("gemv fusions: worst relative error {worst:.2e} (tolerance {GEMV_TOL:.0e})");
+}
+
+#[test]
+fn router_with_fused_selection_matches_cpu() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(22);
+    let mut counter = dev.zeros::<u32>(1).unwrap();
+    // (bits, gs, experts, cols, k, renorm): the full-size router (256 + the shared gate row, 8-bit),
+    // a tiny one, 4-bit and bf16 ones.
+    for (bits, gs, e, cols, k, renorm) in [(8, 64, 256, 2048, 8, true), (8, 64, 256, 2048, 8, false), (4, 64, 64, 512, 4, true), (16, 0, 32, 256, 2, true), (4, 32, 512, 1024, 10, false)] {
+        let rows = e + 1;
+        let w = any_matrix(&mut rng, 1, rows, cols, bits, gs);
+        let dw = upload_matrix(&dev, &w).unwrap();
+        let x: Vec<f32> = rng.vec(cols).iter().map(|v| 3.0 * v).collect();
+        let nw: Vec<f32> = rng.vec(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let (xd, nwd) = (dev.upload(&x).unwrap(), dev.upload(&nw).unwrap());
+        let fuse = affine_gemv::Fuse::rms_norm(&dev, &nwd, 1e-6);
+        for rep in 0..3 {
+            // Repeats: the counter must come back to 0 after each launch.
+            let mut logits = poisoned(&dev, rows);
+            let mut idx = dev.zeros::<u32>(k).unwrap();
+            let mut wts = poisoned(&dev, k);
+            affine_gemv::router_route(&dev, &dw, &xd, fuse, &mut logits, e, k, renorm, &mut counter, &mut idx, &mut wts).unwrap();
+            let got = dev.download(&logits).unwrap();
+            check(&got, &ref_gemv(&w, 0, &ref_norm(&x, &nw, 1e-6)), GEMV_TOL, &format!("router logits q{bits} e{e}"));
+            // The selection from those logits, as the CPU makes it: exactly.
+            let want = &lily_cpu::moe::route(&got[..e], e, k, renorm)[0];
+            let (gi, gw) = (dev.download(&idx).unwrap(), dev.download(&wts).unwrap());
+            for (j, &(wi, ww)) in want.iter().enumerate() {
+                assert_eq!(gi[j] as usize, wi, "q{bits} e{e} k{k} rep {rep}: pick {j}");
+                assert_eq!(gw[j].to_bits(), ww.to_bits(), "q{bits} e{e} k{k} rep {rep}: weight {j} {} vs {ww}", gw[j]);
+            }
+            assert_eq!(dev.download(&counter).unwrap()[0], 0, "counter left at 0");
+        }
+    }
+    // Refused shapes.
+    let w = upload_matrix(&dev, &affine_matrix(&mut rng, 1, 33, 256, 8, 64, "bf16")).unwrap();
+    let xd = dev.upload(&rng.vec(256)).unwrap();
+    let mut logits = poisoned(&dev, 33);
+    let mut idx = dev.zeros::<u32>(40).unwrap();
+    let mut wts = poisoned(&dev, 40);
+    for (e, k) in [(34, 2), (32, 0), (32, 33), (0, 1)] {
+        assert!(affine_gemv::router_route(&dev, &w, &xd, affine_gemv::Fuse::none(), &mut logits, e, k, true, &mut counter, &mut idx, &mut wts).is_err(), "e {e} k {k}");
+    }
+}
+
+#[test]
+fn down_with_fused_combine_matches_reference() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(23);
+    let mut worst = 0.0f64;
+    // (bits, gs, count, rows, cols, k): the full-size down projection (512 -> 2048, 8 + shared), and
+    // rows of 4..64 chunks.
+    for (bits, gs, count, rows, cols, k) in [(4, 64, 12, 2048, 512, 8), (8, 32, 6, 100, 256, 3), (4, 32, 5, 37, 96, 2), (16, 0, 4, 50, 264, 2), (4, 64, 20, 64, 2048, 15), (4, 64, 9, 33, 128, 1)] {
+        let w = any_matrix(&mut rng, count, rows, cols, bits, gs);
+        let dw = upload_matrix(&dev, &w).unwrap();
+        for shared in [true, false] {
+            let ns = k + shared as usize;
+            let idx_h: Vec<u32> = (0..ns).map(|_| rng.below(count) as u32).collect();
+            let x = rng.vec(ns * cols);
+            let rw: Vec<f32> = (0..k).map(|_| rng.f32().abs() + 0.01).collect();
+            let gate = 2.0 * rng.f32();
+            let y0 = rng.vec(rows);
+            let (idx, xd, rwd, gd) = (dev.upload(&idx_h).unwrap(), dev.upload(&x).unwrap(), dev.upload(&rw).unwrap(), dev.upload(&[gate]).unwrap());
+            let mut want = vec![0.0f64; rows];
+            for j in 0..ns {
+                let c = if j < k { rw[j] as f64 } else { 1.0 / (1.0 + (-(gate as f64)).exp()) };
+                for (o, v) in want.iter_mut().zip(ref_gemv(&w, idx_h[j] as usize, &x[j * cols..(j + 1) * cols])) {
+                    *o += c * v;
+                }
+            }
+            let g = if shared { Some(&gd) } else { None };
+            let mut y = poisoned(&dev, rows);
+            affine_gemv::down_mix(&dev, &dw, &idx, &xd, &rwd, g, k, false, &mut y).unwrap();
+            worst = worst.max(check(&dev.download(&y).unwrap(), &want, GEMV_TOL, &format!("mix q{bits} [{count}x{rows}x{cols}] k{k} shared={shared}")));
+            let mut y = dev.upload(&y0).unwrap();
+            affine_gemv::down_mix(&dev, &dw, &idx, &xd, &rwd, g, k, true, &mut y).unwrap();
+            let want_acc: Vec<f64> = want.iter().zip(&y0).map(|(a, b)| a + *b as f64).collect();
+            worst = worst.max(check(&dev.download(&y).unwrap(), &want_acc, GEMV_TOL, &format!("mix + residual q{bits} k{k} shared={shared}")));
+        }
+    }
+    // An index past the stack poisons the output; too many slots are refused.
+    let w = any_matrix(&mut rng, 4, 40, 256, 4, 64);
+    let dw = upload_matrix(&dev, &w).unwrap();
+    let idx = dev.upload(&[1u32, 4, 0]).unwrap();
+    let xd = dev.upload(&rng.vec(3 * 256)).unwrap();
+    let rwd = dev.upload(&[0.5f32, 0.25, 0.25]).unwrap();
+    let mut y = poisoned(&dev, 40);
+    util::fill(&dev, &mut y, 0.5).unwrap();
+    affine_gemv::down_mix(&dev, &dw, &idx, &xd, &rwd, None::<&CudaSlice<f32>>, 3, false, &mut y).unwrap();
+    assert!(dev.download(&y).unwrap().iter().all(|v| v.is_nan()), "a bad index must poison the rows");
+    let idx17 = dev.upload(&[0u32; 17]).unwrap();
+    let x17 = dev.upload(&rng.vec(17 * 256)).unwrap();
+    let rw17 = dev.upload(&[0.1f32; 17]).unwrap();
+    assert!(affine_gemv::down_mix(&dev, &dw, &idx17, &x17, &rw17, None::<&CudaSlice<f32>>, 17, false, &mut y).is_err());
+    println!("down + combine: worst relative error {worst:.2e} (tolerance {GEMV_TOL:.0e})");
+}
+
+// ---------------------------------------------------------------------------------------------------
 // RMSNorm
 
 #[test]

@@ -9,7 +9,7 @@
 //! An index `>= count` yields NaN rows.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
 use super::{addr, addr_mut, launch};
 use crate::weights::{DeviceMatrix, DeviceStorage};
@@ -35,6 +35,20 @@ struct GemvParams {
     group_shift: i32,
     matrix: i32,
     pad: i32,
+    norm_w: u64,
+    norm_eps: f32,
+    accumulate: i32,
+    counter: u64,
+    route_idx: u64,
+    route_w: u64,
+    route_e: i32,
+    route_k: i32,
+    route_renorm: i32,
+    pad2: i32,
+    mix_w: u64,
+    gate_logit: u64,
+    mix_k: i32,
+    mix_shared: i32,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for GemvParams {}
@@ -78,6 +92,21 @@ const SW_Q4: [&str; 7] = swiglu_names!("affine_swiglu_q4");
 const SW_Q8: [&str; 7] = swiglu_names!("affine_swiglu_q8");
 const SW_BF16: [&str; 7] = swiglu_names!("dense_swiglu_bf16");
 const FAMILIES: [&[&str; 7]; 7] = [&Q4, &Q4X, &Q8, &BF16, &SW_Q4, &SW_Q8, &SW_BF16];
+// The router with its selection fused: the register kernel's variants.
+const R_Q4: [&str; 7] = gemv_names!("affine_gemv_route_q4");
+const R_Q8: [&str; 7] = gemv_names!("affine_gemv_route_q8");
+const R_BF16: [&str; 7] = gemv_names!("dense_gemv_route_bf16");
+// Down projection + combine, by lanes per row (4, 8, 16, 32).
+const M_Q4: [&str; 4] = ["affine_mix_q4_t4", "affine_mix_q4_t8", "affine_mix_q4_t16", "affine_mix_q4_t32"];
+const M_Q8: [&str; 4] = ["affine_mix_q8_t4", "affine_mix_q8_t8", "affine_mix_q8_t16", "affine_mix_q8_t32"];
+const M_BF16: [&str; 4] = ["dense_mix_bf16_t4", "dense_mix_bf16_t8", "dense_mix_bf16_t16", "dense_mix_bf16_t32"];
+/// A bound on the static shared memory of every kernel here (the router's 2 KB selection buffer,
+/// the norm's partial sums, the mix kernel's slot tables).
+const STATIC_SMEM: usize = 4096;
+/// Most slots the mix kernels take (`MIX_SLOTS` in the .cu).
+pub const MIX_SLOTS: usize = 16;
+/// Most experts the router kernels select among (32 · `ROUTE_NPER` in the .cu).
+pub const ROUTE_MAX_EXPERTS: usize = 512;
 
 // The pipelined (cp.async) kernels: t4/t8/t16 with (U, NR) = (1, 4), then t32 with (1, 4), (2, 2), (4, 1).
 macro_rules! async_names {
@@ -110,18 +139,27 @@ pub(crate) const KERNELS: &[&str] = &[
     SW_BF16[2], SW_BF16[3], SW_BF16[4], SW_BF16[5], A_Q4[0], A_Q4[1], A_Q4[2], A_Q4[3], A_Q4[4], A_Q4[5], A_Q8[0], A_Q8[1],
     A_Q8[2], A_Q8[3], A_Q8[4], A_Q8[5], A_BF16[0], A_BF16[1], A_BF16[2], A_BF16[3], A_BF16[4], A_BF16[5], A_SW_Q4[0],
     A_SW_Q4[1], A_SW_Q4[2], A_SW_Q4[3], A_SW_Q4[4], A_SW_Q4[5], A_SW_Q8[0], A_SW_Q8[1], A_SW_Q8[2], A_SW_Q8[3], A_SW_Q8[4],
-    A_SW_Q8[5], A_SW_BF16[0], A_SW_BF16[1], A_SW_BF16[2], A_SW_BF16[3], A_SW_BF16[4], A_SW_BF16[5],
+    A_SW_Q8[5], A_SW_BF16[0], A_SW_BF16[1], A_SW_BF16[2], A_SW_BF16[3], A_SW_BF16[4], A_SW_BF16[5], R_Q4[0], R_Q4[1], R_Q4[2],
+    R_Q4[3], R_Q4[4], R_Q4[5], R_Q4[6], R_Q8[0], R_Q8[1], R_Q8[2], R_Q8[3], R_Q8[4], R_Q8[5], R_Q8[6], R_BF16[0], R_BF16[1],
+    R_BF16[2], R_BF16[3], R_BF16[4], R_BF16[5], R_BF16[6], M_Q4[0], M_Q4[1], M_Q4[2], M_Q4[3], M_Q8[0], M_Q8[1], M_Q8[2], M_Q8[3],
+    M_BF16[0], M_BF16[1], M_BF16[2], M_BF16[3],
 ];
 
 /// Lets every GEMV use up to the device's opt-in shared memory (x is staged there: 4 bytes per column).
 pub(crate) fn configure(dev: &Device) -> Result<()> {
-    for name in FAMILIES.iter().flat_map(|f| f.iter()).chain(ASYNC_FAMILIES.iter().flat_map(|f| f.iter())) {
-        {
-            dev.function(name)?.set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                dev.max_smem_optin() as i32,
-            )?;
-        }
+    let route = [&R_Q4, &R_Q8, &R_BF16];
+    let mix = [&M_Q4, &M_Q8, &M_BF16];
+    for name in FAMILIES
+        .iter()
+        .flat_map(|f| f.iter())
+        .chain(ASYNC_FAMILIES.iter().flat_map(|f| f.iter()))
+        .chain(route.iter().flat_map(|f| f.iter()))
+        .chain(mix.iter().flat_map(|f| f.iter()))
+    {
+        // The opt-in limit covers static and dynamic shared memory together.
+        let f = dev.function(name)?;
+        let fixed = f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dev.max_smem_optin() as i32 - fixed)?;
     }
     Ok(())
 }
@@ -157,6 +195,33 @@ pub enum Q4Decode {
     Fast,
     /// `2^23 + q - 2^23`, 3.4 instructions per weight (a reference for tests and benchmarks).
     Exact,
+}
+
+/// What a decode GEMV fuses around its product (all off by default): the RMSNorm of its input (the
+/// norm that would otherwise be a kernel of its own before it) and the residual add after it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Fuse {
+    /// (address, length, eps) of the norm's weight.
+    norm: Option<(u64, usize, f32)>,
+    accumulate: bool,
+}
+
+impl Fuse {
+    /// Nothing fused.
+    pub fn none() -> Self {
+        Fuse::default()
+    }
+    /// The product uses `RMSNorm(x) · w` (`w`: `cols` floats, the folded norm weight), computed in the
+    /// kernel's x staging as `lily_cpu::norm::rms_norm` does; a shared x only.
+    pub fn rms_norm<W: DevicePtr<f32>>(dev: &Device, w: &W, eps: f32) -> Self {
+        let (p, _g) = w.device_ptr(dev.stream());
+        Fuse { norm: Some((p, w.len(), eps)), accumulate: false }
+    }
+    /// `y += result` instead of `y = result` (y is read first: the residual stream).
+    pub fn accumulate(mut self) -> Self {
+        self.accumulate = true;
+        self
+    }
 }
 
 /// `y = W x` for the selected matrix (or one per slot). x: `cols` floats (or `slots * cols` with
@@ -209,7 +274,85 @@ pub fn gemv_tuned<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         (16, _) => (&BF16, Some(&A_BF16)),
         (b, _) => return Err(CudaError::Shape(format!("no GEMV for {b}-bit weights"))),
     };
-    run(dev, fam, afam, w, None, sel, x, x_per_slot, y, variant)
+    run(dev, fam, afam, w, None, sel, x, x_per_slot, y, variant, Fuse::none(), None)
+}
+
+/// [`gemv`] with fusions (see [`Fuse`]).
+pub fn gemv_fused<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+    dev: &Device,
+    w: &DeviceMatrix,
+    sel: Select,
+    x: &X,
+    x_per_slot: bool,
+    y: &mut Y,
+    fuse: Fuse,
+) -> Result<()> {
+    let (fam, afam) = match w.bits() {
+        4 => (&Q4, Some(&A_Q4)),
+        8 => (&Q8, Some(&A_Q8)),
+        16 => (&BF16, Some(&A_BF16)),
+        b => return Err(CudaError::Shape(format!("no GEMV for {b}-bit weights"))),
+    };
+    run(dev, fam, afam, w, None, sel, x, x_per_slot, y, 0, fuse, None)
+}
+
+/// Where the fused router writes its selection.
+struct RouteOut {
+    counter: u64,
+    idx: u64,
+    w: u64,
+    e: usize,
+    k: usize,
+    renorm: bool,
+}
+
+/// The MoE router for one token with its selection fused: `logits = W x` (with [`Fuse`], typically
+/// the post-attention RMSNorm), then the last block of the grid picks the `k` best of the first `e`
+/// logits exactly as `moe_route::route` does (softmax in f32, ties to the lower index, best first;
+/// weights renormalised over the k when `renorm`) into `idx` and `wts`. Rows past `e` (the shared
+/// expert's gate logit) are computed but not ranked. `counter`: one u32 that is 0 (the kernel leaves
+/// it 0).
+#[allow(clippy::too_many_arguments)]
+pub fn router_route<X, Y, I, W>(
+    dev: &Device,
+    w: &DeviceMatrix,
+    x: &X,
+    fuse: Fuse,
+    logits: &mut Y,
+    e: usize,
+    k: usize,
+    renorm: bool,
+    counter: &mut CudaSlice<u32>,
+    idx: &mut I,
+    wts: &mut W,
+) -> Result<()>
+where
+    X: DevicePtr<f32>,
+    Y: DevicePtrMut<f32>,
+    I: DevicePtrMut<u32>,
+    W: DevicePtrMut<f32>,
+{
+    if e == 0 || e > w.rows || e > ROUTE_MAX_EXPERTS || k == 0 || k > e.min(32) {
+        return Err(CudaError::Shape(format!(
+            "router: {e} experts of {} rows, k = {k} (1 ≤ k ≤ min(E, 32), E ≤ {ROUTE_MAX_EXPERTS})",
+            w.rows
+        )));
+    }
+    let fam = match w.bits() {
+        4 => &R_Q4,
+        8 => &R_Q8,
+        16 => &R_BF16,
+        b => return Err(CudaError::Shape(format!("no router GEMV for {b}-bit weights"))),
+    };
+    let route = RouteOut {
+        counter: addr_mut(dev, counter, 1, "router counter")?,
+        idx: addr_mut(dev, idx, k, "router idx")?,
+        w: addr_mut(dev, wts, k, "router weights")?,
+        e,
+        k,
+        renorm,
+    };
+    run(dev, fam, None, w, None, Select::matrix(0), x, false, logits, 0, fuse, Some(route))
 }
 
 /// `y = silu(W_gate x) * (W_up x)` (SwiGLU; `gate` and `up` of one shape and format), per slot as in
@@ -240,33 +383,151 @@ pub fn swiglu_tuned<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     y: &mut Y,
     variant: u32,
 ) -> Result<()> {
-    let same = gate.count == up.count
-        && gate.rows == up.rows
-        && gate.cols == up.cols
-        && gate.bits() == up.bits()
-        && gate.group_size() == up.group_size();
-    if !same {
-        return Err(CudaError::Shape(format!(
-            "swiglu: gate [{}, {}, {}] {}-bit/{:?} and up [{}, {}, {}] {}-bit/{:?} differ",
-            gate.count,
-            gate.rows,
-            gate.cols,
-            gate.bits(),
-            gate.group_size(),
-            up.count,
-            up.rows,
-            up.cols,
-            up.bits(),
-            up.group_size()
-        )));
-    }
+    check_pair(gate, up)?;
     let (fam, afam) = match gate.bits() {
         4 => (&SW_Q4, &A_SW_Q4),
         8 => (&SW_Q8, &A_SW_Q8),
         16 => (&SW_BF16, &A_SW_BF16),
         b => return Err(CudaError::Shape(format!("no SwiGLU GEMV for {b}-bit weights"))),
     };
-    run(dev, fam, Some(afam), gate, Some(up), sel, x, x_per_slot, y, variant)
+    run(dev, fam, Some(afam), gate, Some(up), sel, x, x_per_slot, y, variant, Fuse::none(), None)
+}
+
+/// [`swiglu`] with fusions (see [`Fuse`]).
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_fused<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+    dev: &Device,
+    gate: &DeviceMatrix,
+    up: &DeviceMatrix,
+    sel: Select,
+    x: &X,
+    x_per_slot: bool,
+    y: &mut Y,
+    fuse: Fuse,
+) -> Result<()> {
+    check_pair(gate, up)?;
+    let (fam, afam) = match gate.bits() {
+        4 => (&SW_Q4, &A_SW_Q4),
+        8 => (&SW_Q8, &A_SW_Q8),
+        16 => (&SW_BF16, &A_SW_BF16),
+        b => return Err(CudaError::Shape(format!("no SwiGLU GEMV for {b}-bit weights"))),
+    };
+    run(dev, fam, Some(afam), gate, Some(up), sel, x, x_per_slot, y, 0, fuse, None)
+}
+
+/// The MoE down projection with the combine fused, for one token: over `ns` slots (`k` routed, plus
+/// the shared expert as slot `k` when `gate_logit` is given), slot `j` using matrix `idx[j]` and input
+/// `x[j·cols ..]`,
+///   `y (+)= Σ_j c_j · W[idx[j]] x_j`,  `c_j = route_w[j]` (j < k), `sigmoid(gate_logit[0])` (j = k),
+/// summed in slot order (the unfused `moe_dispatch::combine` sums in ascending expert id: the two
+/// differ by rounding). With `accumulate`, y is the residual stream. An index past the stack makes
+/// the output NaN.
+#[allow(clippy::too_many_arguments)]
+pub fn down_mix<I, X, R, G, Y>(
+    dev: &Device,
+    w: &DeviceMatrix,
+    idx: &I,
+    x: &X,
+    route_w: &R,
+    gate_logit: Option<&G>,
+    k: usize,
+    accumulate: bool,
+    y: &mut Y,
+) -> Result<()>
+where
+    I: DevicePtr<u32>,
+    X: DevicePtr<f32>,
+    R: DevicePtr<f32>,
+    G: DevicePtr<f32>,
+    Y: DevicePtrMut<f32>,
+{
+    let ns = k + gate_logit.is_some() as usize;
+    if k == 0 || ns > MIX_SLOTS {
+        return Err(CudaError::Shape(format!("down_mix: {ns} slots (1..={MIX_SLOTS}, k ≥ 1)")));
+    }
+    let (rows, cols) = (w.rows, w.cols);
+    let per_chunk = 128 / w.bits() as usize;
+    if cols == 0 || cols % per_chunk != 0 || rows == 0 || rows > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("down_mix: [{rows} x {cols}] ({per_chunk} weights per chunk)")));
+    }
+    if let DeviceStorage::Affine { params, .. } = &w.storage {
+        if !params.group_size.is_power_of_two() || cols % params.group_size != 0 {
+            return Err(CudaError::Shape(format!("down_mix: group size {} does not divide cols {cols}", params.group_size)));
+        }
+    }
+    let fam = match w.bits() {
+        4 => &M_Q4,
+        8 => &M_Q8,
+        16 => &M_BF16,
+        b => return Err(CudaError::Shape(format!("no down_mix for {b}-bit weights"))),
+    };
+    let nch = cols / per_chunk;
+    let (t_i, tpr) = match nch {
+        0..=4 => (0, 4),
+        5..=8 => (1, 8),
+        9..=16 => (2, 16),
+        _ => (3, 32),
+    };
+    let stride = (cols + nch).div_ceil(4) * 4;
+    let smem = ns * stride * 4;
+    if smem > dev.max_smem_optin() as usize - STATIC_SMEM {
+        return Err(CudaError::Shape(format!("down_mix: {ns} inputs of {cols} need {smem} bytes of shared memory")));
+    }
+    let (w_p, s_p, b_p, group_shift) = parts(dev, w);
+    let mut params = GemvParams {
+        w: w_p,
+        scales: s_p,
+        biases: b_p,
+        idx: addr(dev, idx, ns, "down_mix idx")?,
+        x: addr(dev, x, ns * cols, "down_mix x")?,
+        y: addr_mut(dev, y, rows, "down_mix y")?,
+        x_stride: cols as i64,
+        rows: rows as i32,
+        cols: cols as i32,
+        count: w.count as i32,
+        group_shift,
+        accumulate: accumulate as i32,
+        mix_w: addr(dev, route_w, k, "down_mix weights")?,
+        mix_k: k as i32,
+        ..Default::default()
+    };
+    if let Some(g) = gate_logit {
+        params.gate_logit = addr(dev, g, 1, "down_mix gate logit")?;
+        params.mix_shared = 1;
+    }
+    let name = fam[t_i];
+    let rows_per_block = (THREADS as usize / 32) * (32 / tpr);
+    let cap = (dev.resident_blocks(name, THREADS, smem as u32)? as usize).max(1);
+    let cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(rows_per_block).min(cap) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: smem as u32,
+    };
+    launch_maybe_serial(dev, name, cfg, &params, pdl_debug() & 16 != 0)
+}
+
+fn check_pair(gate: &DeviceMatrix, up: &DeviceMatrix) -> Result<()> {
+    let same = gate.count == up.count
+        && gate.rows == up.rows
+        && gate.cols == up.cols
+        && gate.bits() == up.bits()
+        && gate.group_size() == up.group_size();
+    if same {
+        return Ok(());
+    }
+    Err(CudaError::Shape(format!(
+        "swiglu: gate [{}, {}, {}] {}-bit/{:?} and up [{}, {}, {}] {}-bit/{:?} differ",
+        gate.count,
+        gate.rows,
+        gate.cols,
+        gate.bits(),
+        gate.group_size(),
+        up.count,
+        up.rows,
+        up.cols,
+        up.bits(),
+        up.group_size()
+    )))
 }
 
 /// Pointers of one matrix stack: (weights, scales, biases, group shift).
@@ -295,8 +556,18 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     x_per_slot: bool,
     y: &mut Y,
     forced: u32,
+    fuse: Fuse,
+    route: Option<RouteOut>,
 ) -> Result<()> {
     let (rows, cols, slots) = (w.rows, w.cols, sel.slots);
+    if let Some((_, len, _)) = fuse.norm {
+        if x_per_slot || len < cols {
+            return Err(CudaError::Shape(format!("gemv: a fused norm needs a shared x and {cols} weights (has {len})")));
+        }
+    }
+    if fuse.accumulate && slots != 1 {
+        return Err(CudaError::Shape(format!("gemv: accumulating into y takes one slot ({slots} given)")));
+    }
     let per_chunk = 128 / w.bits() as usize; // weights per 16-byte chunk
     if cols == 0 || cols % per_chunk != 0 {
         return Err(CudaError::Shape(format!("gemv: cols {cols} is not a positive multiple of {per_chunk}")));
@@ -332,7 +603,9 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     let (a_warps, a_entries) = if swiglu { (8usize, 8usize) } else { (16, 4) };
     let a_smem = (cols + nch) * 4;
     let a_smem = a_smem.div_ceil(16) * 16 + a_warps * ASYNC_STAGES * a_entries * RING_ENTRY_BYTES;
-    let async_fits = afam.is_some() && a_smem <= dev.max_smem_optin() as usize;
+    // (Less the kernels' static shared memory: the norm's partial sums, the router's selection.)
+    let optin = dev.max_smem_optin() as usize - STATIC_SMEM;
+    let async_fits = afam.is_some() && a_smem <= optin;
     // Automatic choice, from the H200 table in docs/PERF.md: the pipelined kernel wins on long rows
     // (>= 4 chunks per lane: 2048x8192 11.8 vs 13.2 us, 2048x4096 7.7 vs 8.4 us) and ties elsewhere;
     // the register kernel wins on SwiGLU (8.8 vs 10.2 us) and on 8192x2048 (8.6 vs 9.3 us).
@@ -389,7 +662,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
             (4, true) | (5, false) => 2,
             _ => 1,
         };
-        if x_bytes > dev.max_smem_optin() as usize {
+        if x_bytes > optin {
             return Err(CudaError::Shape(format!("gemv: cols {cols} needs {x_bytes} bytes of shared memory (max {})", dev.max_smem_optin())));
         }
         (fam[v], THREADS, (THREADS as usize / 32) * (32 / tpr) * nr, x_bytes as u32)
@@ -404,7 +677,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         }
         None => (0, 0, 0),
     };
-    let params = GemvParams {
+    let mut params = GemvParams {
         w: w_p,
         scales: s_p,
         biases: b_p,
@@ -420,12 +693,45 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         count: w.count as i32,
         group_shift,
         matrix: sel.matrix as i32,
-        pad: 0,
+        norm_w: fuse.norm.map_or(0, |n| n.0),
+        norm_eps: fuse.norm.map_or(0.0, |n| n.2),
+        accumulate: fuse.accumulate as i32,
+        ..Default::default()
     };
+    if let Some(r) = &route {
+        params.counter = r.counter;
+        params.route_idx = r.idx;
+        params.route_w = r.w;
+        params.route_e = r.e as i32;
+        params.route_k = r.k as i32;
+        params.route_renorm = r.renorm as i32;
+    }
+    if fuse.accumulate && params.x == params.y {
+        return Err(CudaError::Shape("gemv: accumulating into its own input".into()));
+    }
     let want = rows.div_ceil(rows_per_block);
     // At most the blocks that fit at once (blocks then stride over rows, paying the x copy once each;
     // one block per row tile measured 15-40% slower).
     let cap = (dev.resident_blocks(name, threads, smem)? as usize / slots).max(1);
     let cfg = LaunchConfig { grid_dim: (want.min(cap) as u32, slots as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
-    launch(dev, name, cfg, &params)
+    let dbg = pdl_debug();
+    let serial = (dbg & 1 != 0 && fuse.norm.is_some()) || (dbg & 2 != 0 && fuse.accumulate) || (dbg & 4 != 0 && route.is_some()) || (dbg & 8 != 0 && sel.idx != 0);
+    launch_maybe_serial(dev, name, cfg, &params, serial)
+}
+
+/// `LILY_PDL_DEBUG` bits: launch these GEMVs without programmatic dependent launch (1: norm-fused,
+/// 2: accumulating, 4: router, 8: indexed, 16: down_mix).
+fn pdl_debug() -> u32 {
+    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("LILY_PDL_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
+}
+
+fn launch_maybe_serial(dev: &Device, name: &'static str, cfg: LaunchConfig, params: &GemvParams, serial: bool) -> Result<()> {
+    let prev = dev.pdl();
+    if serial {
+        dev.set_pdl(false);
+    }
+    let r = launch(dev, name, cfg, params);
+    dev.set_pdl(prev);
+    r
 }

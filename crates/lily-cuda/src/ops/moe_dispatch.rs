@@ -53,6 +53,8 @@ struct MoeCombineParams {
     k: i32,
     h: i32,
     n: i32,
+    accumulate: i32,
+    pad: i32,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for MoeCombineParams {}
@@ -166,6 +168,33 @@ where
     G: DevicePtr<f32>,
     O: DevicePtrMut<f32>,
 {
+    combine_with(dev, y, idx, slot_of, w, shared, t, k, h, out, false)
+}
+
+/// [`combine`], adding the sum into `out` when `accumulate` (out is the residual stream).
+#[allow(clippy::too_many_arguments)]
+pub fn combine_with<Y, I, L, W, S, G, O>(
+    dev: &Device,
+    y: &Y,
+    idx: &I,
+    slot_of: Option<&L>,
+    w: &W,
+    shared: Option<(&S, &G)>,
+    t: usize,
+    k: usize,
+    h: usize,
+    out: &mut O,
+    accumulate: bool,
+) -> Result<()>
+where
+    Y: DevicePtr<f32>,
+    I: DevicePtr<u32>,
+    L: DevicePtr<u32>,
+    W: DevicePtr<f32>,
+    S: DevicePtr<f32>,
+    G: DevicePtr<f32>,
+    O: DevicePtrMut<f32>,
+{
     let n = t.saturating_mul(k);
     if k == 0 || k > MAX_K || n > i32::MAX as usize || h > 65535 * COMBINE_THREADS {
         return Err(CudaError::Shape(format!(
@@ -185,6 +214,7 @@ where
         k: k as i32,
         h: h as i32,
         n: n as i32,
+        accumulate: accumulate as i32,
         ..Default::default()
     };
     if let Some(s) = slot_of {
