@@ -83,6 +83,7 @@ struct SampleParams {
     float temperature;
     float top_p;
     float min_p;
+    const u32* mask;      // [ceil(vocab / 32)] allowed tokens (bit id % 32 of word id / 32), or null
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -770,6 +771,15 @@ extern "C" __global__ void __launch_bounds__(NT) sample_prep(const SampleParams 
 #pragma unroll
         for (int e = 0; e < 2; ++e) v[e] = s_x[e * NT + tid];
     }
+    if (p.mask) {
+        // Constrained decoding: after the edits, every token the mask does not allow is -inf
+        // (ops::apply_token_mask). The mask comes from the host this step: read from L2.
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const u32 i = start + e * NT + tid;
+            if (i < n && !((__ldcg(p.mask + (i >> 5)) >> (i & 31)) & 1u)) v[e] = neg_inf();
+        }
+    }
     if (topk) {
         for (u32 b = tid; b < HIST_BINS; b += NT) s_h[b] = 0;
         __syncthreads();
@@ -990,4 +1000,23 @@ extern "C" __global__ void __launch_bounds__(NT) sample_draw(const SampleParams 
     }
     if (!last_block(p.st)) return;
     if (!done) draw_finish(p, m, edge, cut, s_bs, s_pre, s_q, s_j);
+}
+
+// After a masked pick (one block): ops::masked_choice. When every allowed logit was -inf or NaN the
+// chain may have chosen a token the mask does not allow; then the lowest allowed id (the lowest set
+// bit of the first non-zero word), if it is inside the vocabulary, replaces it.
+extern "C" __global__ void __launch_bounds__(NT) sample_mask_fix(const SampleParams p) { pdl_enter();
+    const u32 tok = __ldcg(p.out);
+    const u32 words = ((u32)p.vocab + 31u) >> 5;
+    if ((tok >> 5) < words && ((__ldcg(p.mask + (tok >> 5)) >> (tok & 31)) & 1u)) return;  // whole block
+    u32 lo = 0xffffffffu;
+    for (u32 w = threadIdx.x; w < words; w += NT) {
+        const u32 bits = __ldcg(p.mask + w);
+        if (bits) {
+            lo = min(lo, w * 32u + (u32)(__ffs(bits) - 1));
+            break;  // later words of this thread only hold larger ids
+        }
+    }
+    lo = block_min_u32(lo);
+    if (threadIdx.x == 0 && lo < (u32)p.vocab) p.out[0] = lo;
 }

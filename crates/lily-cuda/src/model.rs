@@ -35,7 +35,7 @@ use std::time::Instant;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 use half::bf16;
 use lily_model::weights::{DenseMlpWeights, Mixer, Mlp};
-use lily_model::{Backend, BackendError, DevicePick, GdnDims, LayerKind, Logits, ModelConfig, ModelWeights};
+use lily_model::{Backend, BackendError, DevicePick, GdnDims, LayerKind, Logits, MaskFill, ModelConfig, ModelWeights};
 
 use crate::ops::affine_gemv::{self, Select};
 use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, gemm, moe_dispatch, moe_route, rmsnorm, sample, Scalar};
@@ -49,6 +49,11 @@ pub use ledger::{DecodeLedger, PrefillLedger};
 pub const KV_STEP: usize = 4096;
 /// GDN chunks of at least this many tokens use the chunked delta rule; shorter ones step.
 const GDN_CHUNKED_MIN_TOKENS: usize = 64;
+/// Chunks of at most this many tokens (a grammar's forced run, a tiny turn) run as that many decode
+/// steps (the replayed graph, ~2.3 ms each at 4K on the H200) instead of the prompt kernels, whose
+/// eager launches cost more at a handful of tokens (structured decoding with forced runs measured
+/// 59% of free decoding before this; docs/PERF.md 2026-12-02).
+const STEP_TOKENS: usize = 4;
 /// Rows of logits computed per GEMM when every position's logits are asked for.
 const LOGIT_ROWS: usize = 128;
 
@@ -193,6 +198,8 @@ struct Activations {
     pick_edits: sample::EditBuffer,
     pick_out: CudaSlice<u32>, // [1]
     route_counter: CudaSlice<u32>, // [1] the fused router's finished blocks (0 between launches)
+    pick_mask: CudaSlice<u32>,     // [V/32] constrained decoding: the allowed tokens of this pick
+    pick_mask_host: Vec<u32>,      // where the host writes it
 }
 
 /// What [`CudaModel::counts`] reports.
@@ -636,6 +643,23 @@ impl CudaModel {
         let n_chunks = tokens.len().div_ceil(self.max_chunk);
         let mut out = Vec::new();
         for (ci, chunk) in tokens.chunks(self.max_chunk).enumerate() {
+            if chunk.len() <= STEP_TOKENS {
+                // A few tokens (a grammar's forced run): decode steps, each the replayed graph.
+                for (i, &tok) in chunk.iter().enumerate() {
+                    self.run_chunk(state, &[tok])?;
+                    let last = ci + 1 == n_chunks && i + 1 == chunk.len();
+                    if matches!(want, Logits::All) || (last && matches!(want, Logits::Last)) {
+                        self.logits_rows(0, 1)?;
+                        let row = self.dev.download(&self.act.logits.slice(0..v))?;
+                        if matches!(want, Logits::All) {
+                            out.extend(row);
+                        } else {
+                            out = row;
+                        }
+                    }
+                }
+                continue;
+            }
             self.run_chunk(state, chunk)?;
             let t = chunk.len();
             match want {
@@ -659,16 +683,49 @@ impl CudaModel {
         Ok(out)
     }
 
-    fn pick_impl(&mut self, state: &mut CudaState, tokens: &[u32], pick: &DevicePick) -> Result<u32> {
+    /// Runs `tokens` (at least one) in chunks of `max_chunk`; a chunk of at most [`STEP_TOKENS`] runs
+    /// as that many decode steps. Returns the row of `act.normed` that holds the last token.
+    fn run_tokens(&mut self, state: &mut CudaState, tokens: &[u32]) -> Result<usize> {
+        let mut row = 0;
         for chunk in tokens.chunks(self.max_chunk) {
-            self.run_chunk(state, chunk)?;
+            if chunk.len() <= STEP_TOKENS {
+                for &tok in chunk {
+                    self.run_chunk(state, &[tok])?;
+                }
+                row = 0;
+            } else {
+                self.run_chunk(state, chunk)?;
+                row = chunk.len() - 1;
+            }
         }
-        let t = (tokens.len() - 1) % self.max_chunk + 1;
-        self.logits_rows(t - 1, t)?;
+        Ok(row)
+    }
+
+    fn pick_impl(&mut self, state: &mut CudaState, tokens: &[u32], pick: &DevicePick) -> Result<u32> {
+        let r = self.run_tokens(state, tokens)?;
+        self.logits_rows(r, r + 1)?;
         let a = &mut self.act;
         self.dev.mark("pick", 4 * self.cfg.vocab_size as u64, 0)?;
         sample::pick(&self.dev, &a.logits, pick, &mut a.pick_edits, &mut a.pick_scratch, &mut a.pick_out)?;
         let id = self.dev.download(&a.pick_out)?;
+        Ok(id[0])
+    }
+
+    /// [`Self::pick_impl`] under a token mask: the forward pass and the logits are queued, then the
+    /// host fills the mask while the device runs them, then it is uploaded and the pick applies it.
+    fn pick_masked_impl(&mut self, state: &mut CudaState, tokens: &[u32], pick: &DevicePick, fill: &mut MaskFill<'_>) -> Result<u32, BackendError> {
+        let r = self.run_tokens(state, tokens).map_err(dev_err)?;
+        self.logits_rows(r, r + 1).map_err(dev_err)?;
+        let words = pick.vocab.div_ceil(32);
+        if words > self.act.pick_mask_host.len() {
+            return Err(BackendError::BadState(format!("a mask over {} tokens for a vocabulary of {}", pick.vocab, self.cfg.vocab_size)));
+        }
+        let a = &mut self.act;
+        fill(&mut a.pick_mask_host[..words])?;
+        self.dev.upload_into(&a.pick_mask_host[..words], &mut a.pick_mask.slice_mut(0..words)).map_err(dev_err)?;
+        self.dev.mark("pick", 4 * self.cfg.vocab_size as u64, 0).map_err(dev_err)?;
+        sample::pick_masked(&self.dev, &a.logits, pick, Some(&a.pick_mask), &mut a.pick_edits, &mut a.pick_scratch, &mut a.pick_out).map_err(dev_err)?;
+        let id = self.dev.download(&a.pick_out).map_err(dev_err)?;
         Ok(id[0])
     }
 }
@@ -1148,6 +1205,7 @@ impl Activations {
         let slot_of = u(t * k)?;
         let pick_out = u(1)?;
         let route_counter = u(1)?;
+        let pick_mask = u(v.div_ceil(32))?;
         let step_pos = dev.zeros::<i32>(2)?;
         bytes += 4 * (t + 3 * t * k + moe_dispatch::plan_scratch_len(t, k, e) + e + 2);
         let pick_edits = sample::EditBuffer::new(dev)?;
@@ -1195,6 +1253,8 @@ impl Activations {
                 pick_edits,
                 pick_out,
                 route_counter,
+                pick_mask,
+                pick_mask_host: vec![0; v.div_ceil(32)],
             },
             bytes,
         ))
@@ -1250,5 +1310,15 @@ impl Backend for CudaModel {
             return Err(BackendError::BadState("forward_pick needs at least one token".into()));
         }
         self.pick_impl(state, tokens, pick).map_err(dev_err)
+    }
+    fn masks_on_device(&self) -> bool {
+        true
+    }
+    fn forward_pick_masked(&mut self, state: &mut CudaState, tokens: &[u32], pick: &DevicePick, fill: &mut MaskFill<'_>) -> Result<u32, BackendError> {
+        self.check(state, tokens)?;
+        if tokens.is_empty() {
+            return Err(BackendError::BadState("forward_pick_masked needs at least one token".into()));
+        }
+        self.pick_masked_impl(state, tokens, pick, fill)
     }
 }

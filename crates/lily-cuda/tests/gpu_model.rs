@@ -164,6 +164,15 @@ fn whole_model_matches_the_cpu() {
         // Chunked prefill vs the one-call GPU run (the same per-row arithmetic: only the state carried
         // between chunks, and the GDN rule's form for short chunks, differ), then a decode tail vs the CPU
         // (its context came from the prefill, so the prefill's tolerance).
+        // Chunks of 3 run as decode steps (model::STEP_TOKENS): every row held to the CPU as decode is.
+        {
+            let mut gc = gpu(&dev, &w, 3);
+            let mut sc = gc.new_state();
+            let rows = gc.forward(&mut sc, &inputs[..40], Logits::All).unwrap();
+            let e = row_err(&rows, &want[..40 * v], v);
+            println!("{name}/{sub} chunks of 3 (decode steps) vs the CPU: {e:.2e}");
+            check(e <= 1e-4, format!("{name}/{sub}: chunks of 3 differ from the CPU by {e:.2e}"));
+        }
         for chunk in [17usize, 64] {
             let mut gc = gpu(&dev, &w, chunk);
             let mut sc = gc.new_state();
@@ -204,6 +213,70 @@ fn device_pick_greedy_is_the_argmax_and_clones_resume() {
         assert_eq!(g.state_len(&s), g.state_len(&probe));
         t = picked;
     }
+}
+
+/// Constrained decoding on the device: each step's mask (filled by the host while the forward pass
+/// runs) is applied before the pick, which chooses what `pick_on_cpu_masked` chooses from the same
+/// step's logits — greedy and seeded sampling, masks allowing a random half, a handful, one token,
+/// and only tokens the edits pushed to -inf. An error from the fill ends the step with it.
+#[test]
+fn device_pick_under_a_mask_matches_the_host() {
+    let Some(dev) = common::device() else { return };
+    let dev = Arc::new(dev);
+    let w = load("tiny-b", "mlx");
+    let v = w.config.vocab_size;
+    let toks = tokens("tiny-b");
+    let mut g = gpu(&dev, &w, 64);
+    assert!(g.masks_on_device());
+    let mut s = g.new_state();
+    g.forward(&mut s, &toks[..80], Logits::None).unwrap();
+    let mut t = toks[80];
+    let mut rng = common::Rng::new(5);
+    for step in 0..24 {
+        let words = v.div_ceil(32);
+        let mut mask = vec![0u32; words];
+        let allowed: Vec<usize> = match step % 4 {
+            0 => (0..v).filter(|_| rng.uniform() < 0.5).collect(),
+            1 => (0..5).map(|_| rng.below(v)).collect(),
+            2 => vec![rng.below(v)],
+            _ => (0..3).map(|_| rng.below(v)).collect(),
+        };
+        for &i in &allowed {
+            mask[i / 32] |= 1 << (i % 32);
+        }
+        // Step 3 of 4: the allowed tokens' logits are pushed to -inf (fallback: the lowest allowed id).
+        let edits: Vec<lily_sampler::LogitEdit> = if step % 4 == 3 {
+            let mut ids: Vec<u32> = allowed.iter().map(|&i| i as u32).collect();
+            ids.sort_unstable();
+            ids.dedup();
+            ids.into_iter().map(|id| lily_sampler::LogitEdit { id, bias: f32::NEG_INFINITY, ..lily_sampler::LogitEdit::NONE }).collect()
+        } else {
+            Vec::new()
+        };
+        let params = if step % 2 == 0 { Resolved { temperature: 0.0, ..Resolved::default() } } else { Resolved { temperature: 1.0, top_p: 0.9, ..Resolved::default() } };
+        let u = if step % 2 == 0 { 0.0 } else { rng.uniform() };
+        let pick = DevicePick { vocab: v, params, u, edits };
+        let mut probe = s.clone();
+        let mut logits = g.forward(&mut probe, &[t], Logits::Last).unwrap();
+        let want = lily_sampler::pick_on_cpu_masked(&mut logits, &pick, Some(&mask));
+        let mut filled = 0;
+        let got = g
+            .forward_pick_masked(&mut s, &[t], &pick, &mut |words: &mut [u32]| {
+                filled += 1;
+                words.copy_from_slice(&mask);
+                Ok(())
+            })
+            .unwrap();
+        assert_eq!(filled, 1, "step {step}: the mask is asked for once");
+        assert_eq!(got, want, "step {step}: device {got} vs host {want}");
+        assert!(lily_sampler::ops::mask_allows(&mask, got), "step {step}: {got} is not allowed");
+        t = got;
+    }
+    // A failing fill is the step's error.
+    let err = g.forward_pick_masked(&mut s, &[t], &DevicePick { vocab: v, params: Resolved::default(), u: 0.5, edits: Vec::new() }, &mut |_w: &mut [u32]| {
+        Err(lily_model::BackendError::Mask("no mask".into()))
+    });
+    assert!(err.is_err());
 }
 
 #[test]

@@ -26,7 +26,7 @@ use cudarc::driver::CudaSlice;
 use lily_cuda::ops::sample::{self, EditBuffer};
 use lily_cuda::ops::util;
 use lily_cuda::Device;
-use lily_sampler::{pick_on_cpu, Defaults, DevicePick, LogitEdit, Resolved, Sampler, SamplingParams};
+use lily_sampler::{pick_on_cpu, pick_on_cpu_masked, Defaults, DevicePick, LogitEdit, Resolved, Sampler, SamplingParams};
 
 /// The GPU side of one caller: scratch for the largest vocabulary, the edit buffer, the output.
 struct Gpu<'a> {
@@ -52,6 +52,78 @@ impl<'a> Gpu<'a> {
         sample::pick(self.dev, logits, pick, &mut self.edits, &mut self.scratch, &mut self.out).unwrap();
         self.dev.download(&self.out).unwrap()[0]
     }
+}
+
+/// A mask over `n` tokens in one of several styles: dense random, sparse, one allowed token, only
+/// tokens whose logit is -inf allowed (the fallback to the lowest allowed id), a prefix range,
+/// everything allowed.
+fn mask_for(rng: &mut Rng, logits: &[f32], n: usize, style: usize) -> Vec<u32> {
+    let words = n.div_ceil(32);
+    let mut m = vec![0u32; words];
+    let set = |m: &mut Vec<u32>, i: usize| m[i / 32] |= 1 << (i % 32);
+    match style % 6 {
+        0 => (0..n).filter(|_| rng.uniform() < 0.5).for_each(|i| set(&mut m, i)),
+        1 => (0..n).filter(|_| rng.uniform() < 0.002).for_each(|i| set(&mut m, i)),
+        2 => set(&mut m, rng.below(n)),
+        3 => {
+            let neg: Vec<usize> = (0..n).filter(|&i| logits[i] == f32::NEG_INFINITY).collect();
+            if neg.is_empty() {
+                set(&mut m, n - 1);
+            } else {
+                neg.iter().for_each(|&i| set(&mut m, i));
+            }
+        }
+        4 => (0..(n / 3).max(1)).for_each(|i| set(&mut m, i)),
+        _ => (0..n).for_each(|i| set(&mut m, i)),
+    }
+    if m.iter().all(|w| *w == 0) {
+        set(&mut m, rng.below(n));
+    }
+    m
+}
+
+#[test]
+fn masked_pick_matches_cpu() {
+    let Some(dev) = device() else { return };
+    let mut g = Gpu::new(&dev, 248_320);
+    let mut rng = Rng::new(17);
+    let mut cases = 0;
+    for &(n, len) in &[(37usize, 40usize), (1000, 1000), (4099, 4100), (248_077, 248_320)] {
+        for style in 0..12 {
+            let mut logits = row(&mut rng, n, len, style);
+            if style % 6 == 3 {
+                // Some -inf logits for the mask to allow, so that every allowed one is -inf.
+                for _ in 0..5 {
+                    let i = rng.below(n);
+                    logits[i] = f32::NEG_INFINITY;
+                }
+            }
+            let d_logits = dev.upload(&logits).unwrap();
+            let mask = mask_for(&mut rng, &logits, n, style);
+            let d_mask = dev.upload(&mask).unwrap();
+            let sets = settings();
+            for (si, p) in sets.iter().enumerate().filter(|(si, _)| n < 200_000 || si % 3 == 0) {
+                let u = if p.is_greedy() { 0.0 } else { rng.uniform() };
+                let ed = if (si + style) % 3 == 0 { edits(&mut rng, n) } else { Vec::new() };
+                let pick = DevicePick { vocab: n, params: *p, u, edits: ed };
+                let want = pick_on_cpu_masked(&mut logits.clone(), &pick, Some(&mask));
+                dev.upload_into(&[u32::MAX], &mut g.out).unwrap();
+                sample::pick_masked(&dev, &d_logits, &pick, Some(&d_mask), &mut g.edits, &mut g.scratch, &mut g.out).unwrap();
+                let got = dev.download(&g.out).unwrap()[0];
+                assert_eq!(got, want, "vocab {n} style {style} setting {si} {p:?}: GPU {got}, CPU {want}");
+                assert!(lily_sampler::ops::mask_allows(&mask, got) || style % 6 == 3, "vocab {n} style {style}: {got} not allowed");
+                cases += 1;
+            }
+            let after = dev.download(&d_logits).unwrap();
+            assert!(after.iter().zip(&logits).all(|(a, b)| a.to_bits() == b.to_bits()), "the logits were modified");
+        }
+    }
+    // A mask shorter than the vocabulary is refused.
+    let d_logits = dev.upload(&vec![0.5f32; 100]).unwrap();
+    let short = dev.upload(&[u32::MAX; 3]).unwrap();
+    let pick = DevicePick { vocab: 100, params: Resolved { temperature: 0.0, ..Resolved::default() }, u: 0.0, edits: Vec::new() };
+    assert!(sample::pick_masked(&dev, &d_logits, &pick, Some(&short), &mut g.edits, &mut g.scratch, &mut g.out).is_err());
+    println!("masked picks: {cases} cases, every id equal to the CPU's");
 }
 
 /// A logits row of `n` valid entries in a buffer of `len` (padding 1e6), in style `style` (see the

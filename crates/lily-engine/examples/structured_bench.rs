@@ -1,5 +1,6 @@
 //! Decode speed with a grammar against without, through the engine's own generation loop on the
-//! CPU backend (the demo model unless `--model DIR`): the same prompt, `--tokens` tokens each run
+//! CPU backend (or `--backend cuda`; the demo model unless `--model DIR`; `--context N` puts about N
+//! tokens of filler before the request, so decoding starts that far in): the same prompt, `--tokens` tokens each run
 //! (the grammar keeps the answer going: an array with at least that many items), medians of
 //! `--repeats` runs; with the host time the masks took. A benchmark, not a test.
 //!
@@ -34,15 +35,24 @@ fn main() {
     let tokens: usize = arg(&args, "--tokens", 256);
     let repeats: usize = arg(&args, "--repeats", 3);
     let model: Option<PathBuf> = args.iter().position(|a| a == "--model").and_then(|i| args.get(i + 1)).map(PathBuf::from);
+    let backend: BackendKind = arg(&args, "--backend", BackendKind::Cpu);
+    let context: usize = arg(&args, "--context", 0);
     let mut m = match &model {
-        Some(dir) => ChatModel::open(dir, BackendKind::Cpu, &OpenOptions::default()).unwrap(),
-        None => ChatModel::open_demo(BackendKind::Cpu, &OpenOptions::default()).unwrap(),
+        Some(dir) => ChatModel::open(dir, backend, &OpenOptions::default()).unwrap(),
+        None => ChatModel::open_demo(backend, &OpenOptions::default()).unwrap(),
     };
     let tok = Arc::new(m.tokenizer.clone());
     let t = Instant::now();
     let grammars = Grammars::new(Arc::clone(&tok), &m.stop_ids).unwrap();
     println!("model {} ({}), vocabulary {} tokens; grammar set-up {:.2} s", m.dir.display(), m.model.name(), tok.vocab_size(), t.elapsed().as_secs_f64());
-    let prompt = tok.encode("<|im_start|>user\nList some records as JSON.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n").unwrap();
+    // `--context N`: a system message of filler text first, so that decoding starts about N tokens in.
+    let filler = tok.encode("The records below were collected over many years and are kept in order. ").unwrap();
+    let mut prompt = tok.encode("<|im_start|>system\n").unwrap();
+    while prompt.len() + filler.len() < context {
+        prompt.extend_from_slice(&filler);
+    }
+    prompt.extend(tok.encode("<|im_end|>\n<|im_start|>user\nList some records as JSON.<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n").unwrap());
+    println!("prompt: {} tokens", prompt.len());
 
     let n = tokens; // at least this many items: the array never ends within the run
     let cases: Vec<(&str, Option<Format>)> = vec![

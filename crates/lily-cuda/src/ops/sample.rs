@@ -73,6 +73,7 @@ struct SampleParams {
     temperature: f32,
     top_p: f32,
     min_p: f32,
+    mask: u64,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for SampleParams {}
@@ -84,6 +85,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "sample_nucleus_hist",
     "sample_nucleus_cut",
     "sample_draw",
+    "sample_mask_fix",
 ];
 
 /// Where each part of the scratch lives, in 4-byte words from its start.
@@ -236,6 +238,22 @@ pub fn pick<L: DevicePtr<f32>, S: DevicePtrMut<f32>, O: DevicePtrMut<u32>>(
     scratch: &mut S,
     out: &mut O,
 ) -> Result<()> {
+    pick_masked(dev, logits, pick, None::<&CudaSlice<u32>>, edits, scratch, out)
+}
+
+/// [`pick`] under a token mask (constrained decoding): `mask` holds `pick.vocab.div_ceil(32)` words,
+/// bit `id % 32` of word `id / 32` set when token `id` is allowed. After the edits every disallowed
+/// logit is `-inf`; the choice is then `lily_sampler::pick_on_cpu_masked`'s (the lowest allowed id
+/// when the chain's choice is not allowed, as when every allowed logit is `-inf`).
+pub fn pick_masked<L: DevicePtr<f32>, M: DevicePtr<u32>, S: DevicePtrMut<f32>, O: DevicePtrMut<u32>>(
+    dev: &Device,
+    logits: &L,
+    pick: &DevicePick,
+    mask: Option<&M>,
+    edits: &mut EditBuffer,
+    scratch: &mut S,
+    out: &mut O,
+) -> Result<()> {
     let n = pick.vocab;
     let p = &pick.params;
     if n == 0 || n > MAX_VOCAB {
@@ -259,6 +277,10 @@ pub fn pick<L: DevicePtr<f32>, S: DevicePtrMut<f32>, O: DevicePtrMut<u32>>(
     if let Some(e) = pick.edits.last().filter(|e| e.id as usize >= n) {
         return Err(CudaError::Shape(format!("pick: edit of token {} in a vocabulary of {n}", e.id)));
     }
+    let mask = match mask {
+        Some(m) => addr(dev, m, n.div_ceil(32), "pick mask")?,
+        None => 0,
+    };
     let lay = layout(n);
     let base = addr_mut(dev, scratch, lay.total, "pick scratch")?;
     let logits = addr(dev, logits, n, "pick logits")?;
@@ -307,6 +329,7 @@ pub fn pick<L: DevicePtr<f32>, S: DevicePtrMut<f32>, O: DevicePtrMut<u32>>(
         temperature: p.temperature,
         top_p: p.top_p,
         min_p: p.min_p,
+        mask,
     };
     let grid =
         |blocks: usize| LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (NT, 1, 1), shared_mem_bytes: 0 };
@@ -327,6 +350,9 @@ pub fn pick<L: DevicePtr<f32>, S: DevicePtrMut<f32>, O: DevicePtrMut<u32>>(
             }
             launch(dev, "sample_draw", grid(nb_draw), &prm)?;
         }
+    }
+    if mask != 0 {
+        launch(dev, "sample_mask_fix", grid(1), &prm)?;
     }
     edits.reset_pending = false;
     Ok(())
