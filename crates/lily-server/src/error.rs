@@ -69,6 +69,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        let self_copy = self.clone();
         let mut r = (self.status, axum::Json(self.body())).into_response();
         if let Some(s) = self.retry_after {
             r.headers_mut().insert(axum::http::header::RETRY_AFTER, s.into());
@@ -78,6 +79,8 @@ impl IntoResponse for ApiError {
             None => self.message,
         };
         r.extensions_mut().insert(crate::log::ErrorNote(note));
+        // Kept so that the Anthropic routes can give the same error in Anthropic's shape.
+        r.extensions_mut().insert(self_copy);
         r
     }
 }
