@@ -93,8 +93,8 @@ pub fn rfc3339(secs: u64) -> String {
 
 pub async fn messages(State(app): State<AppState>, req: Request) -> Response {
     crate::stream::serve(app, req, |app, body| {
-        let (chat, model) = translate(&body, false)?;
-        let prepared = prepare_chat(app, &chat).map_err(rename_param)?;
+        let (chat, model, paths) = translate(&body, false)?;
+        let prepared = prepare_chat(app, &chat).map_err(|e| crate::conversation::rename_tool_param(rename_param(e), &paths, "input_schema"))?;
         Ok((prepared, MessagesEncoder::new(model)))
     })
     .await
@@ -107,8 +107,8 @@ pub async fn count_tokens(State(app): State<AppState>, req: Request) -> Response
         let body = read_json(req.into_body(), app.max_body_bytes, app.body_timeout).await?;
         let a = app.clone();
         tokio::task::spawn_blocking(move || {
-            let (chat, _) = translate(&body, true)?;
-            crate::request::parse_chat(&chat).map_err(rename_param)?;
+            let (chat, _, paths) = translate(&body, true)?;
+            crate::request::parse_chat(&chat).map_err(|e| crate::conversation::rename_tool_param(rename_param(e), &paths, "input_schema"))?;
             let mut chat = chat;
             if chat.get("tool_choice") == Some(&json!("none")) {
                 chat.as_object_mut().unwrap().remove("tools");
@@ -295,8 +295,10 @@ fn chat_messages(messages: &[Value], out: &mut Vec<Value>) -> Result<(), ApiErro
     Ok(())
 }
 
-fn chat_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
+/// The tools as chat functions, and each one's path in the request.
+fn chat_tools(tools: &[Value]) -> Result<(Vec<Value>, Vec<String>), ApiError> {
     let mut out = Vec::new();
+    let mut paths = Vec::new();
     for (i, t) in tools.iter().enumerate() {
         let at = format!("tools[{i}]");
         let Some(o) = t.as_object() else { return Err(wrong(&at, "a tool object", t)) };
@@ -325,8 +327,9 @@ fn chat_tools(tools: &[Value]) -> Result<Vec<Value>, ApiError> {
             f["strict"] = json!(s);
         }
         out.push(json!({"type": "function", "function": f}));
+        paths.push(at);
     }
-    Ok(out)
+    Ok((out, paths))
 }
 
 /// Chat-completions field paths as this API names them.
@@ -336,8 +339,6 @@ fn rename_param(e: ApiError) -> ApiError {
         "messages".to_string()
     } else if p == "stop" {
         "stop_sequences".to_string()
-    } else if let Some(rest) = p.strip_prefix("tools[").and_then(|r| r.split_once(']')) {
-        format!("tools[{}].input_schema", rest.0)
     } else {
         p
     };
@@ -346,7 +347,7 @@ fn rename_param(e: ApiError) -> ApiError {
 
 /// Checks a Messages request and translates it into a chat-completions request; also returns the
 /// model name to answer with. `counting`: a `count_tokens` request (no `max_tokens`).
-fn translate(body: &Value, counting: bool) -> Result<(Value, String), ApiError> {
+fn translate(body: &Value, counting: bool) -> Result<(Value, String, Vec<String>), ApiError> {
     let Some(m) = body.as_object() else { return Err(ApiError::bad_request("The request body must be a JSON object.")) };
     let model = opt_str(m, "model", "model")?.unwrap_or("lily").to_string();
     let stream = opt_bool(m, "stream", "stream")?.unwrap_or(false);
@@ -376,9 +377,9 @@ fn translate(body: &Value, counting: bool) -> Result<(Value, String), ApiError> 
         None if counting => {}
         None => return Err(ApiError::invalid("max_tokens", "`max_tokens` is required")),
     }
-    let tools = match opt_array(m, "tools", "tools")? {
+    let (tools, paths) = match opt_array(m, "tools", "tools")? {
         Some(t) => chat_tools(t)?,
-        None => Vec::new(),
+        None => (Vec::new(), Vec::new()),
     };
     let mut parallel = true;
     let mut choice = json!("auto");
@@ -438,7 +439,7 @@ fn translate(body: &Value, counting: bool) -> Result<(Value, String), ApiError> 
         opt_str(t, "display", "thinking.display")?;
     }
     chat["chat_template_kwargs"] = json!({"enable_thinking": thinking});
-    Ok((chat, model))
+    Ok((chat, model, paths))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -48,6 +48,21 @@ pub fn normalize_system(messages: &[Value]) -> Vec<Value> {
     out
 }
 
+/// An error about `tools[i].function…` of the chat request a translator built, renamed to the tool's
+/// path in the request as sent (`paths[i]`), its schema being `schema_key` there
+/// (`tools[2].parameters`, `tools[0].input_schema`, `tools[1].tools[0].parameters`).
+pub fn rename_tool_param(e: crate::error::ApiError, paths: &[String], schema_key: &str) -> crate::error::ApiError {
+    let Some(p) = e.param.clone() else { return e };
+    let Some((i, rest)) = p.strip_prefix("tools[").and_then(|r| r.split_once(']')) else { return e };
+    let Some(path) = i.parse::<usize>().ok().and_then(|i| paths.get(i)) else { return e };
+    let rest = rest.strip_prefix(".function").unwrap_or(rest);
+    let renamed = match rest.strip_prefix(".parameters") {
+        Some(r) => format!("{path}.{schema_key}{r}"),
+        None => format!("{path}{rest}"),
+    };
+    crate::error::ApiError { message: e.message.replace(&p, &renamed), param: Some(renamed), ..e }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

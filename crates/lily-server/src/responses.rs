@@ -155,6 +155,8 @@ struct Meta {
     store: bool,
     /// The conversation so far (chat messages, without the instructions), for the store.
     conversation: Vec<Value>,
+    /// Each chat tool's path in the request (`tools[3]`, `tools[1].tools[0]`).
+    tool_paths: Vec<String>,
 }
 
 fn str_field<'a>(m: &'a Map<String, Value>, key: &str, at: &str) -> Result<&'a str, ApiError> {
@@ -349,7 +351,10 @@ fn chat_tools(tools: &[Value], meta: &mut Meta) -> Result<Vec<Value>, ApiError> 
             Some(v) => return Err(wrong(&format!("{at}.type"), "a string", v)),
         };
         match ty {
-            "function" | "custom" => out.push(chat_tool(o, &at, meta, None)?),
+            "function" | "custom" => {
+                out.push(chat_tool(o, &at, meta, None)?);
+                meta.tool_paths.push(at.clone());
+            }
             "namespace" => {
                 let ns = str_field(o, "name", &at)?.to_string();
                 let inner = match o.get("tools") {
@@ -361,6 +366,7 @@ fn chat_tools(tools: &[Value], meta: &mut Meta) -> Result<Vec<Value>, ApiError> 
                     let iat = format!("{at}.tools[{j}]");
                     let Some(io) = t.as_object() else { return Err(wrong(&iat, "a tool object", t)) };
                     out.push(chat_tool(io, &iat, meta, Some(&ns))?);
+                    meta.tool_paths.push(iat);
                 }
             }
             t if BUILTIN_TOOLS.contains(&t) || t.starts_with("web_search") || t.starts_with("computer") => {}
@@ -371,7 +377,7 @@ fn chat_tools(tools: &[Value], meta: &mut Meta) -> Result<Vec<Value>, ApiError> 
 }
 
 /// `tool_choice` as chat completions' (with the tools it allows).
-fn chat_tool_choice(tc: &Value, tools: &mut Vec<Value>) -> Result<Value, ApiError> {
+fn chat_tool_choice(tc: &Value, tools: &mut Vec<Value>, paths: &mut Vec<String>) -> Result<Value, ApiError> {
     match tc {
         Value::String(s) if ["auto", "none", "required"].contains(&s.as_str()) => Ok(tc.clone()),
         Value::String(s) => Err(ApiError::invalid("tool_choice", format!("unknown tool_choice `{s}` (auto, none, required, or a tool)"))),
@@ -389,7 +395,11 @@ fn chat_tool_choice(tc: &Value, tools: &mut Vec<Value>) -> Result<Value, ApiErro
                         _ => return Err(ApiError::invalid("tool_choice.tools", "`allowed_tools` needs a list of `tools`")),
                     };
                     let names: HashSet<&str> = allowed.iter().filter_map(|t| t.get("name").and_then(Value::as_str)).collect();
-                    tools.retain(|t| names.contains(t["function"]["name"].as_str().unwrap_or("")));
+                    let keep: Vec<bool> = tools.iter().map(|t| names.contains(t["function"]["name"].as_str().unwrap_or(""))).collect();
+                    let mut k = keep.iter();
+                    tools.retain(|_| *k.next().unwrap());
+                    let mut k = keep.iter();
+                    paths.retain(|_| *k.next().unwrap());
                     Ok(json!(mode))
                 }
                 other => Err(ApiError::invalid("tool_choice.type", format!("tool_choice of type `{other}` is not supported (lily runs no built-in tools)"))),
@@ -490,13 +500,13 @@ fn prepare(app: &AppState, body: Value) -> Result<(Prepared, ResponsesEncoder), 
     if conversation.is_empty() {
         return Err(ApiError::invalid("input", "`input` has no messages"));
     }
-    let mut meta = Meta { custom: HashSet::new(), namespaces: HashMap::new(), echo: Map::new(), store, conversation: conversation.clone() };
+    let mut meta = Meta { custom: HashSet::new(), namespaces: HashMap::new(), echo: Map::new(), store, conversation: conversation.clone(), tool_paths: Vec::new() };
     let mut tools = match opt_array(m, "tools", "tools")? {
         Some(t) => chat_tools(t, &mut meta)?,
         None => Vec::new(),
     };
     let tool_choice = match get(m, "tool_choice") {
-        Some(tc) => chat_tool_choice(tc, &mut tools)?,
+        Some(tc) => chat_tool_choice(tc, &mut tools, &mut meta.tool_paths)?,
         None => json!("auto"),
     };
     let parallel = opt_bool(m, "parallel_tool_calls", "parallel_tool_calls")?.unwrap_or(true);
@@ -541,7 +551,7 @@ fn prepare(app: &AppState, body: Value) -> Result<(Prepared, ResponsesEncoder), 
             chat["response_format"] = rf;
         }
     }
-    let prepared = prepare_chat(app, &chat).map_err(rename_param)?;
+    let prepared = prepare_chat(app, &chat).map_err(|e| crate::conversation::rename_tool_param(rename_param(e), &meta.tool_paths, "parameters"))?;
     for key in ["instructions", "max_output_tokens", "previous_response_id", "temperature", "top_p", "metadata", "user", "tools", "text", "reasoning", "truncation", "prompt_cache_key"] {
         meta.echo.insert(key.into(), m.get(key).cloned().unwrap_or(Value::Null));
     }
@@ -842,7 +852,7 @@ mod tests {
     use super::*;
 
     fn meta() -> Meta {
-        Meta { custom: HashSet::new(), namespaces: HashMap::new(), echo: Map::new(), store: false, conversation: Vec::new() }
+        Meta { custom: HashSet::new(), namespaces: HashMap::new(), echo: Map::new(), store: false, conversation: Vec::new(), tool_paths: Vec::new() }
     }
 
     #[test]
