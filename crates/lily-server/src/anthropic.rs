@@ -16,6 +16,10 @@
 //! one request to the next: at the very start of the prompt it would make every request miss the
 //! prefix cache. It is dropped before rendering (it is billing metadata, not an instruction).
 //!
+//! `max_tokens` is required and clients send the largest their model allows (Claude Code: 32000 to
+//! 128000): beyond what the context leaves it is cut to fit (the answer then ends with
+//! `max_tokens` at the end of the context) instead of refused.
+//!
 //! Usage is in Anthropic's terms: `input_tokens` are the prompt tokens prefilled,
 //! `cache_read_input_tokens` those taken from the prefix cache (the `cached_tokens` of the OpenAI
 //! APIs); their sum is the prompt.
@@ -31,7 +35,8 @@ use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
 use crate::fields::{get, opt_array, opt_bool, opt_f32, opt_int, opt_object, opt_str, wrong};
-use crate::routes::{check_content_type, check_prompt_bytes, prepare_chat, rand_id, read_json, template_error, AppState};
+use crate::routes::{check_content_type, check_prompt_bytes, rand_id, read_json, template_error, AppState};
+use crate::routes::prepare_chat_with;
 use crate::stream::{End, EndReason, Encoder, Out};
 
 /// The prefix of Claude Code's per-request billing block in `system`.
@@ -94,7 +99,7 @@ pub fn rfc3339(secs: u64) -> String {
 pub async fn messages(State(app): State<AppState>, req: Request) -> Response {
     crate::stream::serve(app, req, |app, body| {
         let (chat, model, paths) = translate(&body, false)?;
-        let prepared = prepare_chat(app, &chat).map_err(|e| crate::conversation::rename_tool_param(rename_param(e), &paths, "input_schema"))?;
+        let prepared = prepare_chat_with(app, &chat, true).map_err(|e| crate::conversation::rename_tool_param(rename_param(e), &paths, "input_schema"))?;
         Ok((prepared, MessagesEncoder::new(model)))
     })
     .await

@@ -33,7 +33,7 @@ impl ApiError {
         self
     }
     pub fn unauthorized() -> Self {
-        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", "Invalid or missing API key: send `Authorization: Bearer <key>`.")
+        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", "Invalid or missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`).")
             .with_code("invalid_api_key")
     }
     pub fn not_found(what: &str) -> Self {

@@ -254,7 +254,9 @@ fn check_sampling(app: &AppState, common: &Common) -> Result<(), ApiError> {
     })
 }
 
-fn gen_spec(app: &AppState, common: &Common, prompt_len: usize, prompt_param: &str) -> Result<GenSpec, ApiError> {
+/// `clamp`: a `max_tokens` beyond what the context leaves is cut to fit instead of refused (the
+/// Messages API, whose clients must send one and send the largest their model allows).
+fn gen_spec(app: &AppState, common: &Common, prompt_len: usize, prompt_param: &str, clamp: bool) -> Result<GenSpec, ApiError> {
     if prompt_len >= app.ctx_size {
         return Err(ApiError::invalid(
             prompt_param,
@@ -267,6 +269,7 @@ fn gen_spec(app: &AppState, common: &Common, prompt_len: usize, prompt_param: &s
     }
     let room = app.ctx_size - prompt_len;
     let max_tokens = match common.max_tokens {
+        Some(n) if n > room && clamp => room,
         Some(n) if n > room => {
             return Err(ApiError::invalid(
                 "max_tokens",
@@ -316,6 +319,11 @@ pub(crate) fn template_error(e: lily_template::TemplateError) -> ApiError {
 }
 
 pub(crate) fn prepare_chat(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
+    prepare_chat_with(app, body, false)
+}
+
+/// [`prepare_chat`]; `clamp_max_tokens`: see [`gen_spec`].
+pub(crate) fn prepare_chat_with(app: &AppState, body: &Value, clamp_max_tokens: bool) -> Result<Prepared, ApiError> {
     let req: ChatRequest = parse_chat(body)?;
     check_sampling(app, &req.common)?;
     let mut body = body.clone();
@@ -366,7 +374,7 @@ pub(crate) fn prepare_chat(app: &AppState, body: &Value) -> Result<Prepared, Api
         }
         None => (app.tokenizer.encode(&format!("{text}{forced}")).map_err(tok_err)?, 0),
     };
-    let mut spec = gen_spec(app, &req.common, prompt.len(), "messages")?;
+    let mut spec = gen_spec(app, &req.common, prompt.len(), "messages", clamp_max_tokens)?;
     if let Some((plan, param)) = crate::structured::chat_plan(&body, &req.tool_choice, &tools, thinking)? {
         spec.constraint = Some(crate::structured::compile(&app.grammars, &plan, param.as_deref())?);
     }
@@ -383,7 +391,7 @@ fn prepare_completion(app: &AppState, body: &Value) -> Result<Prepared, ApiError
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
-    let mut spec = gen_spec(app, &common, prompt.len(), "prompt")?;
+    let mut spec = gen_spec(app, &common, prompt.len(), "prompt", false)?;
     if let Some(a) = crate::structured::parse_answer(body)? {
         let plan = lily_grammar::Plan { answer: Some(a.format), ..Default::default() };
         spec.constraint = Some(crate::structured::compile(&app.grammars, &plan, Some(&a.param))?);
