@@ -90,8 +90,12 @@ mod tests {
             json!({"role": "system", "content": "The date is Monday."}),
             json!({"role": "user", "content": "what day is it?"}),
         ];
-        // The official template refuses them as sent ...
+        // The official template refuses them as sent (the developer role, and a late system message) ...
         let e = render(&m).unwrap_err();
+        assert!(e.to_string().contains("Unexpected message role"), "{e}");
+        let mut late = m.clone();
+        late[1]["role"] = json!("user");
+        let e = render(&late).unwrap_err();
         assert!(e.to_string().contains("System message must be at the beginning"), "{e}");
         // ... and renders them once normalised: the leading ones joined, the late one a user turn.
         let n = normalize_system(&m);
