@@ -241,6 +241,8 @@ pub(crate) async fn read_json(body: Body, limit: usize, timeout: Duration) -> Re
 pub(crate) struct Prepared {
     pub(crate) prompt: Vec<u32>,
     pub(crate) history: usize,
+    /// The end of the system prompt (and tools) in `prompt`, where a snapshot is kept (0: none).
+    pub(crate) system: usize,
     pub(crate) spec: GenSpec,
     pub(crate) common: Common,
     /// Chat only: how to parse the output, and text forced into the answer before generation.
@@ -374,13 +376,24 @@ pub(crate) fn prepare_chat_with(app: &AppState, body: &Value, clamp_max_tokens: 
         }
         None => (app.tokenizer.encode(&format!("{text}{forced}")).map_err(tok_err)?, 0),
     };
+    // The system prompt and tools, first in the prompt: their end is a snapshot point too.
+    let system = match text.strip_prefix("<|im_start|>system\n").and_then(|t| t.find("<|im_end|>\n")) {
+        Some(i) if history > 0 => {
+            let end = "<|im_start|>system\n".len() + i + "<|im_end|>\n".len();
+            match app.tokenizer.encode(&text[..end]) {
+                Ok(ids) if ids.len() < history && prompt.starts_with(&ids) => ids.len(),
+                _ => 0,
+            }
+        }
+        _ => 0,
+    };
     let mut spec = gen_spec(app, &req.common, prompt.len(), "messages", clamp_max_tokens)?;
     if let Some((plan, param)) = crate::structured::chat_plan(&body, &req.tool_choice, &tools, thinking)? {
         spec.constraint = Some(crate::structured::compile(&app.grammars, &plan, param.as_deref())?);
     }
     let tools = tools.iter().map(crate::structured::parser_tool).collect();
     let cfg = ParserConfig { reasoning: thinking, tools, id_seed: None };
-    Ok(Prepared { prompt, history, spec, common: req.common, parse: Some((cfg, forced)) })
+    Ok(Prepared { prompt, history, system, spec, common: req.common, parse: Some((cfg, forced)) })
 }
 
 fn prepare_completion(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
@@ -396,7 +409,7 @@ fn prepare_completion(app: &AppState, body: &Value) -> Result<Prepared, ApiError
         let plan = lily_grammar::Plan { answer: Some(a.format), ..Default::default() };
         spec.constraint = Some(crate::structured::compile(&app.grammars, &plan, Some(&a.param))?);
     }
-    Ok(Prepared { prompt, history: 0, spec, common, parse: None })
+    Ok(Prepared { prompt, history: 0, system: 0, spec, common, parse: None })
 }
 
 /// Sets the job's cancel flag when dropped (the client went away, or the response ended).
@@ -413,6 +426,7 @@ pub(crate) fn submit(app: &AppState, p: &Prepared) -> Result<(UnboundedReceiver<
     let job = Job {
         prompt: p.prompt.clone(),
         history: p.history,
+        system: p.system,
         spec: p.spec.clone(),
         events: tx,
         cancel: Arc::clone(&cancel),

@@ -541,3 +541,26 @@ async fn a_ten_turn_conversation_takes_the_previous_turns_from_the_cache() {
     assert!(prefilled * 3 < total, "prefilled {prefilled} of {total}");
     eprintln!("10 turns: {prefilled} of {total} prompt tokens prefilled");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_sharing_the_system_prompt_and_tools_share_their_cache() {
+    // Claude Code's sub-agents, and its retries of a first turn, share the (long) system prompt and
+    // tools but not the first user message: the end of the system block is a snapshot point too.
+    let s = scripted().await;
+    let a = claude_code_request("x-anthropic-billing-header: cch=1;", None);
+    let mut b = claude_code_request("x-anthropic-billing-header: cch=2;", None);
+    b["messages"][0]["content"][1]["text"] = json!("Now something else entirely.");
+    let ma = message(&s, &a).await;
+    let mb = message(&s, &b).await;
+    // The system message as the template writes it, tools first.
+    let sys = json!({"messages": [{"role": "system", "content": format!("You are a Claude agent, built on Anthropic's Claude Agent SDK.\n\n{}", "You are an interactive CLI tool that helps users with software engineering tasks. ".repeat(20))}],
+        "tools": [weather_tool()]});
+    let mut sys = sys;
+    sys["messages"].as_array_mut().unwrap().push(json!({"role": "user", "content": "x"}));
+    let text = ChatTemplate::builtin().render_request(&sys).unwrap();
+    let end = text.find("<|im_end|>\n").unwrap() + "<|im_end|>\n".len();
+    let system_tokens = tokenizer().encode(&text[..end]).unwrap().len() as u64;
+    assert_eq!(ma["usage"]["cache_read_input_tokens"], 0);
+    assert_eq!(mb["usage"]["cache_read_input_tokens"].as_u64().unwrap(), system_tokens, "{}", mb["usage"]);
+    assert!(system_tokens > 400);
+}
