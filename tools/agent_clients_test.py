@@ -235,13 +235,13 @@ def main():
     ap.add_argument("--agents", default=".agents/node_modules/.bin", help="the directory holding `codex` and `claude`")
     ap.add_argument("--log-dir", default=None, help="where to write the request logs (default: a temporary directory, printed)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds each agent may run")
-    ap.add_argument("-n", type=int, default=64, help="lily's -n: tokens per answer (the demo model never ends its turn)")
-    ap.add_argument("--ctx-size", type=int, help="lily's context (default 4096, 20480 with --full): Claude Code asks for up to "
-                    "128000 tokens per answer, which /v1/messages cuts to what the context leaves; the demo model never ends its turn")
+    ap.add_argument("-n", type=int, default=64, help="tokens per answer: lily's -n (Codex sends no limit) and Claude Code's "
+                    "CLAUDE_CODE_MAX_OUTPUT_TOKENS (it asks for up to 128000, which would run the random demo model to the end of the context)")
+    ap.add_argument("--ctx-size", type=int, help="lily's context (default 20480, 4096 with --minimal)")
     ap.add_argument("--only", choices=["codex", "claude"])
-    ap.add_argument("--full", action="store_true",
-                    help="run the agents with their default system prompts and tools (~10-12K tokens each: minutes of prefill "
-                         "for the demo model on a small CPU); by default their documented minimal modes keep the prompt at ~2K tokens")
+    ap.add_argument("--minimal", action="store_true",
+                    help="run the agents in their documented minimal modes (Claude Code --bare --tools Read; Codex with short "
+                         "instructions and no sub-agent or goal tools): ~2K-token prompts instead of their defaults' 9-12K")
     args = ap.parse_args()
     args.agents = os.path.abspath(args.agents)
     args.lily = os.path.abspath(args.lily)
@@ -250,7 +250,7 @@ def main():
     os.makedirs(log_dir, exist_ok=True)
     cache = os.environ.get("LILY_CACHE") or tempfile.mkdtemp(prefix="lily-cache-")
     work = tempfile.mkdtemp(prefix="lily-agent-work-")
-    ctx = args.ctx_size or (20480 if args.full else 4096)
+    ctx = args.ctx_size or (4096 if args.minimal else 20480)
     server = Lily(args.lily, args.model, cache, args.n, ctx)
     results = []
     try:
@@ -274,7 +274,7 @@ def main():
                     f.write(CODEX_CONFIG.format(base=base))
                 env.update(CODEX_HOME=codex_home, LILY_API_KEY=API_KEY)
                 cmd = [os.path.join(args.agents, "codex"), "exec", "--skip-git-repo-check", "--color", "never"]
-                if not args.full:
+                if args.minimal:
                     instructions = os.path.join(home, "instructions.md")
                     with open(instructions, "w") as f:
                         f.write("You are Codex, a coding agent running in a terminal. Be brief.\n")
@@ -288,7 +288,7 @@ def main():
                            CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(args.n))
                 cmd = [os.path.join(args.agents, "claude"), "-p", "Write a haiku about the sea.", "--max-turns", "1",
                        "--output-format", "json"]
-                if not args.full:
+                if args.minimal:
                     cmd += ["--bare", "--tools", "Read"]
                 api = "/v1/messages"
             t = time.time()
