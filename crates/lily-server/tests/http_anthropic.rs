@@ -564,3 +564,34 @@ async fn requests_sharing_the_system_prompt_and_tools_share_their_cache() {
     assert_eq!(mb["usage"]["cache_read_input_tokens"].as_u64().unwrap(), system_tokens, "{}", mb["usage"]);
     assert!(system_tokens > 400);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallel_requests_on_all_three_apis_are_all_answered() {
+    // Claude Code runs sub-agents in parallel; they queue in front of the one engine thread.
+    let s = std::sync::Arc::new(scripted().await);
+    let mut tasks = Vec::new();
+    for i in 0..6 {
+        let s = std::sync::Arc::clone(&s);
+        tasks.push(tokio::spawn(async move {
+            let text = format!("Say hello, agent {i}.");
+            match i % 3 {
+                0 => {
+                    let m = message(&s, &json!({"model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": text}], "stream": false})).await;
+                    m["content"][0]["text"].as_str().unwrap().to_string()
+                }
+                1 => {
+                    let (status, r) = s.post("/v1/responses", &json!({"input": text, "reasoning": {"effort": "none"}})).await;
+                    assert_eq!(status, 200, "{r}");
+                    r["output"][0]["content"][0]["text"].as_str().unwrap().to_string()
+                }
+                _ => {
+                    let v = s.chat(json!({"messages": user(&text), "chat_template_kwargs": {"enable_thinking": false}})).await;
+                    v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), "Hello there! Ünïcödé 🌷 works.");
+    }
+}
