@@ -238,7 +238,7 @@ def main():
     ap.add_argument("-n", type=int, default=64, help="tokens per answer: lily's -n (Codex sends no limit) and Claude Code's "
                     "CLAUDE_CODE_MAX_OUTPUT_TOKENS (it asks for up to 128000, which would run the random demo model to the end of the context)")
     ap.add_argument("--ctx-size", type=int, help="lily's context (default 20480, 4096 with --minimal)")
-    ap.add_argument("--only", choices=["codex", "claude"])
+    ap.add_argument("--only", choices=["codex", "codex-gpt5", "claude"])
     ap.add_argument("--minimal", action="store_true",
                     help="run the agents in their documented minimal modes (Claude Code --bare --tools Read; Codex with short "
                          "instructions and no sub-agent or goal tools): ~2K-token prompts instead of their defaults' 9-12K")
@@ -255,7 +255,9 @@ def main():
     results = []
     try:
         server.wait_healthy()
-        for name in ["codex", "claude"]:
+        # codex-gpt5: Codex told its model is gpt-5.5, for which it knows the tool set it sends
+        # (its freeform `apply_patch` tool with a Lark grammar, `tool_search`): lily ignores the name.
+        for name in ["codex", "codex-gpt5", "claude"]:
             if args.only and args.only != name:
                 continue
             rec = Recorder()
@@ -267,7 +269,7 @@ def main():
             env = dict(os.environ, HOME=home, NO_COLOR="1")
             for k in ["OPENAI_API_KEY", "OPENAI_BASE_URL", "ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN", "ANTHROPIC_BASE_URL", "CODEX_HOME"]:
                 env.pop(k, None)
-            if name == "codex":
+            if name.startswith("codex"):
                 codex_home = os.path.join(home, ".codex")
                 os.makedirs(codex_home)
                 with open(os.path.join(codex_home, "config.toml"), "w") as f:
@@ -279,6 +281,8 @@ def main():
                     with open(instructions, "w") as f:
                         f.write("You are Codex, a coding agent running in a terminal. Be brief.\n")
                     cmd += ["-c", f"model_instructions_file={json.dumps(instructions)}", "--disable", "multi_agent", "--disable", "goals"]
+                if name == "codex-gpt5":
+                    cmd += ["-m", "gpt-5.5"]
                 cmd.append("Write a haiku about the sea.")
                 api = "/v1/responses"
             else:

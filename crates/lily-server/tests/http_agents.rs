@@ -110,3 +110,27 @@ async fn claude_code_first_request_is_understood_and_its_billing_block_is_no_cac
     assert_eq!(whole["type"], "message");
     assert!(whole["stop_reason"].is_string());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_apply_patch_freeform_tool_is_offered_and_its_call_comes_back_as_text() {
+    let (s, _) = start_scripted(config(), Duration::ZERO).await;
+    let f = fixture("codex-0.171.0-gpt-5.5-responses.json");
+    let mut body = f["body"].clone();
+    let patch_tool = body["tools"].as_array().unwrap().iter().find(|t| t["type"] == "custom").expect("Codex's apply_patch").clone();
+    assert_eq!(patch_tool["name"], "apply_patch");
+    assert_eq!(patch_tool["format"]["syntax"], "lark");
+    assert!(body["tools"].as_array().unwrap().iter().any(|t| t["type"] == "tool_search"));
+    // As sent: understood.
+    let events = replay(&s, &f, &body).await;
+    assert_eq!(events.last().unwrap().0, "response.completed");
+    // The scripted model, asked for a patch, calls apply_patch: a custom_tool_call whose input is
+    // the patch text itself, as Codex expects it (not JSON).
+    let last = body["input"].as_array().unwrap().len() - 1;
+    body["input"][last]["content"][0]["text"] = json!("[[patch]] Create hello.txt.");
+    let events = replay(&s, &f, &body).await;
+    let done = &events.last().unwrap().1["response"];
+    let call = done["output"].as_array().unwrap().iter().find(|i| i["type"] == "custom_tool_call").unwrap_or_else(|| panic!("{done}"));
+    assert_eq!(call["name"], "apply_patch");
+    assert_eq!(call["input"], "*** Begin Patch\n*** Add File: hello.txt\n+Hello \"world\"\n*** End Patch");
+    assert!(events.iter().any(|(n, _)| n == "response.custom_tool_call_input.done"));
+}
