@@ -356,10 +356,9 @@ fn translate(body: &Value, counting: bool) -> Result<(Value, String, Vec<String>
     let Some(m) = body.as_object() else { return Err(ApiError::bad_request("The request body must be a JSON object.")) };
     let model = opt_str(m, "model", "model")?.unwrap_or("lily").to_string();
     let stream = opt_bool(m, "stream", "stream")?.unwrap_or(false);
-    for key in ["metadata", "context_management", "output_config", "container"] {
-        if key != "container" {
-            opt_object(m, key, key)?;
-        }
+    // Fields lily does not use, checked for their type (a container is an id or an object).
+    for key in ["metadata", "context_management", "output_config"] {
+        opt_object(m, key, key)?;
     }
     opt_str(m, "service_tier", "service_tier")?;
     let msgs = match m.get("messages") {
