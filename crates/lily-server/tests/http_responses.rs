@@ -507,3 +507,29 @@ async fn an_engine_failure_is_response_failed_in_the_stream_and_a_500_whole() {
     assert_error(status, &v, 500, None);
     s.assert_healthy().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_call_under_a_json_format_is_not_a_500() {
+    // Found by http_mutations: tools with a JSON answer format (an answer or a call), the model
+    // calling the (untyped) tool right after its reasoning. The tool-call grammar ended a free body
+    // with `</function>\n` in one terminal, and llguidance's forced-token computation panicked there
+    // (a 500, on chat completions too); the terminal now ends at `</function>` (lily-grammar).
+    let s = scripted().await;
+    let schema = json!({"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]});
+    let params = json!({"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]});
+    let patch = "*** Begin Patch\n*** Add File: hello.txt\n+Hello \"world\"\n*** End Patch";
+    for stream in [false, true] {
+        let body = json!({"input": "[[patch]] add hello.txt", "max_output_tokens": 100, "stream": stream,
+            "text": {"format": {"type": "json_schema", "name": "g", "schema": schema}},
+            "tools": [{"type": "function", "name": "apply_patch", "parameters": params}]});
+        let r = if stream { s.stream_events("/v1/responses", &[], &body).await.last().unwrap().1["response"].clone() } else { create(&s, &body).await };
+        assert_eq!(r["status"], "completed", "{r}");
+        let call = items(&r, "function_call")[0];
+        assert_eq!(serde_json::from_str::<Value>(call["arguments"].as_str().unwrap()).unwrap(), json!({"input": patch}));
+    }
+    let chat = json!({"messages": user("[[patch]] add hello.txt"), "max_tokens": 100,
+        "tools": [{"type": "function", "function": {"name": "apply_patch", "parameters": params}}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "g", "schema": schema}}});
+    let v = s.chat(chat).await;
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{v}");
+}
