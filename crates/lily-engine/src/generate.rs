@@ -405,6 +405,23 @@ pub fn generate_cached<B: Backend>(
     on_start: impl FnOnce(usize) -> Flow,
     on_step: impl FnMut(Step<'_>) -> Flow,
 ) -> Result<Option<CachedOutcome>, GenError> {
+    generate_cached_at(backend, cache, prompt, &[history], tokenizer, spec, on_start, on_step)
+}
+
+/// [`generate_cached`] with several snapshot points in the prompt (ascending; each one not yet
+/// cached and short of the whole prompt gets a snapshot): e.g. the end of the system prompt and
+/// tools, which requests with other conversations share, and the end of the history.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_cached_at<B: Backend>(
+    backend: &mut B,
+    cache: &mut PrefixCache<B::State>,
+    prompt: &[u32],
+    points: &[usize],
+    tokenizer: &Tokenizer,
+    spec: &GenSpec,
+    on_start: impl FnOnce(usize) -> Flow,
+    on_step: impl FnMut(Step<'_>) -> Flow,
+) -> Result<Option<CachedOutcome>, GenError> {
     let (cached, mut state) = match cache.lookup(prompt) {
         Some((n, s)) => (n, s),
         None => (0, backend.new_state()),
@@ -414,14 +431,20 @@ pub fn generate_cached<B: Backend>(
     }
     let t = Instant::now();
     let mut history_run = 0;
-    if history > cached && history < prompt.len() {
-        history_run = history - cached;
-        reserve_reach(backend, &mut state, prompt.len(), spec)?;
-        prefill(backend, &mut state, &prompt[cached..history])?;
-        // Snapshots are clones: they keep what the state holds, not the room reserved for the request.
-        let snap = state.clone();
-        let bytes = backend.state_bytes(&snap);
-        cache.insert(prompt[..history].to_vec(), snap, bytes);
+    let mut at = cached;
+    for &point in points {
+        if point > at && point < prompt.len() {
+            if at == cached {
+                reserve_reach(backend, &mut state, prompt.len(), spec)?;
+            }
+            history_run += point - at;
+            prefill(backend, &mut state, &prompt[at..point])?;
+            at = point;
+            // Snapshots are clones: they keep what the state holds, not the room reserved for the request.
+            let snap = state.clone();
+            let bytes = backend.state_bytes(&snap);
+            cache.insert(prompt[..point].to_vec(), snap, bytes);
+        }
     }
     let history_time = t.elapsed();
     let mut outcome = generate(backend, &mut state, prompt, tokenizer, spec, on_step)?;

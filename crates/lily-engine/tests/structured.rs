@@ -255,3 +255,44 @@ fn the_end_snapshot_holds_what_the_state_ran() {
     let cold = generate(&mut m, &mut cold_state, &longer, &s.tok, &spec, |_| Flow::Continue).unwrap();
     assert_eq!(warm.outcome.tokens, cold.tokens);
 }
+
+#[test]
+fn several_snapshot_points_each_keep_a_snapshot_that_later_prompts_resume_from() {
+    // generate_cached_at: the end of a system prompt and the end of the history are both kept, so a
+    // prompt sharing only the system prompt resumes from there, and answers as a cold run does.
+    let s = setup();
+    let spec = GenSpec {
+        sampling: SamplingParams { temperature: Some(0.0), ..Default::default() },
+        stop_ids: s.stop_ids.clone(),
+        max_tokens: Some(4),
+        skip_special: true,
+        ..Default::default()
+    };
+    let mut m = CpuModel::new(Arc::clone(&s.w));
+    let mut cache = PrefixCache::new(1 << 30);
+    let system = s.tok.encode("<|im_start|>system\nYou are a helpful assistant who answers in one line.<|im_end|>\n").unwrap();
+    let turn = |q: &str| s.tok.encode(&format!("<|im_start|>user\n{q}<|im_end|>\n")).unwrap();
+    let gen_prompt = s.tok.encode("<|im_start|>assistant\n").unwrap();
+    let mut a = system.clone();
+    a.extend(turn("What is the capital of France?"));
+    let history = a.len();
+    a.extend(&gen_prompt);
+    let first = lily_engine::generate_cached_at(&mut m, &mut cache, &a, &[system.len(), history], &s.tok, &spec, |_| Flow::Continue, |_| Flow::Continue)
+        .unwrap()
+        .unwrap();
+    assert_eq!(first.cached_tokens, 0);
+    assert_eq!(first.outcome.prefilled, a.len(), "every prompt token ran once, across the two points and the rest");
+    // Another first question: only the system prompt is shared.
+    let mut b = system.clone();
+    b.extend(turn("Name a large river."));
+    b.extend(&gen_prompt);
+    let warm = lily_engine::generate_cached_at(&mut m, &mut cache, &b, &[system.len()], &s.tok, &spec, |_| Flow::Continue, |_| Flow::Continue).unwrap().unwrap();
+    assert_eq!(warm.cached_tokens, system.len());
+    assert_eq!(warm.outcome.prefilled, b.len() - system.len());
+    let mut cold_state = m.new_state();
+    let cold = generate(&mut m, &mut cold_state, &b, &s.tok, &spec, |_| Flow::Continue).unwrap();
+    assert_eq!(warm.outcome.tokens, cold.tokens);
+    // The same question again: resumes from the history's end.
+    let again = lily_engine::generate_cached(&mut m, &mut cache, &a, history, &s.tok, &spec, |_| Flow::Continue, |_| Flow::Continue).unwrap().unwrap();
+    assert!(again.cached_tokens >= history, "{}", again.cached_tokens);
+}

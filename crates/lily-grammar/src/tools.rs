@@ -64,7 +64,9 @@ pub(crate) struct Ids {
 
 /// Text that cannot hold markup the parser would take for the end of a value or a call.
 const SAFE: &str = r"SAFE: /(?s:.*)/ & ~/(?s:.*)(<parameter=|<\/parameter>|<function=|<\/function>|<tool_call>|<\/tool_call>)(?s:.*)/";
-/// A free function body: anything up to `</function>`.
+/// A free function body: anything up to `</function>`, which ends the terminal (the `\n` after it is
+/// a terminal of its own: with the `\n` inside, llguidance's forced-token computation panicked at
+/// the end of the body, before the `</tool_call>` token, and failed the request).
 const FREE_BODY: &str = r"FREE_BODY: (/(?s:.*)/ & ~/(?s:.*)(<\/function>|<tool_call>|<\/tool_call>)(?s:.*)/) ";
 
 /// The grammar's rules; its entry is the rule `calls`.
@@ -76,7 +78,7 @@ pub(crate) fn lark(calls: &ToolCalls, ids: &Ids) -> Result<String, GrammarError>
     g.push_str(SAFE);
     g.push('\n');
     g.push_str(FREE_BODY);
-    g.push_str(&lark_string("</function>\n"));
+    g.push_str(&lark_string("</function>"));
     g.push('\n');
     let first = match &calls.start {
         CallStart::Open => "call".to_string(),
@@ -103,7 +105,7 @@ pub(crate) fn lark(calls: &ToolCalls, ids: &Ids) -> Result<String, GrammarError>
         g.push_str(&format!("fn_{i}: {} body_{i}\n", lark_string(&format!("{}>\n", tool.spec.name))));
         let end = format!("<[{}]>", ids.tool_call_end);
         if !tool.typed {
-            g.push_str(&format!("body_{i}: FREE_BODY {end}\n"));
+            g.push_str(&format!("body_{i}: FREE_BODY {} {end}\n", lark_string("\n")));
             continue;
         }
         let params = parameters(&tool.spec.parameters).map_err(|e| GrammarError::Invalid(format!("tool `{}`: {e}", tool.spec.name)))?;

@@ -311,3 +311,45 @@ fn property_refs_resolve_for_typing() {
     let cyc = json!({"$defs": {"A": {"$ref": "#/$defs/A"}}, "properties": {"a": {"$ref": "#/$defs/A"}}});
     let _ = resolve_property_refs(&cyc);
 }
+
+#[test]
+fn an_untyped_call_body_ends_at_its_function_tag_and_forced_tokens_never_fail() {
+    // An untyped tool (not strict, under "auto" with an answer format) has a free body up to
+    // `</function>`. Fed a whole call token by token, asking for the forced tokens at every step
+    // (as the generation loop does), every token is allowed and the call completes. (The body's
+    // terminal used to end with `</function>\n`, and llguidance's forced-token computation then
+    // panicked there, failing the request.)
+    let g = grammars();
+    let untyped = vec![CallTool { spec: ToolSpec::new("apply_patch", json!({"type": "object", "properties": {"input": {"type": "string"}}})), typed: false }];
+    let plan = Plan {
+        answer: Some(Format::JsonObject { whitespace: Whitespace::Bounded }),
+        calls: Some(ToolCalls { tools: untyped, start: CallStart::Open, parallel: true }),
+        at_tool_call: true,
+        ..Default::default()
+    };
+    let mut s = g.compile(&plan).unwrap().start();
+    let call = "<tool_call>\n<function=apply_patch>\n<parameter=input>\n*** Begin Patch\n+a </parameter> b\n*** End Patch\n</parameter>\n</function>\n</tool_call>";
+    let mut mask = vec![0u32; g.vocab_size().div_ceil(32)];
+    let mut pending: std::collections::VecDeque<u32> = tokenizer().encode(call).unwrap().into();
+    while let Some(t) = pending.pop_front() {
+        let forced = s.forced();
+        if !forced.is_empty() {
+            // What the grammar forces is what the call holds next.
+            for f in forced {
+                assert_eq!(Some(f), if f == t { Some(t) } else { None }, "forced {:?} where the call has {:?}", tokenizer().decode(&[f], false), tokenizer().decode(&[t], false));
+                s.commit(f).unwrap();
+                break;
+            }
+            continue;
+        }
+        if s.masks_next() {
+            s.fill_mask(&mut mask).unwrap();
+            assert!(allowed(&mask).contains(&t), "{:?} not allowed", tokenizer().decode(&[t], false));
+        }
+        s.commit(t).unwrap();
+    }
+    // After the call: another one, or the end of the turn.
+    s.fill_mask(&mut mask).unwrap();
+    let next = allowed(&mask);
+    assert!(next.contains(&g.eos()) || s.is_done(), "the turn can end after the call");
+}

@@ -33,7 +33,7 @@ impl ApiError {
         self
     }
     pub fn unauthorized() -> Self {
-        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", "Invalid or missing API key: send `Authorization: Bearer <key>`.")
+        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", "Invalid or missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`).")
             .with_code("invalid_api_key")
     }
     pub fn not_found(what: &str) -> Self {
@@ -69,6 +69,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
+        let self_copy = self.clone();
         let mut r = (self.status, axum::Json(self.body())).into_response();
         if let Some(s) = self.retry_after {
             r.headers_mut().insert(axum::http::header::RETRY_AFTER, s.into());
@@ -78,6 +79,8 @@ impl IntoResponse for ApiError {
             None => self.message,
         };
         r.extensions_mut().insert(crate::log::ErrorNote(note));
+        // Kept so that the Anthropic routes can give the same error in Anthropic's shape.
+        r.extensions_mut().insert(self_copy);
         r
     }
 }

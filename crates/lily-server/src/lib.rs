@@ -7,12 +7,19 @@
 //! - `structured`: structured outputs (`response_format`, `structured_outputs`, constrained tool
 //!   calls) compiled into the grammar the engine applies to every token
 //! - `http`: the connection layer (HTTP/1.1 limits, JSON bodies for hyper's refusals, shutdown)
+//! - `responses`: OpenAI's Responses API (`/v1/responses`, stored responses, `previous_response_id`)
+//! - `anthropic`: Anthropic's Messages API (`/v1/messages`, `count_tokens`, its error shape)
+//! - `conversation`: what the three APIs share before the template (several or late system
+//!   messages made into what the Qwen template accepts)
+//! - `stream`: one generation turned into the events of the Responses or Messages API
 //! - `log`: one line per request
 //! - `metrics`, `error`
 //!
 //! The async side never touches the model: handlers render and tokenise the prompt, queue a job,
 //! and turn the engine thread's events into OpenAI JSON.
 
+pub mod anthropic;
+pub mod conversation;
 pub mod error;
 pub mod fields;
 pub mod http;
@@ -20,7 +27,9 @@ pub mod log;
 pub mod messages;
 pub mod metrics;
 pub mod request;
+pub mod responses;
 pub mod routes;
+pub mod stream;
 pub mod structured;
 pub mod worker;
 
@@ -102,6 +111,7 @@ where
         metrics: Arc::new(metrics::Metrics::default()),
         started: Instant::now(),
         log: cfg.log.clone(),
+        responses: Arc::new(responses::Store::new(responses::STORE_RESPONSES, responses::STORE_BYTES)),
         shutdown: Arc::new(tokio::sync::watch::channel(None).0),
         drain_grace: Duration::from_secs(1),
     }

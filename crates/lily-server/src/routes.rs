@@ -58,6 +58,8 @@ pub struct AppState {
     /// Structured outputs: the grammar factory, built on first use.
     pub grammars: Arc<crate::structured::GrammarCell>,
     pub log: Option<RequestLog>,
+    /// Responses kept for `GET /v1/responses/{id}` and `previous_response_id` (bounded).
+    pub responses: Arc<crate::responses::Store>,
     /// When the shutdown began (None: serving).
     pub shutdown: Arc<tokio::sync::watch::Sender<Option<Instant>>>,
     /// After a shutdown begins, how long an answer waits for the engine to end it before it ends
@@ -78,7 +80,7 @@ impl AppState {
     }
 
     /// Resolves `drain_grace` after the shutdown began (never, while serving).
-    async fn grace_over(mut rx: tokio::sync::watch::Receiver<Option<Instant>>, grace: Duration) {
+    pub(crate) async fn grace_over(mut rx: tokio::sync::watch::Receiver<Option<Instant>>, grace: Duration) {
         let Ok(t) = rx.wait_for(Option::is_some).await.map(|t| t.unwrap()) else {
             return std::future::pending().await;
         };
@@ -90,6 +92,10 @@ pub fn router(state: AppState) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(crate::responses::create))
+        .route("/v1/responses/{id}", get(crate::responses::retrieve).delete(crate::responses::delete))
+        .route("/v1/messages", post(crate::anthropic::messages))
+        .route("/v1/messages/count_tokens", post(crate::anthropic::count_tokens))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route("/metrics", get(metrics))
@@ -101,18 +107,23 @@ pub fn router(state: AppState) -> Router {
             ApiError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "This method is not allowed on this route.")
         })
         .fallback(|| async { ApiError::not_found("This route was") })
+        // Errors on the Anthropic routes in Anthropic's shape (auth, routing and body errors too).
+        .layer(axum::middleware::from_fn(crate::anthropic::error_shape))
         .layer(axum::middleware::from_fn_with_state(state.clone(), crate::log::log_requests))
         .with_state(state)
 }
 
 async fn auth(State(app): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &app.api_key {
-        let ok = req
+        // `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY` (Anthropic), on every route.
+        let bearer = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .is_some_and(|k| k.trim() == key);
+        let x_api_key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok()).is_some_and(|k| k.trim() == key);
+        let ok = bearer || x_api_key;
         if !ok {
             app.metrics.count_status(401);
             return ApiError::unauthorized().into_response();
@@ -128,8 +139,11 @@ async fn health(State(app): State<AppState>) -> Json<Value> {
 
 fn model_object(app: &AppState) -> Value {
     let created = unix_now() - app.started.elapsed().as_secs();
+    // OpenAI's fields, and Anthropic's (`type`, `display_name`, `created_at`), so that both clients
+    // read the same list.
     let mut m = json!({"id": app.model_id, "object": "model", "created": created, "owned_by": "lily",
-        "max_model_len": app.ctx_size});
+        "max_model_len": app.ctx_size, "type": "model", "display_name": app.model_id,
+        "created_at": crate::anthropic::rfc3339(created)});
     if app.demo {
         m["description"] = json!("lily's built-in demo model: random weights of the Qwen3.6 architecture with the real tokenizer. It does not produce meaningful text.");
     }
@@ -137,7 +151,7 @@ fn model_object(app: &AppState) -> Value {
 }
 
 async fn models(State(app): State<AppState>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [model_object(&app)]}))
+    Json(json!({"object": "list", "data": [model_object(&app)], "has_more": false, "first_id": app.model_id, "last_id": app.model_id}))
 }
 
 /// `%XX` escapes decoded (invalid ones kept as they are).
@@ -179,7 +193,7 @@ async fn metrics(State(app): State<AppState>) -> Response {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
@@ -189,7 +203,7 @@ const DRAIN_FACTOR: usize = 16;
 /// Reads the body (at most `limit` bytes) and parses it as JSON. An oversized body is still read to
 /// its end (up to `DRAIN_FACTOR` × the limit, discarding it) before the 413 goes out, so the client
 /// gets the error instead of a connection reset in the middle of its upload.
-async fn read_json(body: Body, limit: usize, timeout: Duration) -> Result<Value, ApiError> {
+pub(crate) async fn read_json(body: Body, limit: usize, timeout: Duration) -> Result<Value, ApiError> {
     let mut stream = body.into_data_stream();
     let mut bytes: Vec<u8> = Vec::new();
     let mut seen = 0usize;
@@ -224,13 +238,15 @@ async fn read_json(body: Body, limit: usize, timeout: Duration) -> Result<Value,
 }
 
 /// A prompt ready for the engine, with what the response needs to know about it.
-struct Prepared {
-    prompt: Vec<u32>,
-    history: usize,
-    spec: GenSpec,
-    common: Common,
+pub(crate) struct Prepared {
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) history: usize,
+    /// The end of the system prompt (and tools) in `prompt`, where a snapshot is kept (0: none).
+    pub(crate) system: usize,
+    pub(crate) spec: GenSpec,
+    pub(crate) common: Common,
     /// Chat only: how to parse the output, and text forced into the answer before generation.
-    parse: Option<(ParserConfig, String)>,
+    pub(crate) parse: Option<(ParserConfig, String)>,
 }
 
 fn check_sampling(app: &AppState, common: &Common) -> Result<(), ApiError> {
@@ -240,7 +256,9 @@ fn check_sampling(app: &AppState, common: &Common) -> Result<(), ApiError> {
     })
 }
 
-fn gen_spec(app: &AppState, common: &Common, prompt_len: usize, prompt_param: &str) -> Result<GenSpec, ApiError> {
+/// `clamp`: a `max_tokens` beyond what the context leaves is cut to fit instead of refused (the
+/// Messages API, whose clients must send one and send the largest their model allows).
+fn gen_spec(app: &AppState, common: &Common, prompt_len: usize, prompt_param: &str, clamp: bool) -> Result<GenSpec, ApiError> {
     if prompt_len >= app.ctx_size {
         return Err(ApiError::invalid(
             prompt_param,
@@ -253,6 +271,7 @@ fn gen_spec(app: &AppState, common: &Common, prompt_len: usize, prompt_param: &s
     }
     let room = app.ctx_size - prompt_len;
     let max_tokens = match common.max_tokens {
+        Some(n) if n > room && clamp => room,
         Some(n) if n > room => {
             return Err(ApiError::invalid(
                 "max_tokens",
@@ -279,7 +298,7 @@ fn gen_spec(app: &AppState, common: &Common, prompt_len: usize, prompt_param: &s
 }
 
 /// Refuses a prompt too long to fit before spending tokeniser time on it.
-fn check_prompt_bytes(app: &AppState, bytes: usize, param: &str) -> Result<(), ApiError> {
+pub(crate) fn check_prompt_bytes(app: &AppState, bytes: usize, param: &str) -> Result<(), ApiError> {
     if bytes > app.max_prompt_bytes {
         return Err(ApiError::invalid(
             param,
@@ -293,7 +312,7 @@ fn check_prompt_bytes(app: &AppState, bytes: usize, param: &str) -> Result<(), A
     Ok(())
 }
 
-fn template_error(e: lily_template::TemplateError) -> ApiError {
+pub(crate) fn template_error(e: lily_template::TemplateError) -> ApiError {
     if e.is_request_error() {
         ApiError::invalid("messages", e.to_string())
     } else {
@@ -301,10 +320,20 @@ fn template_error(e: lily_template::TemplateError) -> ApiError {
     }
 }
 
-fn prepare_chat(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
+pub(crate) fn prepare_chat(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
+    prepare_chat_with(app, body, false)
+}
+
+/// [`prepare_chat`]; `clamp_max_tokens`: see [`gen_spec`].
+pub(crate) fn prepare_chat_with(app: &AppState, body: &Value, clamp_max_tokens: bool) -> Result<Prepared, ApiError> {
     let req: ChatRequest = parse_chat(body)?;
     check_sampling(app, &req.common)?;
     let mut body = body.clone();
+    // Several system messages, or one late in the conversation: as the template allows them.
+    if let Some(Value::Array(m)) = body.get("messages") {
+        let normalized = crate::conversation::normalize_system(m);
+        body["messages"] = Value::Array(normalized);
+    }
     let tools = match req.tool_choice {
         ToolChoice::None => {
             body.as_object_mut().unwrap().remove("tools");
@@ -347,13 +376,24 @@ fn prepare_chat(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
         }
         None => (app.tokenizer.encode(&format!("{text}{forced}")).map_err(tok_err)?, 0),
     };
-    let mut spec = gen_spec(app, &req.common, prompt.len(), "messages")?;
+    // The system prompt and tools, first in the prompt: their end is a snapshot point too.
+    let system = match text.strip_prefix("<|im_start|>system\n").and_then(|t| t.find("<|im_end|>\n")) {
+        Some(i) if history > 0 => {
+            let end = "<|im_start|>system\n".len() + i + "<|im_end|>\n".len();
+            match app.tokenizer.encode(&text[..end]) {
+                Ok(ids) if ids.len() < history && prompt.starts_with(&ids) => ids.len(),
+                _ => 0,
+            }
+        }
+        _ => 0,
+    };
+    let mut spec = gen_spec(app, &req.common, prompt.len(), "messages", clamp_max_tokens)?;
     if let Some((plan, param)) = crate::structured::chat_plan(&body, &req.tool_choice, &tools, thinking)? {
         spec.constraint = Some(crate::structured::compile(&app.grammars, &plan, param.as_deref())?);
     }
     let tools = tools.iter().map(crate::structured::parser_tool).collect();
     let cfg = ParserConfig { reasoning: thinking, tools, id_seed: None };
-    Ok(Prepared { prompt, history, spec, common: req.common, parse: Some((cfg, forced)) })
+    Ok(Prepared { prompt, history, system, spec, common: req.common, parse: Some((cfg, forced)) })
 }
 
 fn prepare_completion(app: &AppState, body: &Value) -> Result<Prepared, ApiError> {
@@ -364,28 +404,29 @@ fn prepare_completion(app: &AppState, body: &Value) -> Result<Prepared, ApiError
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt", "the prompt is empty"));
     }
-    let mut spec = gen_spec(app, &common, prompt.len(), "prompt")?;
+    let mut spec = gen_spec(app, &common, prompt.len(), "prompt", false)?;
     if let Some(a) = crate::structured::parse_answer(body)? {
         let plan = lily_grammar::Plan { answer: Some(a.format), ..Default::default() };
         spec.constraint = Some(crate::structured::compile(&app.grammars, &plan, Some(&a.param))?);
     }
-    Ok(Prepared { prompt, history: 0, spec, common, parse: None })
+    Ok(Prepared { prompt, history: 0, system: 0, spec, common, parse: None })
 }
 
 /// Sets the job's cancel flag when dropped (the client went away, or the response ended).
-struct CancelOnDrop(Arc<AtomicBool>);
+pub(crate) struct CancelOnDrop(Arc<AtomicBool>);
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
         self.0.store(true, Ordering::SeqCst);
     }
 }
 
-fn submit(app: &AppState, p: &Prepared) -> Result<(UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
+pub(crate) fn submit(app: &AppState, p: &Prepared) -> Result<(UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
     let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let job = Job {
         prompt: p.prompt.clone(),
         history: p.history,
+        system: p.system,
         spec: p.spec.clone(),
         events: tx,
         cancel: Arc::clone(&cancel),
@@ -413,7 +454,7 @@ async fn completions(State(app): State<AppState>, req: Request) -> Response {
 }
 
 /// A body that is not JSON is refused by its content type (none at all is taken as JSON).
-fn check_content_type(req: &Request) -> Result<(), ApiError> {
+pub(crate) fn check_content_type(req: &Request) -> Result<(), ApiError> {
     let Some(ct) = req.headers().get(header::CONTENT_TYPE) else { return Ok(()) };
     let ct = ct.to_str().unwrap_or("").to_ascii_lowercase();
     let essence = ct.split(';').next().unwrap_or("").trim();
@@ -499,7 +540,7 @@ enum Out {
     Error(ApiError),
 }
 
-fn rand_id() -> u64 {
+pub(crate) fn rand_id() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
     h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0));

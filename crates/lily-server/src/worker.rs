@@ -9,7 +9,7 @@ use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
 
-use lily_engine::{generate_cached, FinishReason, Flow, GenSpec, PrefixCache};
+use lily_engine::{generate_cached_at, FinishReason, Flow, GenSpec, PrefixCache};
 use lily_model::Backend;
 use lily_tokenizer::Tokenizer;
 use tokio::sync::mpsc::UnboundedSender;
@@ -20,6 +20,9 @@ pub struct Job {
     /// The first `history` prompt tokens are conversation history that a later request will
     /// share: the state is snapshotted there (0: no such snapshot).
     pub history: usize,
+    /// The first `system` prompt tokens are the system prompt and tools, which requests with other
+    /// conversations share (an agent's sub-agents, a retried first turn): snapshotted too (0: none).
+    pub system: usize,
     pub spec: GenSpec,
     pub events: UnboundedSender<Event>,
     pub cancel: Arc<AtomicBool>,
@@ -180,7 +183,7 @@ where
 }
 
 fn run<B: Backend>(backend: &mut B, tokenizer: &Tokenizer, cache: &mut PrefixCache<B::State>, st: &Stats, stop: &AtomicBool, job: Job) {
-    let Job { prompt, history, spec, events, cancel, .. } = job;
+    let Job { prompt, history, system, spec, events, cancel, .. } = job;
     st.jobs.fetch_add(1, Ordering::Relaxed);
     let started = |cached: usize| {
         st.prompt_tokens.fetch_add(prompt.len() as u64, Ordering::Relaxed);
@@ -204,7 +207,8 @@ fn run<B: Backend>(backend: &mut B, tokenizer: &Tokenizer, cache: &mut PrefixCac
             Flow::Continue
         }
     };
-    let outcome = match generate_cached(backend, cache, &prompt, history, tokenizer, &spec, started, on_step) {
+    let points = if system > 0 && system < history { vec![system, history] } else { vec![history] };
+    let outcome = match generate_cached_at(backend, cache, &prompt, &points, tokenizer, &spec, started, on_step) {
         Ok(Some(o)) => o.outcome,
         Ok(None) => return,
         Err(e) => {

@@ -64,6 +64,9 @@ pub fn default_config() -> ServerConfig {
 pub const TOOL_SCRIPT: &str = "<think>\nThe user wants the weather.\n</think>\n\nLet me check.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis & <Lyon>\n</parameter>\n</function>\n</tool_call><|im_end|>";
 /// The scripted answer to a prompt without tools (multi-byte characters on purpose).
 pub const PLAIN_SCRIPT: &str = "<think>\nJust greet.\n</think>\n\nHello there! Ünïcödé 🌷 works.<|im_end|>";
+/// The scripted answer to a prompt holding `[[patch]]`: a call of a freeform tool `apply_patch`
+/// whose one parameter, `input`, is a patch (as Codex's custom tool is offered to the model).
+pub const PATCH_SCRIPT: &str = "<think>\nA patch.\n</think>\n\n<tool_call>\n<function=apply_patch>\n<parameter=input>\n*** Begin Patch\n*** Add File: hello.txt\n+Hello \"world\"\n*** End Patch\n</parameter>\n</function>\n</tool_call><|im_end|>";
 /// Raw-prompt script (text completions): a prompt ending in "Count:" continues with it.
 pub const COUNT_SCRIPT: &str = "Count: one two three four five six seven eight nine ten.<|im_end|>";
 
@@ -114,6 +117,8 @@ impl Scripted {
         }
         let script = if text.contains("[[count]]") {
             COUNT_SCRIPT
+        } else if text.contains("[[patch]]") {
+            PATCH_SCRIPT
         } else if text.contains("<tools>") {
             TOOL_SCRIPT
         } else {
@@ -348,6 +353,64 @@ impl Server {
         let status = r.status().as_u16();
         let text = r.text().await.unwrap();
         (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// POSTs a JSON body with extra headers (no bearer key unless given); the status and the body
+    /// as JSON (Null if it is not JSON).
+    pub async fn post_with(&self, path: &str, headers: &[(&str, &str)], body: &Value) -> (u16, Value) {
+        let mut rb = self.http.post(self.url(path)).json(body);
+        for (k, v) in headers {
+            rb = rb.header(*k, *v);
+        }
+        let r = rb.send().await.unwrap();
+        let status = r.status().as_u16();
+        let text = r.text().await.unwrap();
+        (status, serde_json::from_str(&text).unwrap_or(Value::Null))
+    }
+
+    /// A streamed request's named events, `(event, data as JSON)`, checking that each event's name
+    /// is its data's `type` (as both the Responses and the Messages API send them).
+    pub async fn stream_events(&self, path: &str, headers: &[(&str, &str)], body: &Value) -> Vec<(String, Value)> {
+        let mut rb = self.auth(self.http.post(self.url(path))).json(body);
+        for (k, v) in headers {
+            rb = rb.header(*k, *v);
+        }
+        let r = rb.send().await.unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        let ct = r.headers().get("content-type").unwrap().to_str().unwrap().to_string();
+        assert!(ct.starts_with("text/event-stream"), "content-type {ct}");
+        let mut stream = r.bytes_stream();
+        let mut buf: Vec<u8> = Vec::new();
+        let mut out = Vec::new();
+        loop {
+            while let Some(pos) = buf.windows(2).position(|w| w == b"\n\n") {
+                let raw: Vec<u8> = buf.drain(..pos + 2).collect();
+                let text = String::from_utf8(raw).expect("SSE must be UTF-8");
+                let mut name = None;
+                let mut data = Vec::new();
+                for l in text.lines() {
+                    if let Some(n) = l.strip_prefix("event:") {
+                        name = Some(n.trim().to_string());
+                    } else if let Some(d) = l.strip_prefix("data:") {
+                        data.push(d.strip_prefix(' ').unwrap_or(d).to_string());
+                    }
+                }
+                if data.is_empty() {
+                    continue;
+                }
+                let v: Value = serde_json::from_str(&data.join("\n")).unwrap_or_else(|e| panic!("bad event data {data:?}: {e}"));
+                let name = name.unwrap_or_else(|| panic!("an event without a name: {v}"));
+                assert_eq!(v["type"].as_str(), Some(name.as_str()), "event name vs type: {v}");
+                out.push((name, v));
+            }
+            match stream.next().await {
+                Some(Ok(b)) => buf.extend_from_slice(&b),
+                Some(Err(e)) => panic!("stream error: {e}"),
+                None => break,
+            }
+        }
+        assert!(buf.iter().all(u8::is_ascii_whitespace), "stream ended mid-event");
+        out
     }
 
     pub async fn get(&self, path: &str) -> (u16, String) {
