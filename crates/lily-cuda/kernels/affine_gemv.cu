@@ -187,10 +187,12 @@ __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g));
 constexpr int STAGE_V4 = 4;  // x float4s each thread loads at once in stage_x
 
 // Activations (x, the router's indices and weights) are read from L2 (ld.global.cg), never through
-// L1 or the non-coherent path: with programmatic dependent launch an SM's L1 may still hold lines an
-// earlier kernel read there and a later one has since rewritten. Measured: with __ldg the fused decode
-// read the previous layer's expert indices under PDL (ppl 12.31 for 11.19 on tiny-a) and matched the
-// CPU without PDL, or with the indexed GEMVs launched without it.
+// the non-coherent path (__ldg, ld.global.nc), which promises data that is read-only for the whole
+// kernel: under programmatic dependent launch the kernel starts before its inputs are written.
+// Measured: with __ldg the fused decode read the previous layer's expert indices under PDL (ppl 12.31
+// for 11.19 on tiny-a) and matched the CPU without PDL, or with the indexed GEMVs launched without it.
+// (Whether a stale non-coherent cache line or a load scheduled ahead of the wait did it is not
+// settled: no SASS disassembler on the build machine.)
 // x -> shared memory, transposed: element j = chunk c, offset e lands in float4 (e/4)*nch + c, so lanes
 // reading consecutive chunks read consecutive 16-byte words; then (affine) the per-chunk sums of x.
 // With p.norm_w the staged values are x * norm_w and the function returns 1 / rms(x), which the caller
