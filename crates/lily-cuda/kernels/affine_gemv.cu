@@ -282,8 +282,7 @@ __device__ __forceinline__ float stage_x(const GemvParams& p, const float* x, fl
 template <bool SWIGLU>
 __device__ __forceinline__ void put_row(const GemvParams& p, float* y, int r, float a0, float a1, float inv, bool bad) {
     float out = SWIGLU ? silu_f(a0 * inv) * (a1 * inv) : a0 * inv;
-    // The residual is read from L2 (ld.global.cg): an L1 line filled here would hold elements other
-    // SMs are about to write, and a dependent kernel placed early on this SM (PDL) could read it stale.
+    // The residual is read from L2 (ld.global.cg), as every activation here (see stage_x).
     if (p.accumulate) out = __ldcg(y + r) + out;
     y[r] = bad ? __int_as_float(0x7fc00000) : out;
 }

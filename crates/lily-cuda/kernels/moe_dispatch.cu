@@ -259,8 +259,8 @@ __device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
     }
     if (p.shared) acc = CVec<V>::madd(acc, gate, reinterpret_cast<const T*>(p.shared)[(long long)tok * nv + c]);
     T* o = reinterpret_cast<T*>(p.out) + (long long)tok * nv + c;
-    // x + 1*sum: the residual add, rounded once; x read from L2 (ld.global.cg), as affine_gemv.cu's
-    // put_row explains.
+    // x + 1*sum: the residual add, rounded once; x read from L2 (ld.global.cg), as the GEMVs read
+    // activations (affine_gemv.cu, stage_x).
     if (p.accumulate) acc = CVec<V>::madd(__ldcg(o), 1.0f, acc);
     *o = acc;
 }
