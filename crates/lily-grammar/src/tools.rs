@@ -148,80 +148,8 @@ enum Value_ {
     Json(Value),
 }
 
-const T_STR: u8 = 1;
-const T_INT: u8 = 2;
-const T_NUM: u8 = 4;
-const T_BOOL: u8 = 8;
-const T_OBJ: u8 = 16;
-const T_ARR: u8 = 32;
-const T_NULL: u8 = 64;
-
-fn type_bit(t: &str) -> u8 {
-    match t {
-        "string" => T_STR,
-        "integer" => T_INT,
-        "number" => T_NUM,
-        "boolean" => T_BOOL,
-        "object" => T_OBJ,
-        "array" => T_ARR,
-        "null" => T_NULL,
-        _ => 0,
-    }
-}
-
-fn value_bit(v: &Value) -> u8 {
-    match v {
-        Value::String(_) => T_STR,
-        Value::Number(n) if n.is_i64() || n.is_u64() => T_INT | T_NUM,
-        Value::Number(_) => T_NUM,
-        Value::Bool(_) => T_BOOL,
-        Value::Object(_) => T_OBJ,
-        Value::Array(_) => T_ARR,
-        Value::Null => T_NULL,
-    }
-}
-
-/// The JSON types a schema admits, 0 for unknown: `lily-parser`'s reading (it decides whether a
-/// value is taken as raw text or parsed as JSON), which the grammar must agree with.
-fn schema_types(s: &Value, depth: usize) -> u8 {
-    if depth > 8 {
-        return 0;
-    }
-    let mut bits = 0;
-    match s.get("type") {
-        Some(Value::String(t)) => bits |= type_bit(t),
-        Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).for_each(|t| bits |= type_bit(t)),
-        _ => {}
-    }
-    if bits == 0 {
-        for key in ["anyOf", "oneOf", "allOf"] {
-            if let Some(Value::Array(branches)) = s.get(key) {
-                for b in branches {
-                    bits |= schema_types(b, depth + 1);
-                }
-            }
-        }
-    }
-    if bits == 0 {
-        if let Some(Value::Array(vs)) = s.get("enum") {
-            vs.iter().for_each(|v| bits |= value_bit(v));
-        }
-        if let Some(v) = s.get("const") {
-            bits |= value_bit(v);
-        }
-    }
-    if bits == 0 {
-        if s.get("properties").is_some() {
-            bits |= T_OBJ;
-        } else if s.get("items").is_some() {
-            bits |= T_ARR;
-        }
-    }
-    if s.get("nullable").and_then(Value::as_bool) == Some(true) && bits != 0 {
-        bits |= T_NULL;
-    }
-    bits
-}
+// The parser's reading of a parameter's schema (raw text or JSON), which the grammar must share.
+use lily_parser::{schema_types, T_STR};
 
 /// The parameters of an arguments schema, in its order.
 fn parameters(schema: &Value) -> Result<Vec<Param>, String> {

@@ -249,14 +249,14 @@ const AFTER_TC: &[&str] = &[TC_OPEN, THINK_CLOSE];
 /// Closing tags that are dropped when truncated at the end of generation.
 const CLOSERS: &[&str] = &[P_CLOSE, FN_CLOSE, TC_CLOSE];
 
-// JSON-schema type bits.
-const T_STR: u8 = 1;
-const T_INT: u8 = 2;
-const T_NUM: u8 = 4;
-const T_BOOL: u8 = 8;
-const T_OBJ: u8 = 16;
-const T_ARR: u8 = 32;
-const T_NULL: u8 = 64;
+// JSON-schema type bits ([`schema_types`]).
+pub const T_STR: u8 = 1;
+pub const T_INT: u8 = 2;
+pub const T_NUM: u8 = 4;
+pub const T_BOOL: u8 = 8;
+pub const T_OBJ: u8 = 16;
+pub const T_ARR: u8 = 32;
+pub const T_NULL: u8 = 64;
 
 /// Result of matching at the head of the buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -392,8 +392,11 @@ fn value_bit(v: &Value) -> u8 {
     }
 }
 
-/// The JSON types a schema admits (0 = unknown).
-fn schema_types(s: &Value, depth: usize) -> u8 {
+/// The JSON types a schema admits, as `T_*` bits (0 = unknown), looking at most 8 levels into
+/// `anyOf`/`oneOf`/`allOf` from `depth`. A tool parameter with no known type or one admitting a
+/// string is read as raw text, any other as JSON: `lily-grammar` builds its tool-call grammar on this
+/// same reading, so that the parser's reading of a value and the grammar's cannot drift apart.
+pub fn schema_types(s: &Value, depth: usize) -> u8 {
     if depth > 8 {
         return 0;
     }
