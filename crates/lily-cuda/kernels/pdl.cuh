@@ -7,6 +7,9 @@
 //      predecessor, and its successor's wait would no longer cover that one);
 //   2. call pdl_launch_dependents() once it no longer needs its SMs to itself: here right after the
 //      wait, so the next kernel's blocks are placed, and run up to their own wait, while this one works.
+// Reading a predecessor's output: use plain or ld.global.cg loads, not __ldg (ld.global.nc promises
+// data read-only for the kernel's whole life, which a kernel started early is not; the GEMVs read
+// stale expert indices that way, docs/PERF.md 2026-12-02). Weights, never written, may use it.
 // Without the attribute both are no-ops.
 #pragma once
 

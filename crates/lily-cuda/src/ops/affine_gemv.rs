@@ -267,14 +267,32 @@ pub fn gemv_tuned<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     decode: Q4Decode,
     variant: u32,
 ) -> Result<()> {
-    let (fam, afam) = match (w.bits(), decode) {
+    let (fam, afam) = gemv_family(w.bits(), decode)?;
+    run(dev, fam, afam, w, None, sel, x, x_per_slot, y, variant, Fuse::none(), None)
+}
+
+type Families = (&'static [&'static str; 7], Option<&'static [&'static str; 6]>);
+
+/// The register and pipelined kernel families of a plain GEMV.
+fn gemv_family(bits: u32, decode: Q4Decode) -> Result<Families> {
+    Ok(match (bits, decode) {
         (4, Q4Decode::Fast) => (&Q4, Some(&A_Q4)),
         (4, Q4Decode::Exact) => (&Q4X, None),
         (8, _) => (&Q8, Some(&A_Q8)),
         (16, _) => (&BF16, Some(&A_BF16)),
         (b, _) => return Err(CudaError::Shape(format!("no GEMV for {b}-bit weights"))),
-    };
-    run(dev, fam, afam, w, None, sel, x, x_per_slot, y, variant, Fuse::none(), None)
+    })
+}
+
+/// The register and pipelined kernel families of a SwiGLU GEMV, once gate and up are checked alike.
+fn swiglu_family(gate: &DeviceMatrix, up: &DeviceMatrix) -> Result<Families> {
+    check_pair(gate, up)?;
+    Ok(match gate.bits() {
+        4 => (&SW_Q4, Some(&A_SW_Q4)),
+        8 => (&SW_Q8, Some(&A_SW_Q8)),
+        16 => (&SW_BF16, Some(&A_SW_BF16)),
+        b => return Err(CudaError::Shape(format!("no SwiGLU GEMV for {b}-bit weights"))),
+    })
 }
 
 /// [`gemv`] with fusions (see [`Fuse`]).
@@ -287,12 +305,7 @@ pub fn gemv_fused<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     y: &mut Y,
     fuse: Fuse,
 ) -> Result<()> {
-    let (fam, afam) = match w.bits() {
-        4 => (&Q4, Some(&A_Q4)),
-        8 => (&Q8, Some(&A_Q8)),
-        16 => (&BF16, Some(&A_BF16)),
-        b => return Err(CudaError::Shape(format!("no GEMV for {b}-bit weights"))),
-    };
+    let (fam, afam) = gemv_family(w.bits(), Q4Decode::Fast)?;
     run(dev, fam, afam, w, None, sel, x, x_per_slot, y, 0, fuse, None)
 }
 
@@ -383,14 +396,8 @@ pub fn swiglu_tuned<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     y: &mut Y,
     variant: u32,
 ) -> Result<()> {
-    check_pair(gate, up)?;
-    let (fam, afam) = match gate.bits() {
-        4 => (&SW_Q4, &A_SW_Q4),
-        8 => (&SW_Q8, &A_SW_Q8),
-        16 => (&SW_BF16, &A_SW_BF16),
-        b => return Err(CudaError::Shape(format!("no SwiGLU GEMV for {b}-bit weights"))),
-    };
-    run(dev, fam, Some(afam), gate, Some(up), sel, x, x_per_slot, y, variant, Fuse::none(), None)
+    let (fam, afam) = swiglu_family(gate, up)?;
+    run(dev, fam, afam, gate, Some(up), sel, x, x_per_slot, y, variant, Fuse::none(), None)
 }
 
 /// [`swiglu`] with fusions (see [`Fuse`]).
@@ -405,14 +412,8 @@ pub fn swiglu_fused<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     y: &mut Y,
     fuse: Fuse,
 ) -> Result<()> {
-    check_pair(gate, up)?;
-    let (fam, afam) = match gate.bits() {
-        4 => (&SW_Q4, &A_SW_Q4),
-        8 => (&SW_Q8, &A_SW_Q8),
-        16 => (&SW_BF16, &A_SW_BF16),
-        b => return Err(CudaError::Shape(format!("no SwiGLU GEMV for {b}-bit weights"))),
-    };
-    run(dev, fam, Some(afam), gate, Some(up), sel, x, x_per_slot, y, 0, fuse, None)
+    let (fam, afam) = swiglu_family(gate, up)?;
+    run(dev, fam, afam, gate, Some(up), sel, x, x_per_slot, y, 0, fuse, None)
 }
 
 /// The MoE down projection with the combine fused, for one token: over `ns` slots (`k` routed, plus
@@ -503,7 +504,7 @@ where
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: smem as u32,
     };
-    launch_maybe_serial(dev, name, cfg, &params, pdl_debug() & 16 != 0)
+    launch(dev, name, cfg, &params)
 }
 
 fn check_pair(gate: &DeviceMatrix, up: &DeviceMatrix) -> Result<()> {
@@ -714,24 +715,5 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     // one block per row tile measured 15-40% slower).
     let cap = (dev.resident_blocks(name, threads, smem)? as usize / slots).max(1);
     let cfg = LaunchConfig { grid_dim: (want.min(cap) as u32, slots as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
-    let dbg = pdl_debug();
-    let serial = (dbg & 1 != 0 && fuse.norm.is_some()) || (dbg & 2 != 0 && fuse.accumulate) || (dbg & 4 != 0 && route.is_some()) || (dbg & 8 != 0 && sel.idx != 0);
-    launch_maybe_serial(dev, name, cfg, &params, serial)
-}
-
-/// `LILY_PDL_DEBUG` bits: launch these GEMVs without programmatic dependent launch (1: norm-fused,
-/// 2: accumulating, 4: router, 8: indexed, 16: down_mix).
-fn pdl_debug() -> u32 {
-    static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("LILY_PDL_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
-}
-
-fn launch_maybe_serial(dev: &Device, name: &'static str, cfg: LaunchConfig, params: &GemvParams, serial: bool) -> Result<()> {
-    let prev = dev.pdl();
-    if serial {
-        dev.set_pdl(false);
-    }
-    let r = launch(dev, name, cfg, params);
-    dev.set_pdl(prev);
-    r
+    launch(dev, name, cfg, &params)
 }
