@@ -49,53 +49,11 @@
 #include <stdint.h>
 #include "pdl.cuh"
 #include "route.cuh"
+#include "gemv.cuh"
 
 // The router entries select among up to 32 * ROUTE_NPER experts.
 constexpr int ROUTE_NPER = 16;
 
-struct GemvParams {
-    const uint4* w;           // [count, rows, chunks]
-    const uint16_t* scales;   // [count, rows, groups] (bf16 bits); unused for dense
-    const uint16_t* biases;
-    const uint4* w2;          // SwiGLU: the up projection, same shape as w
-    const uint16_t* scales2;
-    const uint16_t* biases2;
-    const uint32_t* idx;      // [slots] matrix per slot, or null: `matrix` for every slot
-    const float* x;           // [1 or slots, cols]
-    float* y;                 // [slots, rows]
-    long long x_stride;       // floats between consecutive slots' inputs; 0 = shared x
-    int rows;
-    int cols;
-    int count;
-    int group_shift;          // log2(group size); unused for dense
-    int matrix;
-    int pad_;
-    // Fusions (all off when zero/null; see "Fusions" at the top):
-    const float* norm_w;      // [cols] or null: the product uses RMSNorm(x) * norm_w (a shared x only)
-    float norm_eps;
-    int accumulate;           // y[r] += result instead of y[r] = result (the residual stream)
-    uint32_t* counter;        // router entries: finished blocks (0 between launches; the last resets it)
-    uint32_t* route_idx;      // router entries: [route_k] chosen experts, best first
-    float* route_w;           // router entries: [route_k] their weights
-    int route_e;              // router entries: the first route_e rows of y are the experts' logits
-    int route_k;
-    int route_renorm;
-    int pad2_;
-    const float* mix_w;       // mix entries: [mix_k] the weights of slots 0..mix_k-1
-    const float* gate_logit;  // mix entries: slot mix_k (if mix_shared) is weighted by sigmoid(*gate_logit)
-    int mix_k;
-    int mix_shared;
-};
-
-__device__ __forceinline__ float bf16_to_f32(uint16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
-
-__device__ __forceinline__ uint4 ld_stream(const uint4* p) {
-    uint4 v;
-    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p));
-    return v;
-}
 
 // 0.5 + q/32 from byte j of a word whose bytes are q << 3: the float 0x3F(q<<3)0000 has exponent 126
 // and mantissa q/16.
@@ -182,7 +140,6 @@ __device__ __forceinline__ float chunk_dot(uint4 w, float s, float b, const floa
     }
 }
 
-__device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g)); }
 
 constexpr int STAGE_V4 = 4;  // x float4s each thread loads at once in stage_x
 
@@ -278,14 +235,6 @@ __device__ __forceinline__ float stage_x(const GemvParams& p, const float* x, fl
     return 1.0f / sqrtf(t / (float)cols + p.norm_eps);
 }
 
-// Writes one output row: the fused scale, the SwiGLU, the residual add; NaN for a bad matrix index.
-template <bool SWIGLU>
-__device__ __forceinline__ void put_row(const GemvParams& p, float* y, int r, float a0, float a1, float inv, bool bad) {
-    float out = SWIGLU ? silu_f(a0 * inv) * (a1 * inv) : a0 * inv;
-    // The residual is read from L2 (ld.global.cg), as every activation here (see stage_x).
-    if (p.accumulate) out = __ldcg(y + r) + out;
-    y[r] = bad ? __int_as_float(0x7fc00000) : out;
-}
 
 // One batch of loads: U chunks (c0, c0+TPR, ...) of NR consecutive rows, of NW matrices (2 for SwiGLU).
 template <int MODE, int TPR, int U, int NR, int NW>
