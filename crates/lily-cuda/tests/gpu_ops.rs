@@ -418,6 +418,79 @@ fn gemv_every_variant() {
     println!("gemv variants: worst relative error {worst:.2e}");
 }
 
+/// The tensor-core kernels' tolerance: their f32 accumulation inside the mma does not round to
+/// nearest; measured up to 2.9e-5 here (5 rows of 8192 columns, SwiGLU of a normalised x), where the
+/// FFMA kernels stay under 2e-6. An indexing or decoding bug costs ≥ 1e-3.
+const TC_TOL: f64 = 5e-5;
+
+/// The tensor-core kernels (4-bit, group 64) with every K split a shape allows, against f64: plain,
+/// SwiGLU, the fused norm and residual add, indexed slots with a bad index, rows that are not whole
+/// 16-row tiles, 1 to 64 rounds of 128 columns.
+#[test]
+fn gemv_tensor_cores_every_split() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(31);
+    let mut worst = 0.0f64;
+    for (rows, cols) in [(77, 2048), (9, 512), (16, 128), (33, 256), (300, 1024), (17, 4096), (5, 8192), (1040, 2048)] {
+        let rounds = cols / 128;
+        let w = affine_matrix(&mut rng, 3, rows, cols, 4, 64, "bf16");
+        let u = affine_matrix(&mut rng, 3, rows, cols, 4, 64, "bf16");
+        let (dw, du) = (upload_matrix(&dev, &w).unwrap(), upload_matrix(&dev, &u).unwrap());
+        // x at the residual stream's scale, a norm weight around 1.
+        let x: Vec<f32> = rng.vec(cols).iter().map(|v| 5.0 * v).collect();
+        let nw: Vec<f32> = rng.vec(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let (xd, nwd) = (dev.upload(&x).unwrap(), dev.upload(&nw).unwrap());
+        let xn = ref_norm(&x, &nw, 1e-6);
+        let y0 = rng.vec(rows);
+        for ks in [1usize, 2, 4, 8] {
+            let variant = 9 + ks.trailing_zeros();
+            let label = format!("tc [{rows}x{cols}] ks {ks}");
+            let mut y = poisoned(&dev, rows);
+            let r = affine_gemv::gemv_tuned(&dev, &dw, Select::matrix(2), &xd, false, &mut y, Q4Decode::Fast, variant);
+            if rounds % ks != 0 {
+                assert!(r.is_err(), "{label}: a split that does not divide the rounds is refused");
+                continue;
+            }
+            r.unwrap();
+            worst = worst.max(check(&dev.download(&y).unwrap(), &ref_gemv(&w, 2, &x), TC_TOL, &label));
+            let mut y = poisoned(&dev, rows);
+            affine_gemv::swiglu_tuned(&dev, &dw, &du, Select::matrix(1), &xd, false, &mut y, variant).unwrap();
+            let want: Vec<f64> = ref_gemv(&w, 1, &x).iter().zip(ref_gemv(&u, 1, &x)).map(|(a, b)| silu64(*a) * b).collect();
+            worst = worst.max(check(&dev.download(&y).unwrap(), &want, TC_TOL, &format!("{label} swiglu")));
+        }
+        // Automatic split, with the fusions and indices.
+        let fuse = affine_gemv::Fuse::rms_norm(&dev, &nwd, 1e-6);
+        let mut y = dev.upload(&y0).unwrap();
+        affine_gemv::gemv_fused(&dev, &dw, Select::matrix(0), &xd, false, &mut y, fuse.accumulate()).unwrap();
+        let want: Vec<f64> = ref_gemv(&w, 0, &xn).iter().zip(&y0).map(|(a, b)| a + *b as f64).collect();
+        worst = worst.max(check(&dev.download(&y).unwrap(), &want, TC_TOL, &format!("tc [{rows}x{cols}] norm + residual")));
+        let idx = dev.upload(&[2u32, 0, 3, 1]).unwrap(); // 3 is past the stack of 3
+        let mut y = poisoned(&dev, 4 * rows);
+        affine_gemv::swiglu_fused(&dev, &dw, &du, Select::indexed(&dev, &idx), &xd, false, &mut y, fuse).unwrap();
+        let got = dev.download(&y).unwrap();
+        assert!(got[2 * rows..3 * rows].iter().all(|v| v.is_nan()), "tc [{rows}x{cols}]: the slot with a bad index must be NaN");
+        for (slot, m) in [(0usize, 2usize), (1, 0), (3, 1)] {
+            let want: Vec<f64> = ref_gemv(&w, m, &xn).iter().zip(ref_gemv(&u, m, &xn)).map(|(a, b)| silu64(*a) * b).collect();
+            worst = worst.max(check(&got[slot * rows..(slot + 1) * rows], &want, TC_TOL, &format!("tc [{rows}x{cols}] swiglu norm slot {slot}")));
+        }
+        // Per-slot x (the down projection).
+        let xs = rng.vec(2 * cols);
+        let xsd = dev.upload(&xs).unwrap();
+        let idx = dev.upload(&[1u32, 2]).unwrap();
+        let mut y = poisoned(&dev, 2 * rows);
+        affine_gemv::gemv(&dev, &dw, Select::indexed(&dev, &idx), &xsd, true, &mut y).unwrap();
+        let mut want = ref_gemv(&w, 1, &xs[..cols]);
+        want.extend(ref_gemv(&w, 2, &xs[cols..]));
+        worst = worst.max(check(&dev.download(&y).unwrap(), &want, TC_TOL, &format!("tc [{rows}x{cols}] per-slot x")));
+    }
+    // Not for other formats.
+    let w8 = upload_matrix(&dev, &affine_matrix(&mut rng, 1, 16, 256, 8, 64, "bf16")).unwrap();
+    let x = dev.upload(&rng.vec(256)).unwrap();
+    let mut y = poisoned(&dev, 16);
+    assert!(affine_gemv::gemv_tuned(&dev, &w8, Select::matrix(0), &x, false, &mut y, Q4Decode::Fast, 9).is_err());
+    println!("gemv tensor cores: worst relative error {worst:.2e} (tolerance {TC_TOL:.0e})");
+}
+
 #[test]
 fn gemv_rejects_bad_lengths() {
     let Some(dev) = device() else { return };
@@ -807,18 +880,25 @@ fn bench_ops() {
         let x = dev.upload(&rng.vec(cols)).unwrap();
         let mut y = dev.zeros::<f32>(rows).unwrap();
         let bytes = (w.bytes_per_matrix() + 4 * cols + 4 * rows) as f64;
-        // (decode, forced kernel): 0 = automatic (pipelined), 8 = register kernel, 5..=7 = pipelined
+        // (decode, forced kernel): 0 = automatic (4-bit: tensor cores), 8 = register kernel, 9..=12 = tensor
+        // cores with a K split of 1, 2, 4, 8, 5..=7 = pipelined
         // with (U, NR) = (1, 4), (2, 2), (4, 1); 1..=4 = register kernel with (1, 8), (2, 4), (4, 2), (8, 1).
         let variants: Vec<(Q4Decode, u32)> = if bits == 4 && (rows == 8192 || rows == 248320 || cols == 8192) {
-            let mut v = vec![(Q4Decode::Fast, 0), (Q4Decode::Fast, 8), (Q4Decode::Fast, 5), (Q4Decode::Fast, 6), (Q4Decode::Fast, 7)];
+            let mut v = vec![(Q4Decode::Fast, 0), (Q4Decode::Fast, 8), (Q4Decode::Fast, 5), (Q4Decode::Fast, 6), (Q4Decode::Fast, 7), (Q4Decode::Fast, 9), (Q4Decode::Fast, 10), (Q4Decode::Fast, 11), (Q4Decode::Fast, 12)];
             if rows == 248320 {
                 v.push((Q4Decode::Exact, 0));
             }
             v
+        } else if bits == 4 {
+            vec![(Q4Decode::Fast, 0), (Q4Decode::Fast, 8), (Q4Decode::Fast, 9), (Q4Decode::Fast, 10), (Q4Decode::Fast, 11), (Q4Decode::Fast, 12)]
         } else {
             vec![(Q4Decode::Fast, 0), (Q4Decode::Fast, 8)]
         };
         for (d, forced) in variants {
+            // A variant this shape does not have (too much shared memory, a K split that does not divide).
+            if affine_gemv::gemv_tuned(&dev, &w, Select::matrix(0), &x, false, &mut y, d, forced).is_err() {
+                continue;
+            }
             let (reps, batch) = if rows > 100_000 { (15, 4) } else { (25, 20) };
             let (t, s) = time_op(&dev, reps, batch, |i| {
                 affine_gemv::gemv_tuned(&dev, &w, Select::matrix(i % count), &x, false, &mut y, d, forced).unwrap()
@@ -827,6 +907,7 @@ fn bench_ops() {
                 (4, Q4Decode::Exact, _) => "gemv q4 exact (reg)".to_string(),
                 (_, _, 0) => format!("gemv q{bits}"),
                 (_, _, 8) => format!("gemv q{bits} reg"),
+                (_, _, f @ 9..=12) => format!("gemv q{bits} tc k{}", 1 << (f - 9)),
                 (_, _, f) => format!("gemv q{bits} async {}", ["u1r4", "u2r2", "u4r1"][f as usize - 5]),
             };
             rows_out.push(Row { kernel, shape: format!("{label} {rows}x{cols} g{gs}"), bytes, t, spread: s });
@@ -856,32 +937,34 @@ fn bench_ops() {
         let mut y1 = dev.zeros::<f32>(k * inter).unwrap();
         let mut y2 = dev.zeros::<f32>(k * hidden).unwrap();
         let b_gate = (k * gate.bytes_per_matrix() + 4 * hidden + 4 * k * inter) as f64;
-        for forced in [0u32, 8] {
+        let moe_kernel = |what: &str, forced: u32| match forced {
+            0 => format!("{what} (auto)"),
+            8 => format!("{what} reg"),
+            f => format!("{what} tc k{}", 1 << (f - 9)),
+        };
+        for forced in [0u32, 8, 9, 10, 11, 12] {
             let (t, s) = time_op(&dev, 25, 20, |i| {
                 affine_gemv::gemv_tuned(&dev, &gate, Select::indexed(&dev, &sets[i % 64]), &x, false, &mut y1, Q4Decode::Fast, forced)
                     .unwrap()
             });
-            let kernel = if forced == 0 { "gemv q4 indexed" } else { "gemv q4 indexed reg" };
+            let kernel = moe_kernel("gemv q4 indexed", forced);
             rows_out.push(Row { kernel: kernel.into(), shape: format!("gate 8 of {e} x {inter}x{hidden}"), bytes: b_gate, t, spread: s });
         }
         let b_sw = (2 * k * gate.bytes_per_matrix() + 4 * hidden + 4 * k * inter) as f64;
-        for forced in [0u32, 8] {
+        for forced in [0u32, 8, 9, 10, 11, 12] {
             let (t, s) = time_op(&dev, 25, 20, |i| {
                 affine_gemv::swiglu_tuned(&dev, &gate, &upm, Select::indexed(&dev, &sets[i % 64]), &x, false, &mut y1, forced).unwrap()
             });
-            let kernel = match forced {
-                0 => "swiglu q4 indexed".to_string(),
-                _ => "swiglu q4 indexed reg".to_string(),
-            };
+            let kernel = moe_kernel("swiglu q4 indexed", forced);
             rows_out.push(Row { kernel, shape: format!("gate+up 8 of {e} x {inter}x{hidden}"), bytes: b_sw, t, spread: s });
         }
         let b_down = (k * down.bytes_per_matrix() + 4 * k * inter + 4 * k * hidden) as f64;
-        for forced in [0u32, 8] {
+        for forced in [0u32, 8, 9, 10] {
             let (t, s) = time_op(&dev, 25, 20, |i| {
                 affine_gemv::gemv_tuned(&dev, &down, Select::indexed(&dev, &sets[i % 64]), &act, true, &mut y2, Q4Decode::Fast, forced)
                     .unwrap()
             });
-            let kernel = if forced == 0 { "gemv q4 indexed, x/slot" } else { "gemv q4 indexed, x/slot reg" };
+            let kernel = moe_kernel("gemv q4 indexed, x/slot", forced);
             rows_out.push(Row { kernel: kernel.into(), shape: format!("down 8 of {e} x {hidden}x{inter}"), bytes: b_down, t, spread: s });
         }
     }

@@ -11,7 +11,7 @@
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
-use super::{addr, addr_mut, launch};
+use super::{addr, addr_mut, affine_gemv_tc, launch};
 use crate::weights::{DeviceMatrix, DeviceStorage};
 use crate::{CudaError, Device, Result};
 
@@ -250,8 +250,10 @@ pub fn gemv_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     gemv_tuned(dev, w, sel, x, x_per_slot, y, decode, 0)
 }
 
-/// [`gemv_with`] with a forced kernel (benchmarks and tests). 0 = automatic (the pipelined kernel
-/// for rows of at least 4 chunks per lane when its shared memory fits, else the register one). Register kernel: 8 = its automatic choice,
+/// [`gemv_with`] with a forced kernel (benchmarks and tests). 0 = automatic (4-bit weights in groups
+/// of 64 with the fast decode: the tensor-core kernel, `affine_gemv_tc`, unless `LILY_GEMV=ffma`;
+/// otherwise the pipelined kernel for rows of at least 4 chunks per lane when its shared memory fits,
+/// else the register one). Tensor cores: 9..=12 = a K split of 1, 2, 4, 8. Register kernel: 8 = its automatic choice,
 /// 1..=4 = (U, NR) = (1, 8), (2, 4), (4, 2), (8, 1) chunks × rows in flight per lane (rows of more
 /// than 16 chunks). Pipelined kernel: 5..=7 = (U, NR) = (1, 4), (2, 2), (4, 1) per pipeline stage.
 /// The 4-bit `Exact` decode exists only in the register kernel.
@@ -382,7 +384,7 @@ pub fn swiglu<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     swiglu_tuned(dev, gate, up, sel, x, x_per_slot, y, 0)
 }
 
-/// [`swiglu`] with a forced kernel: 0 = automatic; register kernel 8 = automatic, 1..=3 = (U, NR) =
+/// [`swiglu`] with a forced kernel: 0 = automatic; tensor cores 9..=12 (as [`gemv_tuned`]); register kernel 8 = automatic, 1..=3 = (U, NR) =
 /// (1, 4), (2, 2), (4, 1); pipelined kernel 5..=7 = (1, 4), (2, 2), (4, 1).
 #[doc(hidden)]
 #[allow(clippy::too_many_arguments)]
@@ -610,6 +612,20 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     // Automatic choice, from the H200 table in docs/PERF.md: the pipelined kernel wins on long rows
     // (>= 4 chunks per lane: 2048x8192 11.8 vs 13.2 us, 2048x4096 7.7 vs 8.4 us) and ties elsewhere;
     // the register kernel wins on SwiGLU (8.8 vs 10.2 us) and on 8192x2048 (8.6 vs 9.3 us).
+    // The tensor-core kernels (affine_gemv_tc.cu) take 4-bit, group-64 weights with the fast decode,
+    // unless a variant 1..=8 forces an FFMA kernel: automatically (0) unless `LILY_GEMV=ffma`, or
+    // forced with the K split 9..=12 = 1, 2, 4, 8.
+    let group = match &w.storage {
+        DeviceStorage::Affine { params, .. } => params.group_size,
+        _ => 0,
+    };
+    let tc_ok = route.is_none() && (*fam == Q4 || *fam == SW_Q4) && affine_gemv_tc::fits(w.bits(), group, cols);
+    let tc_ks = match forced {
+        0 if tc_ok && affine_gemv_tc::enabled() && affine_gemv_tc::preferred(rows, cols, slots) => Some(0),
+        9..=12 if tc_ok => Some(1usize << (forced - 9)),
+        9..=12 => return Err(CudaError::Shape(format!("gemv: no tensor-core kernel for {}-bit weights, group {group}, cols {cols}", w.bits()))),
+        _ => None,
+    };
     let use_async = match forced {
         0 => async_fits && !swiglu && per_lane >= 4,
         5..=7 => {
@@ -709,6 +725,12 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     }
     if fuse.accumulate && params.x == params.y {
         return Err(CudaError::Shape("gemv: accumulating into its own input".into()));
+    }
+    // x (and the norm weight) are read as float4s by the tensor-core kernels.
+    if let Some(ks) = tc_ks.filter(|_| (params.x | params.norm_w) % 16 == 0) {
+        let (name, grid, smem) = affine_gemv_tc::plan(dev, rows, cols, slots, swiglu, ks)?;
+        let cfg = LaunchConfig { grid_dim: (grid, slots as u32, 1), block_dim: (affine_gemv_tc::THREADS, 1, 1), shared_mem_bytes: smem };
+        return launch(dev, name, cfg, &params);
     }
     let want = rows.div_ceil(rows_per_block);
     // At most the blocks that fit at once (blocks then stride over rows, paying the x copy once each;

@@ -10,6 +10,7 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKern
 use crate::{CudaError, Device, Result};
 
 pub mod affine_gemv;
+pub mod affine_gemv_tc;
 pub mod attention;
 pub mod attn_prefill;
 pub mod attn_prep;
@@ -26,6 +27,7 @@ pub mod util;
 /// Every kernel the ops use, by module (file stem): resolved once when the device opens.
 pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
     ("affine_gemv", affine_gemv::KERNELS),
+    ("affine_gemv_tc", affine_gemv_tc::KERNELS),
     ("attention", attention::KERNELS),
     ("attn_prefill", attn_prefill::KERNELS),
     ("attn_prep", attn_prep::KERNELS),
@@ -43,6 +45,7 @@ pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
 /// One-time function attributes (called by `Device::open`).
 pub(crate) fn configure(dev: &Device) -> Result<()> {
     affine_gemv::configure(dev)?;
+    affine_gemv_tc::configure(dev)?;
     gemm::configure(dev)?;
     attention::configure(dev)?;
     attn_prefill::configure(dev)

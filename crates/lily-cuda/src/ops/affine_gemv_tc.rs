@@ -1,0 +1,90 @@
+//! The tensor-core decode GEMV (`kernels/affine_gemv_tc.cu`): the 4-bit, group-64 case of
+//! [`super::affine_gemv`] (the checkpoints' format), chosen there when the shape allows it. This
+//! module knows the kernels' names, their shared memory and how the work is split; the parameters,
+//! the checks and the launch are `affine_gemv::run`'s.
+
+use std::sync::OnceLock;
+
+use cudarc::driver::sys::CUfunction_attribute;
+
+use crate::{CudaError, Device, Result};
+
+/// By K split 1, 2, 4, 8.
+const GEMV: [&str; 4] = ["affine_gemv_tc_q4_k1", "affine_gemv_tc_q4_k2", "affine_gemv_tc_q4_k4", "affine_gemv_tc_q4_k8"];
+const SWIGLU: [&str; 4] = ["affine_swiglu_tc_q4_k1", "affine_swiglu_tc_q4_k2", "affine_swiglu_tc_q4_k4", "affine_swiglu_tc_q4_k8"];
+pub(crate) const KERNELS: &[&str] = &[GEMV[0], GEMV[1], GEMV[2], GEMV[3], SWIGLU[0], SWIGLU[1], SWIGLU[2], SWIGLU[3]];
+
+/// Threads per block (8 warps), as `TC_WARPS` in the .cu.
+pub(crate) const THREADS: u32 = 256;
+/// Columns per round (4 lanes × 32 codes) and staged bytes per round (`TC_ROUND`).
+const ROUND_COLS: usize = 128;
+const ROUND_BYTES: usize = 960;
+/// Warp tasks (16-row tiles × K slices) wanted before the K split stops growing: 16 per SM.
+const WANT_TASKS: usize = 132 * 16;
+
+/// Lets the kernels use the device's opt-in shared memory (x is staged there: 7.5 bytes per column).
+pub(crate) fn configure(dev: &Device) -> Result<()> {
+    for name in KERNELS {
+        let f = dev.function(name)?;
+        let fixed = f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dev.max_smem_optin() as i32 - fixed)?;
+    }
+    Ok(())
+}
+
+/// Whether the automatic choice may take these kernels: `LILY_GEMV=ffma` keeps the FFMA kernels
+/// (read once; for A/B benchmarks).
+pub(crate) fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_GEMV").map(|v| v != "ffma").unwrap_or(true))
+}
+
+/// Whether a shape fits the kernels: 4-bit, group 64, whole rounds of 128 columns.
+pub(crate) fn fits(bits: u32, group: usize, cols: usize) -> bool {
+    bits == 4 && group == 64 && cols > 0 && cols % ROUND_COLS == 0
+}
+
+/// Whether the automatic choice takes them for a shape that fits: rows of up to 2048 columns, or
+/// many rows. Measured in the 4K decode graph (docs/PERF.md, 2026-12-02): faster on every projection
+/// of 2048 columns, on the down projections of 512 and on lm_head, slower on the [2048 x 4096]
+/// output projections (the K split's reduction across 8 warps of 4 rounds each).
+pub(crate) fn preferred(rows: usize, cols: usize, slots: usize) -> bool {
+    cols <= 2048 || rows * slots >= 16384
+}
+
+/// The launch for `rows × cols` over `slots`: (kernel, grid x, dynamic shared memory bytes).
+/// `ks`: the K split (1, 2, 4, 8), or 0 to choose it: the smallest that gives every SM 16 warp tasks,
+/// among those leaving each warp at least two rounds.
+pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu: bool, ks: usize) -> Result<(&'static str, u32, u32)> {
+    let rounds = cols / ROUND_COLS;
+    let tiles = rows.div_ceil(16);
+    let ks = if ks == 0 {
+        let mut pick = 1;
+        for k in [1usize, 2, 4, 8] {
+            if rounds % k != 0 || (k > 1 && rounds / k < 2) {
+                break;
+            }
+            pick = k;
+            if tiles * slots * k >= WANT_TASKS {
+                break;
+            }
+        }
+        pick
+    } else {
+        if ![1, 2, 4, 8].contains(&ks) || rounds % ks != 0 {
+            return Err(CudaError::Shape(format!("gemv (tensor cores): a K split of {ks} for {rounds} rounds of 128 columns")));
+        }
+        ks
+    };
+    let i = ks.trailing_zeros() as usize;
+    let name = if swiglu { SWIGLU[i] } else { GEMV[i] };
+    let nw = if swiglu { 2 } else { 1 };
+    let smem = rounds * ROUND_BYTES + 4 * (cols / 64) + 4 * 8 * nw * 16;
+    if smem > dev.max_smem_optin() as usize - 1024 {
+        return Err(CudaError::Shape(format!("gemv (tensor cores): cols {cols} needs {smem} bytes of shared memory")));
+    }
+    let per_block = 16 * (8 / ks);
+    let want = rows.div_ceil(per_block);
+    let cap = (dev.resident_blocks(name, THREADS, smem as u32)? as usize / slots).max(1);
+    Ok((name, want.min(cap) as u32, smem as u32))
+}
