@@ -22,6 +22,13 @@
 //     once and written once. Sums over Dk: in-lane, then two xor-shuffles. NR·4 ≥ Dk.
 //   gdn_gated_norm: y = w ⊙ x·rsqrt(mean(x²) + eps) ⊙ silu(z) per (token, value head) row of Dv,
 //     one warp per row (y may alias x).
+//   gdn_step_r{NR}: one decode token through all of the above in one launch (the same maths and
+//     order of operations): one block per value head j (8 state columns per warp, Dv/8 warps), which
+//     convolves its key head's q and k channels and its own v channels, computes its gates, runs the
+//     rule with the state in registers and writes the gated norm of its Dv outputs. The q/k channels
+//     of a key head are read by the Hv/Hk blocks of its value heads, launched as one thread-block
+//     cluster: each arrives on the cluster barrier once it has read the old conv state, and the first
+//     block of the cluster shifts that state after waiting on it (the v channels are one block's own).
 
 #include <stdint.h>
 #include "pdl.cuh"
@@ -57,6 +64,26 @@ struct GdnRecurrentParams {
     int dk;
     int dv;
     int pad_;
+};
+
+struct GdnStepParams {
+    const float* x;        // [C] the token's q | k | v projections (before the conv)
+    const float* conv_w;   // [C, K]
+    float* conv_state;     // [K-1, C], in place
+    const float* a;        // [Hv]
+    const float* b;        // [Hv]
+    const float* a_log;    // [Hv]
+    const float* dt_bias;  // [Hv]
+    float* state;          // [Hv, Dk, Dv], in place
+    const float* z;        // [Hv·Dv] the output gate's projection
+    const float* norm_w;   // [Dv]
+    float* y;              // [Hv·Dv] the gated norm of the rule's output
+    int hk;
+    int hv;
+    int dk;
+    int dv;
+    int k;
+    float eps;
 };
 
 struct GdnGatedNormParams {
@@ -328,3 +355,128 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_gated_norm(const GdnGated
     const float inv = 1.0f / sqrtf(ss / (float)p.dv + p.eps);
     for (int i = lane; i < p.dv; i += 32) y[i] = p.w[i] * (x[i] * inv) * silu_f(z[i]);
 }
+
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
+template <int NR>
+__device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
+    extern __shared__ float step_smem[];  // q [Dk] | k [Dk] | v [Dv] after the conv
+    constexpr int RG = 4;
+    const int j = blockIdx.x, ratio = p.hv / p.hk, kh = j / ratio;
+    const int dk = p.dk, dv = p.dv, K = p.k, hist = p.k - 1;
+    const long long kd = (long long)p.hk * dk;
+    const long long C = 2 * kd + (long long)p.hv * dv;
+    float* sq = step_smem;
+    float* sk = step_smem + dk;
+    float* sv = step_smem + 2 * dk;
+
+    // Conv + SiLU of the key head's q and k channels, from the old conv state (shifted at the end).
+    float ssq = 0.0f, ssk = 0.0f;
+    for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
+        const long long ch = c < dk ? kh * dk + c : kd + kh * dk + (c - dk);
+        float acc = 0.0f;
+        for (int i = 0; i < K; ++i) {
+            const float xv = i < hist ? p.conv_state[i * C + ch] : p.x[ch];
+            acc += p.conv_w[ch * K + i] * xv;
+        }
+        const float y = silu_f(acc);
+        if (c < dk) {
+            sq[c] = y;
+            ssq += y * y;
+        } else {
+            sk[c - dk] = y;
+            ssk += y * y;
+        }
+    }
+    // The v channels of head j are this block's alone: convolve and shift their state now.
+    for (int c = threadIdx.x; c < dv; c += blockDim.x) {
+        const long long ch = 2 * kd + (long long)j * dv + c;
+        float acc = 0.0f;
+        for (int i = 0; i < K; ++i) {
+            const float xv = i < hist ? p.conv_state[i * C + ch] : p.x[ch];
+            acc += p.conv_w[ch * K + i] * xv;
+        }
+        for (int r = 0; r < hist; ++r) p.conv_state[r * C + ch] = r + 1 < hist ? p.conv_state[(r + 1) * C + ch] : p.x[ch];
+        sv[c] = silu_f(acc);
+    }
+    cluster_arrive();  // this block is done reading the q/k conv state
+
+    // q <- l2norm(q)/sqrt(Dk), k <- l2norm(k) (gdn_block_sum ends with a barrier: sq, sk, sv are written).
+    ssq = gdn_block_sum(ssq);
+    ssk = gdn_block_sum(ssk);
+    const float qs = (1.0f / sqrtf(ssq + 1e-6f)) * (1.0f / sqrtf((float)dk));
+    const float ks = 1.0f / sqrtf(ssk + 1e-6f);
+    for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) step_smem[c] *= c < dk ? qs : ks;
+    __syncthreads();
+
+    // The gates of head j.
+    const float neg_a = -expf(p.a_log[j]);
+    const float ga = p.a[j] + p.dt_bias[j];
+    const float sp = ga > 20.0f ? ga : log1pf(expf(ga));
+    const float decay = expf(neg_a * sp);
+    const float bt = 1.0f / (1.0f + expf(-p.b[j]));
+
+    // The rule, as gdn_recurrent (T = 1): warp w owns columns 8w..8w+7, lane = rg·8 + column.
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int rg = lane >> 3;
+    const int col = warp * 8 + (lane & 7);
+    const bool active = col < dv;
+    float* S = p.state + (long long)j * dk * dv;
+    float s[NR];
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int d = rg + RG * i;
+        s[i] = (active && d < dk) ? S[(long long)d * dv + col] : 0.0f;
+    }
+    const float v = active ? sv[col] : 0.0f;
+    float kv = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int d = rg + RG * i;
+        kv += (d < dk ? sk[d] : 0.0f) * s[i];
+    }
+    kv += __shfl_xor_sync(0xffffffffu, kv, 8);
+    kv += __shfl_xor_sync(0xffffffffu, kv, 16);
+    const float delta = bt * (v - decay * kv);
+    float o = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int d = rg + RG * i;
+        const float kd_ = d < dk ? sk[d] : 0.0f, qd = d < dk ? sq[d] : 0.0f;
+        s[i] = decay * s[i] + kd_ * delta;
+        o += qd * s[i];
+    }
+    o += __shfl_xor_sync(0xffffffffu, o, 8);
+    o += __shfl_xor_sync(0xffffffffu, o, 16);
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int d = rg + RG * i;
+        if (active && d < dk) S[(long long)d * dv + col] = s[i];
+    }
+
+    // Gated RMSNorm of the head's Dv outputs.
+    const bool owner = active && rg == 0;
+    const float oss = gdn_block_sum(owner ? o * o : 0.0f);
+    const float inv = 1.0f / sqrtf(oss / (float)dv + p.eps);
+    if (owner) {
+        const long long i = (long long)j * dv + col;
+        p.y[i] = p.norm_w[col] * (o * inv) * silu_f(p.z[i]);
+    }
+
+    // Every block of the cluster has read the q/k conv state: its first block shifts it.
+    cluster_wait();
+    if (j % ratio == 0) {
+        for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
+            const long long ch = c < dk ? kh * dk + c : kd + kh * dk + (c - dk);
+            for (int r = 0; r < hist; ++r) p.conv_state[r * C + ch] = r + 1 < hist ? p.conv_state[(r + 1) * C + ch] : p.x[ch];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r2(const GdnStepParams p) { pdl_enter(); gdn_step<2>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r4(const GdnStepParams p) { pdl_enter(); gdn_step<4>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r8(const GdnStepParams p) { pdl_enter(); gdn_step<8>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r16(const GdnStepParams p) { pdl_enter(); gdn_step<16>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r32(const GdnStepParams p) { pdl_enter(); gdn_step<32>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r64(const GdnStepParams p) { pdl_enter(); gdn_step<64>(p); }

@@ -792,13 +792,20 @@ fn gdn_mixer(
             (a.qkv_raw.slice(0..t * c), a.z.slice(0..t * vd), a.b.slice(0..t * hv), a.a.slice(0..t * hv))
         }
     };
-    // causal conv + SiLU, q/k L2 norm, gates g and beta
     let (tt, c64, vd64, hv64) = (t as u64, c as u64, vd as u64, hv as u64);
     let kk = d.conv_kernel as u64;
-    dev.mark("gdn.conv", 4 * (2 * tt * c64 + 2 * (kk - 1) * c64 + kk * c64 + 4 * tt * hv64), 0)?;
-    gdn::conv_qk(dev, &d, t, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta)?;
     let (dk64, dv64) = (d.head_k_dim as u64, d.head_v_dim as u64);
     let state_bytes = 8 * hv64 * dk64 * dv64; // read and written
+    if dec.is_some() && t == 1 && gdn_step_on() && gdn::step_fits(&d) {
+        // One token: conv, gates, rule and gated norm in one launch.
+        dev.mark("gdn.step", state_bytes + 4 * (3 * c64 + 2 * (kk - 1) * c64 + kk * c64 + 3 * vd64 + 2 * hv64), 6 * hv64 * dk64 * dv64)?;
+        gdn::decode_step(dev, &d, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, ssm, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
+        mark_linear(dev, "gdn.out_proj", &g.out, t)?;
+        return affine_gemv::gemv_fused(dev, &g.out, Select::matrix(0), &a.normed_rule, false, &mut a.x, affine_gemv::Fuse::none().accumulate()); // x += [H]
+    }
+    // causal conv + SiLU, q/k L2 norm, gates g and beta
+    dev.mark("gdn.conv", 4 * (2 * tt * c64 + 2 * (kk - 1) * c64 + kk * c64 + 4 * tt * hv64), 0)?;
+    gdn::conv_qk(dev, &d, t, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta)?;
     // per token and value head: S·k, the rank-1 update and Sᵀq over [Dk, Dv] (recurrent form)
     dev.mark("gdn.rule", state_bytes + 4 * tt * (c64 + vd64 + 2 * hv64), 6 * tt * hv64 * dk64 * dv64)?;
     if t >= GDN_CHUNKED_MIN_TOKENS {
@@ -1062,6 +1069,13 @@ fn moe_decode(
     let y = a.expert_out.slice(0..k * h);
     dev.mark("moe.combine", 4 * ((k + 3) * h) as u64, 2 * ((k + 1) * h) as u64)?;
     moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, shared_terms, 1, k, h, &mut a.x, true) // x += [H]
+}
+
+/// Whether one decode token runs a GDN layer's conv, rule and gated norm as one kernel
+/// (`gdn::decode_step`); `LILY_GDN_STEP=0` keeps the three kernels (read once; for A/B benchmarks).
+fn gdn_step_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_GDN_STEP").map(|v| v != "0").unwrap_or(true))
 }
 
 /// Two decode fusions are built and tested but off by default, because they measured slower

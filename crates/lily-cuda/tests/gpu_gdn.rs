@@ -246,6 +246,62 @@ fn gdn_split_sequence_equals_whole() {
     println!("split 20+1+19 vs CPU whole: out {e_o:.1e} state {e_s:.1e} conv_state {e_c:.1e}");
 }
 
+/// The one-launch decode step (`gdn::decode_step`: conv, gates, rule and gated norm) against the
+/// CPU over 4 consecutive tokens carrying both states: the gated norm's output, the conv state and
+/// the recurrent state after each token. Real sizes, Hv/Hk = 1, 2, 3, 4 and 8 (cluster sizes), small
+/// and odd head dims, K = 2..5.
+#[test]
+fn gdn_decode_step_matches_cpu() {
+    let Some(dev) = device() else { return };
+    let cases = [REAL, dims(32, 32, 128, 128, 4), dims(2, 4, 32, 32, 4), dims(3, 9, 21, 40, 3), dims(1, 4, 7, 8, 5), dims(2, 16, 64, 16, 2), dims(4, 4, 200, 72, 4)];
+    for (i, d) in cases.iter().enumerate() {
+        assert!(gdn::step_fits(d), "{d:?}");
+        let mut rng = Rng::new(500 + i as u64);
+        let mut inp = inputs(&mut rng, d, 1);
+        let (c, hv, vd) = (d.conv_dim(), d.num_v_heads, d.value_dim());
+        let conv_w = dev.upload(&inp.conv_w).unwrap();
+        let (a_log, dt_bias) = (dev.upload(&inp.a_log).unwrap(), dev.upload(&inp.dt_bias).unwrap());
+        let nw = dev.upload(&inp.norm_w).unwrap();
+        let mut conv_state = dev.upload(&inp.conv_state).unwrap();
+        let mut state = dev.upload(&inp.state).unwrap();
+        let mut worst = 0.0f64;
+        for step in 0..4 {
+            if step > 0 {
+                // A new token, the states carried over from the CPU's previous step.
+                let next = inputs(&mut rng, d, 1);
+                inp.x = next.x;
+                inp.a = next.a;
+                inp.b = next.b;
+                inp.z = next.z;
+            }
+            let want = cpu_layer(&inp, d, 1);
+            let (x, a, b, z) = (dev.upload(&inp.x).unwrap(), dev.upload(&inp.a).unwrap(), dev.upload(&inp.b).unwrap(), dev.upload(&inp.z).unwrap());
+            let mut y = poisoned(&dev, vd);
+            gdn::decode_step(&dev, d, &x, &conv_w, &mut conv_state, &a, &b, &a_log, &dt_bias, &mut state, &z, &nw, EPS, &mut y).unwrap();
+            let what = format!("{d:?} step {step}");
+            worst = worst.max(check(&dev.download(&y).unwrap(), &want.y, &format!("{what}: y")));
+            worst = worst.max(check(&dev.download(&conv_state).unwrap(), &want.conv_state, &format!("{what}: conv state")));
+            worst = worst.max(check(&dev.download(&state).unwrap(), &want.state, &format!("{what}: state")));
+            inp.conv_state = want.conv_state;
+            inp.state = want.state;
+            // Keep the device's states on the CPU's exactly, so each step is checked on its own.
+            conv_state = dev.upload(&inp.conv_state).unwrap();
+            state = dev.upload(&inp.state).unwrap();
+        }
+        let _ = (c, hv);
+        println!("{d:?}: decode step, 4 tokens: worst {worst:.1e}");
+    }
+    // Shapes it does not take are refused (Dv not a multiple of 8, Hv/Hk > 8), not run.
+    for d in [dims(2, 4, 21, 37, 3), dims(1, 16, 16, 16, 4), dims(1, 1, 16, 256, 4)] {
+        assert!(!gdn::step_fits(&d), "{d:?}");
+        let inp = inputs(&mut Rng::new(9), &d, 1);
+        let up = |v: &Vec<f32>| dev.upload(v).unwrap();
+        let (mut cs, mut st, mut y) = (up(&inp.conv_state), up(&inp.state), poisoned(&dev, d.value_dim()));
+        let r = gdn::decode_step(&dev, &d, &up(&inp.x), &up(&inp.conv_w), &mut cs, &up(&inp.a), &up(&inp.b), &up(&inp.a_log), &up(&inp.dt_bias), &mut st, &up(&inp.z), &up(&inp.norm_w), EPS, &mut y);
+        assert!(r.is_err(), "{d:?}");
+    }
+}
+
 #[test]
 fn gdn_rejects_bad_shapes() {
     let Some(dev) = device() else { return };

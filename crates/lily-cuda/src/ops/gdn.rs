@@ -1,7 +1,8 @@
 //! Gated DeltaNet decode kernels (`kernels/gdn.cu`), f32 activations and f32 state, matching
 //! `lily_cpu::gdn` (same layouts): [`conv_qk`] (causal conv + SiLU + q/k L2 norm + gates, one launch),
 //! [`delta_rule_recurrent`] (the state kept in registers for all T tokens) and [`gated_rmsnorm`].
-//! All three take T tokens and process them in order inside the kernel (decode: T = 1).
+//! All three take T tokens and process them in order inside the kernel. One decode token takes
+//! [`decode_step`] instead where the shape allows ([`step_fits`]): all three in one launch.
 //!
 //! Layouts: qkv [T, C] with C = 2·Hk·Dk + Hv·Dv ordered q | k | v, head-major; conv state [K-1, C];
 //! recurrent state [Hv, Dk, Dv] (HF order S[h][i_k][j_v]); value head j reads key head j / (Hv/Hk).
@@ -72,6 +73,31 @@ struct GdnRecurrentParams {
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for GdnRecurrentParams {}
 
+/// Must match `struct GdnStepParams` in `kernels/gdn.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct GdnStepParams {
+    x: u64,
+    conv_w: u64,
+    conv_state: u64,
+    a: u64,
+    b: u64,
+    a_log: u64,
+    dt_bias: u64,
+    state: u64,
+    z: u64,
+    norm_w: u64,
+    y: u64,
+    hk: i32,
+    hv: i32,
+    dk: i32,
+    dv: i32,
+    k: i32,
+    eps: f32,
+}
+// SAFETY: plain old data with the kernel's layout.
+unsafe impl DeviceRepr for GdnStepParams {}
+
 /// Must match `struct GdnGatedNormParams` in `kernels/gdn.cu`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default)]
@@ -98,7 +124,23 @@ const RECURRENT: &[(usize, &str)] = &[
     (64, "gdn_recurrent_r64"),
 ];
 
+/// (rows per lane, kernel) of the one-token step kernels, as [`RECURRENT`].
+const STEP: &[(usize, &str)] = &[
+    (2, "gdn_step_r2"),
+    (4, "gdn_step_r4"),
+    (8, "gdn_step_r8"),
+    (16, "gdn_step_r16"),
+    (32, "gdn_step_r32"),
+    (64, "gdn_step_r64"),
+];
+
 pub(crate) const KERNELS: &[&str] = &[
+    "gdn_step_r2",
+    "gdn_step_r4",
+    "gdn_step_r8",
+    "gdn_step_r16",
+    "gdn_step_r32",
+    "gdn_step_r64",
     "gdn_conv_qk",
     "gdn_conv_qk_tiled",
     "gdn_conv_finish",
@@ -308,4 +350,76 @@ where
         shared_mem_bytes: 0,
     };
     launch(dev, "gdn_gated_norm", cfg, &p)
+}
+
+/// Whether [`decode_step`] takes these dims: Dv a multiple of 8 up to 128 (one block of Dv/8 warps per
+/// value head), at most 8 value heads per key head (one thread-block cluster), the checks of the
+/// other kernels.
+pub fn step_fits(dims: &GdnDims) -> bool {
+    let (hk, hv, dv) = (dims.num_k_heads, dims.num_v_heads, dims.head_v_dim);
+    check(dims, 1).is_ok() && dv % 8 == 0 && dv <= 128 && hk > 0 && hv % hk == 0 && hv / hk <= 8
+}
+
+/// One decode token through the whole recurrent part of a GDN layer in one launch: [`conv_qk`]
+/// (x: the token's [C] projections; the conv state shifted in place), [`delta_rule_recurrent`] (state
+/// [Hv, Dk, Dv] in place) and [`gated_rmsnorm`] with z [Hv·Dv] and the weight w [Dv] into y [Hv·Dv].
+/// The same maths in the same order as the three; g and beta are not written out. Needs
+/// [`step_fits`]; launched as clusters of the Hv/Hk value heads of a key head.
+#[allow(clippy::too_many_arguments)]
+pub fn decode_step<X, W, CS, A, B, AL, DB, S, Z, NW, Y>(
+    dev: &Device,
+    dims: &GdnDims,
+    x: &X,
+    conv_w: &W,
+    conv_state: &mut CS,
+    a: &A,
+    b: &B,
+    a_log: &AL,
+    dt_bias: &DB,
+    state: &mut S,
+    z: &Z,
+    norm_w: &NW,
+    eps: f32,
+    y: &mut Y,
+) -> Result<()>
+where
+    X: DevicePtr<f32>,
+    W: DevicePtr<f32>,
+    CS: DevicePtrMut<f32>,
+    A: DevicePtr<f32>,
+    B: DevicePtr<f32>,
+    AL: DevicePtr<f32>,
+    DB: DevicePtr<f32>,
+    S: DevicePtrMut<f32>,
+    Z: DevicePtr<f32>,
+    NW: DevicePtr<f32>,
+    Y: DevicePtrMut<f32>,
+{
+    if !step_fits(dims) {
+        return Err(CudaError::Shape(format!("gdn step: unsupported dims {dims:?} (Dv a multiple of 8 up to 128, Hv/Hk ≤ 8)")));
+    }
+    let (c, hv, k, vd) = (dims.conv_dim(), dims.num_v_heads, dims.conv_kernel, dims.value_dim());
+    let p = GdnStepParams {
+        x: addr(dev, x, c, "gdn step x")?,
+        conv_w: addr(dev, conv_w, c * k, "gdn step conv_w")?,
+        conv_state: addr_mut(dev, conv_state, dims.conv_state_len(), "gdn step conv_state")?,
+        a: addr(dev, a, hv, "gdn step a")?,
+        b: addr(dev, b, hv, "gdn step b")?,
+        a_log: addr(dev, a_log, hv, "gdn step a_log")?,
+        dt_bias: addr(dev, dt_bias, hv, "gdn step dt_bias")?,
+        state: addr_mut(dev, state, dims.state_len(), "gdn step state")?,
+        z: addr(dev, z, vd, "gdn step z")?,
+        norm_w: addr(dev, norm_w, dims.head_v_dim, "gdn step norm_w")?,
+        y: addr_mut(dev, y, vd, "gdn step y")?,
+        hk: dims.num_k_heads as i32,
+        hv: hv as i32,
+        dk: dims.head_k_dim as i32,
+        dv: dims.head_v_dim as i32,
+        k: k as i32,
+        eps,
+    };
+    let &(_, name) = STEP.iter().find(|(nr, _)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ MAX_DK checked");
+    let smem = (4 * (2 * dims.head_k_dim + dims.head_v_dim)) as u32;
+    let cfg = LaunchConfig { grid_dim: (hv as u32, 1, 1), block_dim: (4 * dims.head_v_dim as u32, 1, 1), shared_mem_bytes: smem };
+    super::launch_cluster(dev, name, cfg, (hv / dims.num_k_heads) as u32, &p)
 }

@@ -108,11 +108,37 @@ pub(crate) fn launch<P: DeviceRepr>(dev: &Device, name: &'static str, cfg: Launc
 /// `cuLaunchKernelEx` with the programmatic-stream-serialization attribute: the kernel may be placed
 /// while its predecessor on the stream runs, and waits for it in `griddepcontrol.wait`.
 fn launch_programmatic<P: DeviceRepr>(dev: &Device, f: &cudarc::driver::CudaFunction, cfg: LaunchConfig, params: &P) -> Result<()> {
+    launch_ex(dev, f, cfg, true, 1, params)
+}
+
+/// [`launch`] in thread-block clusters of `cluster` consecutive blocks along x (grid x must be a
+/// multiple of it), with programmatic dependent launch when the device has it on.
+pub(crate) fn launch_cluster<P: DeviceRepr>(dev: &Device, name: &'static str, cfg: LaunchConfig, cluster: u32, params: &P) -> Result<()> {
+    if cluster == 0 || cfg.grid_dim.0 % cluster != 0 {
+        return Err(CudaError::Shape(format!("{name}: a grid of {} blocks in clusters of {cluster}", cfg.grid_dim.0)));
+    }
+    let f = dev.function(name)?;
+    launch_ex(dev, f, cfg, dev.pdl(), cluster, params)
+}
+
+/// `cuLaunchKernelEx` with the chosen attributes: programmatic stream serialization, a cluster size.
+fn launch_ex<P: DeviceRepr>(dev: &Device, f: &cudarc::driver::CudaFunction, cfg: LaunchConfig, pdl: bool, cluster: u32, params: &P) -> Result<()> {
     use cudarc::driver::sys;
-    // SAFETY: a zeroed attribute is a valid value of this plain C union/struct; its id and value are set below.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-    attr.value.programmaticStreamSerializationAllowed = 1;
+    // SAFETY: zeroed attributes are valid values of this plain C union/struct; ids and values are set below.
+    let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+    let mut n = 0;
+    if pdl {
+        attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attrs[n].value.programmaticStreamSerializationAllowed = 1;
+        n += 1;
+    }
+    if cluster > 1 {
+        attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+        attrs[n].value.clusterDim.x = cluster;
+        attrs[n].value.clusterDim.y = 1;
+        attrs[n].value.clusterDim.z = 1;
+        n += 1;
+    }
     let lc = sys::CUlaunchConfig {
         gridDimX: cfg.grid_dim.0,
         gridDimY: cfg.grid_dim.1,
@@ -122,8 +148,8 @@ fn launch_programmatic<P: DeviceRepr>(dev: &Device, f: &cudarc::driver::CudaFunc
         blockDimZ: cfg.block_dim.2,
         sharedMemBytes: cfg.shared_mem_bytes,
         hStream: dev.stream().cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
+        attrs: attrs.as_mut_ptr(),
+        numAttrs: n as u32,
     };
     let mut args = [params as *const P as *mut std::ffi::c_void];
     dev.context().bind_to_thread()?;
