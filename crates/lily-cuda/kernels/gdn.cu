@@ -23,12 +23,14 @@
 //   gdn_gated_norm: y = w ⊙ x·rsqrt(mean(x²) + eps) ⊙ silu(z) per (token, value head) row of Dv,
 //     one warp per row (y may alias x).
 //   gdn_step_r{NR}: one decode token through all of the above in one launch (the same maths and
-//     order of operations): one block per value head j (8 state columns per warp, Dv/8 warps), which
-//     convolves its key head's q and k channels and its own v channels, computes its gates, runs the
-//     rule with the state in registers and writes the gated norm of its Dv outputs. The q/k channels
-//     of a key head are read by the Hv/Hk blocks of its value heads, launched as one thread-block
-//     cluster: each arrives on the cluster barrier once it has read the old conv state, and the first
-//     block of the cluster shifts that state after waiting on it (the v channels are one block's own).
+//     order of operations): S blocks per value head j, each with Dv/S of its state columns (8 per
+//     warp), which convolve the key head's q and k channels and their own v channels, compute the
+//     gates, run the rule with the state in registers and write the gated norm of their outputs.
+//     The blocks of a key head's Hv/Hk value heads form one thread-block cluster: the norm's sum of
+//     squares is exchanged between a head's S blocks through distributed shared memory, and the
+//     shared q/k conv state is shifted by the cluster's first block once every block has read it
+//     (both after one cluster barrier; a second one keeps each block's shared memory alive until
+//     the others have read it). The v channels are each one block's own.
 
 #include <stdint.h>
 #include "pdl.cuh"
@@ -84,6 +86,8 @@ struct GdnStepParams {
     int dv;
     int k;
     float eps;
+    int slices;            // blocks per value head (each Dv/slices columns); Hv/Hk · slices ≤ 8
+    int pad_;
 };
 
 struct GdnGatedNormParams {
@@ -361,10 +365,14 @@ __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.w
 
 template <int NR>
 __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
-    extern __shared__ float step_smem[];  // q [Dk] | k [Dk] | v [Dv] after the conv
+    extern __shared__ float step_smem[];  // q [Dk] | k [Dk] | v [Dv/S] after the conv
+    __shared__ float ss_part;            // this block's sum of squares of its outputs (read by the head's blocks)
     constexpr int RG = 4;
-    const int j = blockIdx.x, ratio = p.hv / p.hk, kh = j / ratio;
+    const int S = p.slices;
+    const int j = blockIdx.x / S, slice = blockIdx.x % S;
+    const int ratio = p.hv / p.hk, kh = j / ratio;
     const int dk = p.dk, dv = p.dv, K = p.k, hist = p.k - 1;
+    const int cols = dv / S, c0 = slice * cols;  // this block's state columns
     const long long kd = (long long)p.hk * dk;
     const long long C = 2 * kd + (long long)p.hv * dv;
     float* sq = step_smem;
@@ -389,9 +397,9 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
             ssk += y * y;
         }
     }
-    // The v channels of head j are this block's alone: convolve and shift their state now.
-    for (int c = threadIdx.x; c < dv; c += blockDim.x) {
-        const long long ch = 2 * kd + (long long)j * dv + c;
+    // This block's v channels are its own: convolve and shift their state now.
+    for (int c = threadIdx.x; c < cols; c += blockDim.x) {
+        const long long ch = 2 * kd + (long long)j * dv + c0 + c;
         float acc = 0.0f;
         for (int i = 0; i < K; ++i) {
             const float xv = i < hist ? p.conv_state[i * C + ch] : p.x[ch];
@@ -400,7 +408,6 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
         for (int r = 0; r < hist; ++r) p.conv_state[r * C + ch] = r + 1 < hist ? p.conv_state[(r + 1) * C + ch] : p.x[ch];
         sv[c] = silu_f(acc);
     }
-    cluster_arrive();  // this block is done reading the q/k conv state
 
     // q <- l2norm(q)/sqrt(Dk), k <- l2norm(k) (gdn_block_sum ends with a barrier: sq, sk, sv are written).
     ssq = gdn_block_sum(ssq);
@@ -417,19 +424,20 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     const float decay = expf(neg_a * sp);
     const float bt = 1.0f / (1.0f + expf(-p.b[j]));
 
-    // The rule, as gdn_recurrent (T = 1): warp w owns columns 8w..8w+7, lane = rg·8 + column.
+    // The rule, as gdn_recurrent (T = 1): warp w owns columns c0 + 8w .. +7, lane = rg·8 + column.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int rg = lane >> 3;
-    const int col = warp * 8 + (lane & 7);
-    const bool active = col < dv;
-    float* S = p.state + (long long)j * dk * dv;
+    const int lc = warp * 8 + (lane & 7);  // column within the block
+    const int col = c0 + lc;
+    const bool active = lc < cols;
+    float* St = p.state + (long long)j * dk * dv;
     float s[NR];
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
         const int d = rg + RG * i;
-        s[i] = (active && d < dk) ? S[(long long)d * dv + col] : 0.0f;
+        s[i] = (active && d < dk) ? St[(long long)d * dv + col] : 0.0f;
     }
-    const float v = active ? sv[col] : 0.0f;
+    const float v = active ? sv[lc] : 0.0f;
     float kv = 0.0f;
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
@@ -452,26 +460,42 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
         const int d = rg + RG * i;
-        if (active && d < dk) S[(long long)d * dv + col] = s[i];
+        if (active && d < dk) St[(long long)d * dv + col] = s[i];
     }
 
-    // Gated RMSNorm of the head's Dv outputs.
+    // Gated RMSNorm over the head's Dv outputs: this block's part of the sum of squares, then the
+    // head's S parts (in slice order, in every block alike) through distributed shared memory.
     const bool owner = active && rg == 0;
-    const float oss = gdn_block_sum(owner ? o * o : 0.0f);
+    const float part = gdn_block_sum(owner ? o * o : 0.0f);
+    if (threadIdx.x == 0) ss_part = part;
+    cluster_arrive();  // ss_part written; this block is done reading the q/k conv state
+    cluster_wait();
+    float oss = 0.0f;
+    const uint32_t local = (uint32_t)__cvta_generic_to_shared(&ss_part);
+    const int rank0 = (j % ratio) * S;  // the head's first block in the cluster
+    for (int t = 0; t < S; ++t) {
+        uint32_t remote;
+        float v2;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank0 + t));
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v2) : "r"(remote) : "memory");
+        oss += v2;
+    }
     const float inv = 1.0f / sqrtf(oss / (float)dv + p.eps);
     if (owner) {
         const long long i = (long long)j * dv + col;
         p.y[i] = p.norm_w[col] * (o * inv) * silu_f(p.z[i]);
     }
 
-    // Every block of the cluster has read the q/k conv state: its first block shifts it.
-    cluster_wait();
-    if (j % ratio == 0) {
+    // Every block of the cluster has read the q/k conv state: the cluster's first block shifts it.
+    if (j % ratio == 0 && slice == 0) {
         for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) {
             const long long ch = c < dk ? kh * dk + c : kd + kh * dk + (c - dk);
             for (int r = 0; r < hist; ++r) p.conv_state[r * C + ch] = r + 1 < hist ? p.conv_state[(r + 1) * C + ch] : p.x[ch];
         }
     }
+    // No block leaves while another may still read its ss_part.
+    cluster_arrive();
+    cluster_wait();
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r2(const GdnStepParams p) { pdl_enter(); gdn_step<2>(p); }

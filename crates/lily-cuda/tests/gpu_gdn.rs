@@ -248,12 +248,22 @@ fn gdn_split_sequence_equals_whole() {
 
 /// The one-launch decode step (`gdn::decode_step`: conv, gates, rule and gated norm) against the
 /// CPU over 4 consecutive tokens carrying both states: the gated norm's output, the conv state and
-/// the recurrent state after each token. Real sizes, Hv/Hk = 1, 2, 3, 4 and 8 (cluster sizes), small
-/// and odd head dims, K = 2..5.
+/// the recurrent state after each token. Real sizes, Hv/Hk = 1, 2, 3, 4 and 8, 1 to 8 blocks per head
+/// (clusters of 1 to 8 blocks), small and odd head dims, K = 2..5.
 #[test]
 fn gdn_decode_step_matches_cpu() {
     let Some(dev) = device() else { return };
-    let cases = [REAL, dims(32, 32, 128, 128, 4), dims(2, 4, 32, 32, 4), dims(3, 9, 21, 40, 3), dims(1, 4, 7, 8, 5), dims(2, 16, 64, 16, 2), dims(4, 4, 200, 72, 4)];
+    // Blocks per head (slices): REAL 4, Hv/Hk = 1 at the real sizes 8, (2, 8, 32, 16) 2, the odd ones 1.
+    let cases = [
+        REAL,
+        dims(32, 32, 128, 128, 4),
+        dims(2, 4, 32, 32, 4),
+        dims(2, 8, 32, 16, 4),
+        dims(3, 9, 21, 40, 3),
+        dims(1, 4, 7, 8, 5),
+        dims(2, 16, 64, 16, 2),
+        dims(4, 4, 200, 72, 4),
+    ];
     for (i, d) in cases.iter().enumerate() {
         assert!(gdn::step_fits(d), "{d:?}");
         let mut rng = Rng::new(500 + i as u64);

@@ -94,9 +94,21 @@ struct GdnStepParams {
     dv: i32,
     k: i32,
     eps: f32,
+    slices: i32,
+    pad: i32,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for GdnStepParams {}
+
+/// Blocks per value head of [`decode_step`]: the most (1, 2, 4, 8) that keeps a cluster of Hv/Hk heads
+/// within 8 blocks and each block a whole number of 8-column warps (`LILY_GDN_SLICES` caps it, read
+/// once; 1 is one block per head, for A/B benchmarks).
+fn step_slices(dims: &GdnDims) -> usize {
+    static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let cap = *CAP.get_or_init(|| std::env::var("LILY_GDN_SLICES").ok().and_then(|v| v.parse().ok()).unwrap_or(8));
+    let ratio = dims.num_v_heads / dims.num_k_heads;
+    [8usize, 4, 2, 1].into_iter().find(|&s| s <= cap && ratio * s <= 8 && dims.head_v_dim % (8 * s) == 0).unwrap_or(1)
+}
 
 /// Must match `struct GdnGatedNormParams` in `kernels/gdn.cu`.
 #[repr(C)]
@@ -364,7 +376,8 @@ pub fn step_fits(dims: &GdnDims) -> bool {
 /// (x: the token's [C] projections; the conv state shifted in place), [`delta_rule_recurrent`] (state
 /// [Hv, Dk, Dv] in place) and [`gated_rmsnorm`] with z [Hv·Dv] and the weight w [Dv] into y [Hv·Dv].
 /// The same maths in the same order as the three; g and beta are not written out. Needs
-/// [`step_fits`]; launched as clusters of the Hv/Hk value heads of a key head.
+/// [`step_fits`]; launched as clusters of the Hv/Hk value heads of a key head, each head over up to
+/// 8 / (Hv/Hk) blocks.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_step<X, W, CS, A, B, AL, DB, S, Z, NW, Y>(
     dev: &Device,
@@ -417,9 +430,14 @@ where
         dv: dims.head_v_dim as i32,
         k: k as i32,
         eps,
+        slices: 0,
+        pad: 0,
     };
+    let slices = step_slices(dims);
+    let p = GdnStepParams { slices: slices as i32, ..p };
+    let cols = dims.head_v_dim / slices;
     let &(_, name) = STEP.iter().find(|(nr, _)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ MAX_DK checked");
-    let smem = (4 * (2 * dims.head_k_dim + dims.head_v_dim)) as u32;
-    let cfg = LaunchConfig { grid_dim: (hv as u32, 1, 1), block_dim: (4 * dims.head_v_dim as u32, 1, 1), shared_mem_bytes: smem };
-    super::launch_cluster(dev, name, cfg, (hv / dims.num_k_heads) as u32, &p)
+    let smem = (4 * (2 * dims.head_k_dim + cols)) as u32;
+    let cfg = LaunchConfig { grid_dim: (hv as u32 * slices as u32, 1, 1), block_dim: (4 * cols as u32, 1, 1), shared_mem_bytes: smem };
+    super::launch_cluster(dev, name, cfg, ((hv / dims.num_k_heads) * slices) as u32, &p)
 }
