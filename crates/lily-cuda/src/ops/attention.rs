@@ -77,9 +77,14 @@ pub fn splits_for(n: usize, max_splits: usize) -> (usize, usize) {
     (stages.div_ceil(per).max(1), per)
 }
 
-/// The split cap for `kvh` KV heads and `z` head blocks each: about two blocks per SM.
+/// The split cap for `kvh` KV heads and `z` head blocks each: about two blocks per SM
+/// (`LILY_ATTN_BLOCKS_PER_SM`, 1..=3, read once, for A/B benchmarks).
 pub fn max_splits(dev: &Device, kvh: usize, z: usize) -> usize {
-    (2 * dev.sm_count() as usize / (kvh * z).max(1)).clamp(1, MAX_SPLITS)
+    static PER_SM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    let per_sm = *PER_SM.get_or_init(|| {
+        std::env::var("LILY_ATTN_BLOCKS_PER_SM").ok().and_then(|v| v.parse().ok()).filter(|v| (1..=3).contains(v)).unwrap_or(2)
+    });
+    (per_sm * dev.sm_count() as usize / (kvh * z).max(1)).clamp(1, MAX_SPLITS)
 }
 
 /// Elements of f32 scratch [`decode`] needs for `nh` query heads of `hd` (any n).
