@@ -948,7 +948,7 @@ fn bench_ops() {
                     .unwrap()
             });
             let kernel = moe_kernel("gemv q4 indexed", forced);
-            rows_out.push(Row { kernel: kernel.into(), shape: format!("gate 8 of {e} x {inter}x{hidden}"), bytes: b_gate, t, spread: s });
+            rows_out.push(Row { kernel, shape: format!("gate 8 of {e} x {inter}x{hidden}"), bytes: b_gate, t, spread: s });
         }
         let b_sw = (2 * k * gate.bytes_per_matrix() + 4 * hidden + 4 * k * inter) as f64;
         for forced in [0u32, 8, 9, 10, 11, 12] {
@@ -965,7 +965,7 @@ fn bench_ops() {
                     .unwrap()
             });
             let kernel = moe_kernel("gemv q4 indexed, x/slot", forced);
-            rows_out.push(Row { kernel: kernel.into(), shape: format!("down 8 of {e} x {hidden}x{inter}"), bytes: b_down, t, spread: s });
+            rows_out.push(Row { kernel, shape: format!("down 8 of {e} x {hidden}x{inter}"), bytes: b_down, t, spread: s });
         }
     }
 
