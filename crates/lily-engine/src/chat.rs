@@ -64,7 +64,7 @@ impl ChatModel {
             let tmp = dir.with_extension("partial");
             let _ = std::fs::remove_dir_all(&tmp);
             let config = lily_model::synth::builtin_config(DEMO_CONFIG).expect("the demo config is built in");
-            let opts = lily_model::synth::SynthOptions { config, out: tmp.clone(), seed: 0, bits: 4, group_size: 64, max_shard_bytes: 5 << 30 };
+            let opts = lily_model::synth::SynthOptions::new(config, tmp.clone());
             lily_model::synth::synthesize(&opts, &indicatif::ProgressBar::hidden()).map_err(EngineError::from)?;
             std::fs::rename(&tmp, &dir).map_err(|e| ChatModelError::File { path: dir.clone(), msg: e.to_string() })?;
         }

@@ -55,13 +55,32 @@ pub struct SynthOptions {
     pub group_size: usize,
     /// Largest shard (mlx-lm: 5 GiB); one tensor larger than this gets a shard of its own.
     pub max_shard_bytes: u64,
+    /// How unevenly the routers favour their experts, as trained routers do (0: evenly). Expert e's
+    /// router row is scaled by `(1 + router_skew)^(1 - rank(e)/E)`, ranks a seeded permutation per
+    /// layer: its logits spread wider, so it lands in the top k more often (see [`router_gain`]).
+    pub router_skew: f32,
 }
 
 impl SynthOptions {
-    /// 4-bit, group 64, seed 0, 5 GiB shards.
+    /// 4-bit, group 64, seed 0, 5 GiB shards, even routing.
     pub fn new(config: Value, out: impl Into<PathBuf>) -> Self {
-        SynthOptions { config, out: out.into(), seed: 0, bits: 4, group_size: 64, max_shard_bytes: 5 << 30 }
+        SynthOptions { config, out: out.into(), seed: 0, bits: 4, group_size: 64, max_shard_bytes: 5 << 30, router_skew: 0.0 }
     }
+}
+
+/// The gain [`SynthOptions::router_skew`] gives the router row of expert `e` of `experts` in the layer
+/// whose router is keyed `key` (a bijection of ranks: one expert has the full `1 + skew`, the others
+/// spread geometrically down to 1).
+pub fn router_gain(key: u64, e: u64, experts: u64, skew: f32) -> f32 {
+    if skew <= 0.0 || experts == 0 {
+        return 1.0;
+    }
+    let mut a = (rand(key, u64::MAX - 2) % experts).max(1) | 1;
+    while gcd(a, experts) != 1 {
+        a += 2;
+    }
+    let rank = RowPerm { rows: experts, a, b: rand(key, u64::MAX - 3) % experts }.apply(e);
+    (1.0 + skew).powf(1.0 - rank as f32 / experts as f32)
 }
 
 /// What was written.
@@ -321,6 +340,8 @@ struct GroupLaw {
     mid: f32,
     /// Largest per-group mean offset, in units of the scale: 0.2 std.
     offset: f32,
+    /// A skewed router: (groups per row, rows, skew); row r's scales times [`router_gain`].
+    skew: Option<(u64, u64, f32)>,
 }
 
 /// `2^((i + 0.5) / 256 - 0.5)`, i < 256: per-group scale multipliers spread over ±half an octave.
@@ -334,14 +355,18 @@ impl GroupLaw {
     fn new(key: u64, bits: u32, std: f32) -> Self {
         let levels = (1u64 << bits) as f32;
         let code_std = ((levels * levels - 1.0) / 12.0).sqrt();
-        GroupLaw { key, scale0: std / code_std, mid: (levels - 1.0) * 0.5, offset: 0.2 * code_std }
+        GroupLaw { key, scale0: std / code_std, mid: (levels - 1.0) * 0.5, offset: 0.2 * code_std, skew: None }
     }
 
     /// The (bf16) scale and bias of flat group `g`; `spread` is [`spread_table`].
     #[inline]
     fn group(&self, g: u64, spread: &[f32; 256]) -> (bf16, bf16) {
         let r = rand(self.key, g);
-        let scale = bf16::from_f32(self.scale0 * spread[(r & 0xff) as usize]);
+        let gain = match self.skew {
+            Some((per_row, rows, skew)) => router_gain(self.key, (g / per_row) % rows, rows, skew),
+            None => 1.0,
+        };
+        let scale = bf16::from_f32(self.scale0 * gain * spread[(r & 0xff) as usize]);
         let s = scale.to_f32();
         // Zero mean on average; a per-group offset of up to ±0.2 std keeps biases honest.
         let u = unit24((r >> 32) as u32) * 2.0 - 1.0;
@@ -525,6 +550,16 @@ impl Planner {
         };
     }
 
+    /// Scales row r of the quantised module `path` ([rows, inp], no stack) by [`router_gain`] (its
+    /// scales and biases together, so each row keeps its shape and its std grows by the gain).
+    fn skew_rows(&mut self, path: &str, skew: f32) {
+        for t in self.tensors.iter_mut().filter(|t| t.name == format!("{path}.scales") || t.name == format!("{path}.biases")) {
+            if let (Fill::Scales(law) | Fill::Biases(law), [rows, groups]) = (&mut t.fill, t.shape.as_slice()) {
+                law.skew = Some((*groups as u64, *rows as u64, skew));
+            }
+        }
+    }
+
     /// A linear (or embedding) module `path` with weight `[lead.., out, inp]`, quantised as mlx-lm does:
     /// unquantised if `inp` is not a multiple of the default group size, else at `special`
     /// (recorded as an override) or the default.
@@ -632,7 +667,7 @@ const LAW: Law = Law {
     dt_bias_std: 0.1,
 };
 
-fn plan(cfg: &ModelConfig, seed: u64, bits: u32, group_size: usize) -> Result<Planner> {
+fn plan(cfg: &ModelConfig, seed: u64, bits: u32, group_size: usize, router_skew: f32) -> Result<Planner> {
     let mut p = Planner { seed, bits, group_size, tensors: Vec::new(), overrides: Vec::new(), parameters: 0 };
     let h = cfg.hidden_size;
     let inv = |n: usize| 1.0 / (n as f32).sqrt();
@@ -676,6 +711,9 @@ fn plan(cfg: &ModelConfig, seed: u64, bits: u32, group_size: usize) -> Result<Pl
         if cfg.num_experts > 0 {
             let (e, i, s) = (cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size);
             p.module(&format!("{mp}.gate"), &[], e, h, law.router_gain * inv(h), moe_special)?;
+            if router_skew > 0.0 {
+                p.skew_rows(&format!("{mp}.gate"), router_skew);
+            }
             p.module(&format!("{mp}.shared_expert.down_proj"), &[], h, s, out_gain * inv(s), None)?;
             p.module(&format!("{mp}.shared_expert.gate_proj"), &[], s, h, inv(h), None)?;
             p.module(&format!("{mp}.shared_expert.up_proj"), &[], s, h, inv(h), None)?;
@@ -1010,7 +1048,10 @@ pub fn synthesize(opts: &SynthOptions, progress: &indicatif::ProgressBar) -> Res
         return Err(Error::Invalid(format!("synth: group size {} is not supported (32, 64 or 128)", opts.group_size)));
     }
 
-    let planner = plan(&cfg, opts.seed, opts.bits, opts.group_size)?;
+    if !(opts.router_skew >= 0.0 && opts.router_skew.is_finite()) {
+        return Err(Error::Invalid(format!("router skew {}: must be a finite number ≥ 0", opts.router_skew)));
+    }
+    let planner = plan(&cfg, opts.seed, opts.bits, opts.group_size, opts.router_skew)?;
     let tensors = &planner.tensors;
 
     // Shards as mlx-lm makes them (in module order, a new one when the next tensor would overflow),

@@ -424,3 +424,87 @@ fn builtins_are_listed() {
     assert_eq!((big.hidden_size, big.num_hidden_layers, big.num_experts, big.vocab_size), (2048, 40, 256, 248320));
     assert_eq!(big.eos_token_ids, vec![248044]);
 }
+
+/// Dequantised rows of a quantised module [rows, cols].
+fn rows_of(l: &Loaded, path: &str, p: AffineParams) -> Vec<Vec<f32>> {
+    let w = u32s(&l.data[&format!("{path}.weight")]);
+    let s = bf16s(&l.data[&format!("{path}.scales")]);
+    let b = bf16s(&l.data[&format!("{path}.biases")]);
+    let shape = &l.specs[&format!("{path}.weight")].shape;
+    let cols = shape[shape.len() - 1] * 32 / p.bits as usize;
+    let (wpr, gpr) = (p.words_per_row(cols), p.groups_per_row(cols));
+    (0..w.len() / wpr)
+        .map(|r| {
+            let mut out = vec![0f32; cols];
+            dequantize_row_bf16(&w[r * wpr..(r + 1) * wpr], &s[r * gpr..(r + 1) * gpr], &b[r * gpr..(r + 1) * gpr], p, &mut out);
+            out
+        })
+        .collect()
+}
+
+/// `router_skew` scales each router row by its gain, leaves every other tensor (and the routers'
+/// codes) as the unskewed model has them, and makes the favoured experts win the top k several times
+/// as often as the least favoured (counted over random unit-RMS inputs), where the even model's
+/// counts are flat.
+#[test]
+fn router_skew_favours_some_experts_and_changes_nothing_else() {
+    let (even, skewed) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let cfg_json = builtin_config("qwen3.6-tiny").unwrap();
+    let mut o = SynthOptions::new(cfg_json.clone(), even.path());
+    o.seed = 3;
+    synthesize(&o, &indicatif::ProgressBar::hidden()).unwrap();
+    let mut o = SynthOptions::new(cfg_json, skewed.path());
+    o.seed = 3;
+    o.router_skew = 7.0;
+    synthesize(&o, &indicatif::ProgressBar::hidden()).unwrap();
+    let (a, b) = (load(even.path()), load(skewed.path()));
+    let cfg = ModelConfig::from_dir(even.path()).unwrap();
+    for (name, data) in &a.data {
+        let is_router_affine = name.ends_with(".mlp.gate.scales") || name.ends_with(".mlp.gate.biases");
+        assert_eq!(data != &b.data[name], is_router_affine, "{name}: changed by the skew = {}", data != &b.data[name]);
+    }
+    let p8 = AffineParams { bits: 8, group_size: 64 };
+    let (e, k, h) = (cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size);
+    let mut rng = 12345u64;
+    let mut next = || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
+    };
+    let xs: Vec<Vec<f32>> = (0..2000).map(|_| (0..h).map(|_| (next() * 3f64.sqrt()) as f32).collect()).collect();
+    for layer in [0usize, 5] {
+        let path = format!("language_model.model.layers.{layer}.mlp.gate");
+        let (ra, rb) = (rows_of(&a, &path, p8), rows_of(&b, &path, p8));
+        let norm = |r: &Vec<f32>| r.iter().map(|v| (*v as f64).powi(2)).sum::<f64>().sqrt();
+        // Row norms: the gains run from 1 to 8 (bf16 scales: within a few percent).
+        let ratios: Vec<f64> = ra.iter().zip(&rb).map(|(x, y)| norm(y) / norm(x)).collect();
+        let (lo, hi) = ratios.iter().fold((f64::MAX, 0f64), |(l, h), r| (l.min(*r), h.max(*r)));
+        assert!((0.95..1.5).contains(&lo) && (6.5..8.5).contains(&hi), "layer {layer}: row gains {lo:.2}..{hi:.2}");
+        let counts = |rows: &Vec<Vec<f32>>| {
+            let mut c = vec![0usize; e];
+            for x in &xs {
+                let mut l: Vec<(f64, usize)> =
+                    rows.iter().enumerate().map(|(i, r)| (r.iter().zip(x).map(|(w, v)| (*w as f64) * (*v as f64)).sum(), i)).collect();
+                l.sort_by(|p, q| q.0.partial_cmp(&p.0).unwrap());
+                for &(_, i) in &l[..k] {
+                    c[i] += 1;
+                }
+            }
+            c.sort();
+            c
+        };
+        let (ca, cb) = (counts(&ra), counts(&rb));
+        // Most / least chosen expert. (A linear router on zero-mean inputs cannot make an expert win
+        // more than about half the time: wider logits win the top k when they are positive.)
+        let spread = |c: &Vec<usize>| c[e - 1] as f64 / c[0].max(1) as f64;
+        assert!(spread(&ca) < 1.6, "layer {layer}: even router, most/least chosen {:.2} ({ca:?})", spread(&ca));
+        assert!(spread(&cb) > 3.0, "layer {layer}: skewed router, most/least chosen {:.2} ({cb:?})", spread(&cb));
+        println!("layer {layer}: most/least chosen expert {:.2} even, {:.2} with skew 7; row gains {lo:.2}..{hi:.2}", spread(&ca), spread(&cb));
+    }
+    // A negative or non-finite skew is refused.
+    let bad = tempfile::tempdir().unwrap();
+    let mut o = SynthOptions::new(builtin_config("qwen3.6-tiny").unwrap(), bad.path());
+    o.router_skew = -1.0;
+    assert!(synthesize(&o, &indicatif::ProgressBar::hidden()).is_err());
+}
