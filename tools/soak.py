@@ -53,9 +53,10 @@ def post(port, path, body, timeout=300):
     return c, c.getresponse()
 
 
-def read_stream(resp, cancel_after=None):
-    """Reads an SSE stream; returns (chunks, saw_done). With cancel_after, closes after that many."""
-    chunks, done, buf = [], False, b""
+def read_stream(resp, cancel_after=None, times=None):
+    """Reads an SSE stream; returns (chunks, saw_done). With cancel_after, closes after that many;
+    with a list `times`, appends each chunk's arrival time (time.perf_counter())."""
+    chunks, done = [], False
     while True:
         line = resp.fp.readline()
         if not line:
@@ -68,6 +69,8 @@ def read_stream(resp, cancel_after=None):
             done = True
             break
         chunks.append(json.loads(data))  # every chunk must be JSON
+        if times is not None:
+            times.append(time.perf_counter())
         if cancel_after is not None and len(chunks) >= cancel_after:
             break
     return chunks, done

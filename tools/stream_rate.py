@@ -11,13 +11,11 @@ Compare with `lily bench --lengths 4K` on the same machine and model: the bench'
 the engine's alone; the difference is the server's tokenisation, parsing, detokenisation and SSE.
 """
 import argparse
-import http.client
 import json
 import random
 import time
 
-WORDS = ("the river runs past old stone walls while engineers measure load and flow in the quiet "
-         "valley below a bridge of iron and glass that carries trains at night").split()
+from soak import WORDS, post, read_stream
 
 
 def once(port, words, max_tokens, seed):
@@ -25,39 +23,23 @@ def once(port, words, max_tokens, seed):
     prompt = " ".join(rng.choice(WORDS) for _ in range(words))
     body = {"model": "lily", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     t0 = time.perf_counter()
-    c.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    r = c.getresponse()
+    c, r = post(port, "/v1/chat/completions", body, timeout=600)
     if r.status != 200:
         raise SystemExit(f"status {r.status}: {r.read()[:300]!r}")
-    first = last = None
-    chunks = 0
-    usage = None
-    while True:
-        line = r.fp.readline()
-        if not line:
-            break
-        line = line.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            break
-        j = json.loads(data)
-        if j.get("usage"):
-            usage = j["usage"]
-        for ch in j.get("choices") or []:
-            d = ch.get("delta") or {}
-            if d.get("content") or d.get("reasoning_content") or d.get("reasoning"):
-                now = time.perf_counter()
-                first = first if first is not None else now
-                last = now
-                chunks += 1
+    times = []
+    chunks, _ = read_stream(r, times=times)
     c.close()
-    n = (usage or {}).get("completion_tokens", chunks)
+    usage = next((ch["usage"] for ch in chunks if ch.get("usage")), None)
+    # Arrival times of the chunks that carry generated text (content or reasoning).
+    text_times = [t for ch, t in zip(chunks, times)
+                  if any((x.get("delta") or {}).get(k) for x in ch.get("choices") or []
+                         for k in ("content", "reasoning_content", "reasoning"))]
+    first = text_times[0] if text_times else None
+    last = text_times[-1] if text_times else None
+    n = (usage or {}).get("completion_tokens", len(text_times))
     rate = (n - 1) / (last - first) if first is not None and last > first and n > 1 else None
-    return {"prompt_tokens": (usage or {}).get("prompt_tokens"), "completion_tokens": n, "content_chunks": chunks,
+    return {"prompt_tokens": (usage or {}).get("prompt_tokens"), "completion_tokens": n, "content_chunks": len(text_times),
             "ttft_s": round(first - t0, 4) if first is not None else None,
             "decode_tok_s": round(rate, 1) if rate else None}
 

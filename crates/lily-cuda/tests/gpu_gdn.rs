@@ -268,7 +268,7 @@ fn gdn_decode_step_matches_cpu() {
         assert!(gdn::step_fits(d), "{d:?}");
         let mut rng = Rng::new(500 + i as u64);
         let mut inp = inputs(&mut rng, d, 1);
-        let (c, hv, vd) = (d.conv_dim(), d.num_v_heads, d.value_dim());
+        let vd = d.value_dim();
         let conv_w = dev.upload(&inp.conv_w).unwrap();
         let (a_log, dt_bias) = (dev.upload(&inp.a_log).unwrap(), dev.upload(&inp.dt_bias).unwrap());
         let nw = dev.upload(&inp.norm_w).unwrap();
@@ -298,7 +298,6 @@ fn gdn_decode_step_matches_cpu() {
             conv_state = dev.upload(&inp.conv_state).unwrap();
             state = dev.upload(&inp.state).unwrap();
         }
-        let _ = (c, hv);
         println!("{d:?}: decode step, 4 tokens: worst {worst:.1e}");
     }
     // Shapes it does not take are refused (Dv not a multiple of 8, Hv/Hk > 8), not run.

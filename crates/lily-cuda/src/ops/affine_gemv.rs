@@ -615,10 +615,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     // The tensor-core kernels (affine_gemv_tc.cu) take 4-bit, group-64 weights with the fast decode,
     // unless a variant 1..=8 forces an FFMA kernel: automatically (0) unless `LILY_GEMV=ffma`, or
     // forced with the K split 9..=12 = 1, 2, 4, 8.
-    let group = match &w.storage {
-        DeviceStorage::Affine { params, .. } => params.group_size,
-        _ => 0,
-    };
+    let group = w.group_size().unwrap_or(0);
     let tc_ok = route.is_none() && (*fam == Q4 || *fam == SW_Q4) && affine_gemv_tc::fits(w.bits(), group, cols);
     let tc_ks = match forced {
         0 if tc_ok && affine_gemv_tc::enabled() && affine_gemv_tc::preferred(rows, cols, slots) => Some(0),

@@ -19,8 +19,8 @@ pub(crate) const THREADS: u32 = 256;
 /// Columns per round (4 lanes × 32 codes) and staged bytes per round (`TC_ROUND`).
 const ROUND_COLS: usize = 128;
 const ROUND_BYTES: usize = 960;
-/// Warp tasks (16-row tiles × K slices) wanted before the K split stops growing: 16 per SM.
-const WANT_TASKS: usize = 132 * 16;
+/// Warp tasks (16-row tiles × K slices) per SM wanted before the K split stops growing.
+const WANT_TASKS_PER_SM: usize = 16;
 
 /// Lets the kernels use the device's opt-in shared memory (x is staged there: 7.5 bytes per column).
 pub(crate) fn configure(dev: &Device) -> Result<()> {
@@ -65,7 +65,7 @@ pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu:
                 break;
             }
             pick = k;
-            if tiles * slots * k >= WANT_TASKS {
+            if tiles * slots * k >= WANT_TASKS_PER_SM * dev.sm_count() as usize {
                 break;
             }
         }

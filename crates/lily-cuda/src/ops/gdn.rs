@@ -412,6 +412,7 @@ where
         return Err(CudaError::Shape(format!("gdn step: unsupported dims {dims:?} (Dv a multiple of 8 up to 128, Hv/Hk ≤ 8)")));
     }
     let (c, hv, k, vd) = (dims.conv_dim(), dims.num_v_heads, dims.conv_kernel, dims.value_dim());
+    let slices = step_slices(dims);
     let p = GdnStepParams {
         x: addr(dev, x, c, "gdn step x")?,
         conv_w: addr(dev, conv_w, c * k, "gdn step conv_w")?,
@@ -430,11 +431,9 @@ where
         dv: dims.head_v_dim as i32,
         k: k as i32,
         eps,
-        slices: 0,
+        slices: slices as i32,
         pad: 0,
     };
-    let slices = step_slices(dims);
-    let p = GdnStepParams { slices: slices as i32, ..p };
     let cols = dims.head_v_dim / slices;
     let &(_, name) = STEP.iter().find(|(nr, _)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ MAX_DK checked");
     let smem = (4 * (2 * dims.head_k_dim + cols)) as u32;
