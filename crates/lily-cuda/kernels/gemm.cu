@@ -60,6 +60,7 @@
 #include <stdint.h>
 #include <cuda_bf16.h>
 #include "pdl.cuh"
+#include "grouped.cuh"
 
 struct GemmParams {
     const uint4* w;            // gate (or only) matrix: packed words or bf16
@@ -156,58 +157,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
 
 __device__ __forceinline__ float silu_f(float g) { return g / (1.0f + expf(-g)); }
 
-// Which (expert, first slot, end slot) this block handles in the grouped forms; false if none.
-// All threads must call it (it synchronises).
-__device__ __forceinline__ bool find_group_tile(const GemmParams& p, int bm, int& expert, int& m_begin, int& m_end) {
-    __shared__ int warp_tot[THREADS / 32];
-    __shared__ int found[3];
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int E = p.count;
-    const unsigned n = (unsigned)p.t;
-    // Thread tid covers experts 2*tid and 2*tid + 1 (E <= 512 = 2 * THREADS).
-    int first[2], cnt[2], tiles[2];
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-        const int e = 2 * tid + k;
-        first[k] = 0;
-        cnt[k] = 0;
-        if (e < E) {
-            const unsigned a = min(__ldg(p.offsets + e), n);
-            const unsigned b = min(__ldg(p.offsets + e + 1), n);
-            first[k] = (int)a;
-            cnt[k] = b > a ? (int)(b - a) : 0;
-        }
-        tiles[k] = (cnt[k] + bm - 1) / bm;
-    }
-    const int local = tiles[0] + tiles[1];
-    int incl = local;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const int v = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += v;
-    }
-    if (lane == 31) warp_tot[warp] = incl;
-    if (tid == 0) found[0] = -1;
-    __syncthreads();
-    int before = 0;
-    for (int w = 0; w < warp; ++w) before += warp_tot[w];
-    const int start = before + incl - local;  // tiles before expert 2*tid
-    const int mt = blockIdx.x;
-    if (mt >= start && mt < start + local) {
-        const bool k = mt >= start + tiles[0];  // the second expert of this thread
-        const int j = mt - start - (k ? tiles[0] : 0);
-        const int f = k ? first[1] : first[0];
-        found[0] = 2 * tid + (k ? 1 : 0);
-        found[1] = f + j * bm;
-        found[2] = f + (k ? cnt[1] : cnt[0]);
-    }
-    __syncthreads();
-    expert = found[0];
-    m_begin = found[1];
-    m_end = min(found[2], m_begin + bm);
-    return expert >= 0;
-}
-
 enum { NUM_FAST = 0, NUM_EXACT = 1, NUM_BF16X = 2 };
 
 template <int MODE, int BM, int WM, bool SWIGLU, bool GROUPED, int NUM>
@@ -253,7 +202,7 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
 
     int matrix, m_begin, m_end;
     if (GROUPED) {
-        if (!find_group_tile(p, BM, matrix, m_begin, m_end)) return;
+        if (!find_group_tile<THREADS>(p.offsets, p.t, p.count, BM, matrix, m_begin, m_end)) return;
     } else {
         matrix = p.matrix;
         m_begin = blockIdx.x * BM;

@@ -38,6 +38,9 @@ pub struct Device {
     pub(crate) recorder: Mutex<Option<(Vec<crate::profile::Mark>, i32)>>,
     /// Launch kernels with programmatic dependent launch (`ops::launch`).
     pdl: std::sync::atomic::AtomicBool,
+    /// The wgmma GEMM's staged x (`ops::gemm_wgmma`): grown on demand, reused by every call in stream
+    /// order.
+    pub(crate) gemm_stage: Mutex<Option<CudaSlice<u8>>>,
 }
 
 pub(crate) fn describe(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<DeviceInfo> {
@@ -140,6 +143,7 @@ impl Device {
             occupancy: Mutex::new(HashMap::new()),
             recorder: Mutex::new(None),
             pdl: std::sync::atomic::AtomicBool::new(false),
+            gemm_stage: Mutex::new(None),
         };
         ops::configure(&dev)?;
         Ok(dev)

@@ -59,7 +59,14 @@ const CPU_TOL_EXACT: f64 = 5e-5;
 const SPARE: usize = 37;
 
 const PRECISIONS: [Precision; 3] = [Precision::Exact, Precision::Bf16x, Precision::Fast];
-const TILES: [Tile; 3] = [Tile::Auto, Tile::M64, Tile::M32];
+const TILES: [Tile; 5] = [Tile::Auto, Tile::M64, Tile::M32, Tile::Wg64, Tile::Wg128];
+
+/// Whether `tile` takes weights `w` in precision `p` (the wgmma tiles: 4-bit group 64, not Fast). The
+/// others must be refused.
+fn tile_takes(tile: Tile, w: &Matrix, p: Precision) -> bool {
+    let q4g64 = matches!(&w.storage, Storage::Affine { params, .. } if params.bits == 4 && params.group_size == 64);
+    !matches!(tile, Tile::Wg64 | Tile::Wg128) || (q4g64 && p != Precision::Fast)
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Helpers
@@ -316,7 +323,12 @@ fn plain_case(dev: &Device, w: &Matrix, m: usize, xd: &CudaSlice<f32>, refs: &Re
     for p in PRECISIONS {
         for tile in TILES {
             let mut y = poisoned(dev, t * w.rows + SPARE);
-            gemm::gemm_with(dev, &dw, m, xd, t, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap();
+            let r = gemm::gemm_with(dev, &dw, m, xd, t, &mut y, Opts { tile, precision: p, ..Default::default() });
+            if !tile_takes(tile, w, p) {
+                assert!(r.is_err(), "{what}: {tile:?} took {p:?}");
+                continue;
+            }
+            r.unwrap();
             let what = format!("{what} {p:?} {tile:?}");
             let got = download_checked(dev, &y, t * w.rows, &what);
             compare(&got, refs, p, worst, &what);
@@ -468,8 +480,13 @@ fn swiglu_gemm_matches_reference() {
             for p in PRECISIONS {
                 for tile in TILES {
                     let mut y = poisoned(&dev, t * rows + SPARE);
-                    gemm::swiglu_gemm_with(&dev, &dg, &du, m, &xd, t, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap();
                     let what = format!("swiglu_gemm {f} [{count}x{rows}x{cols}] m={m} t={t} {p:?} {tile:?}");
+                    let r = gemm::swiglu_gemm_with(&dev, &dg, &du, m, &xd, t, &mut y, Opts { tile, precision: p, ..Default::default() });
+                    if !tile_takes(tile, &g, p) {
+                        assert!(r.is_err(), "{what}: refused tile taken");
+                        continue;
+                    }
+                    r.unwrap();
                     let got = download_checked(&dev, &y, t * rows, &what);
                     compare(&got, &refs, p, &mut worst, &what);
                 }
@@ -571,10 +588,15 @@ fn grouped_case(
         for tile in TILES {
             let mut y = poisoned(dev, n * rows + SPARE);
             let gather = gather_rows.map(|_| &src_d);
-            match &du {
-                Some(du) => gemm::grouped_swiglu_gemm_with(dev, &dg, du, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap(),
-                None => gemm::grouped_gemm_with(dev, &dg, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap(),
+            let r = match &du {
+                Some(du) => gemm::grouped_swiglu_gemm_with(dev, &dg, du, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }),
+                None => gemm::grouped_gemm_with(dev, &dg, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }),
+            };
+            if !tile_takes(tile, &g, p) {
+                assert!(r.is_err(), "grouped {f}: {tile:?} took {p:?}");
+                continue;
             }
+            r.unwrap();
             let what = format!(
                 "grouped{} {f} E={e_count} [{rows}x{cols}] n={n} gather={:?} {p:?} {tile:?}",
                 if swiglu { " swiglu" } else { "" },
@@ -764,13 +786,16 @@ fn report(what: &str, flops: f64, t: f64) {
     println!("{what:<66} {:>10.1} us {:>8.1} TFLOP/s", t * 1e6, flops / t / 1e12);
 }
 
-/// Times `op(tile, precision)` for every tile and both precisions; prints one line each, then the
+/// Times `op(tile, precision)` for every tile and precision that takes the shape; prints one line each, then the
 /// Exact/Fast time ratio with the Auto tile.
-fn bench_both(dev: &Device, what: &str, flops: f64, mut op: impl FnMut(Tile, Precision)) {
+fn bench_both(dev: &Device, what: &str, flops: f64, mut op: impl FnMut(Tile, Precision) -> lily_cuda::Result<()>) {
     let mut auto = [0.0f64; 3];
     for p in PRECISIONS {
         for tile in TILES {
-            let s = time_op(dev, || op(tile, p));
+            if op(tile, p).is_err() {
+                continue; // a tile that does not take this format or precision
+            }
+            let s = time_op(dev, || op(tile, p).unwrap());
             report(&format!("{what} {tile:?} {p:?}"), flops, s);
             if tile == Tile::Auto {
                 auto[pidx(p)] = s;
@@ -806,7 +831,7 @@ fn bench_gemm() {
         let w = bench_affine(&mut up, &mut rng, 1, rows, cols, bits, gs);
         for t in [512usize, 4096] {
             bench_both(&dev, &format!("gemm q{bits} g{gs} [{rows}x{cols}] t={t} ({name})"), 2.0 * (t * rows * cols) as f64, |tile, p| {
-                gemm::gemm_with(&dev, &w, 0, &x, t, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap()
+                gemm::gemm_with(&dev, &w, 0, &x, t, &mut y, Opts { tile, precision: p, ..Default::default() })
             });
         }
     }
@@ -815,7 +840,7 @@ fn bench_gemm() {
         let (g, u) = (bench_affine(&mut up, &mut rng, 1, 512, 2048, 4, 64), bench_affine(&mut up, &mut rng, 1, 512, 2048, 4, 64));
         for t in [512usize, 4096] {
             bench_both(&dev, &format!("swiglu q4 g64 [512x2048] t={t} (shared expert)"), 4.0 * (t * 512 * 2048) as f64, |tile, p| {
-                gemm::swiglu_gemm_with(&dev, &g, &u, 0, &x, t, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap()
+                gemm::swiglu_gemm_with(&dev, &g, &u, 0, &x, t, &mut y, Opts { tile, precision: p, ..Default::default() })
             });
         }
     }
@@ -845,10 +870,10 @@ fn bench_gemm() {
             let src = dev.upload(&pairs.iter().map(|p| p.1).collect::<Vec<u32>>()).unwrap();
             let mut h = dev.zeros::<f32>(n * 512).unwrap();
             bench_both(&dev, &format!("grouped swiglu q4 E=256 [512x2048] n={n}"), 4.0 * (n * 512 * 2048) as f64, |tile, p| {
-                gemm::grouped_swiglu_gemm_with(&dev, &g, &u, &off, Some(&src), &x, n, &mut h, Opts { tile, precision: p, ..Default::default() }).unwrap()
+                gemm::grouped_swiglu_gemm_with(&dev, &g, &u, &off, Some(&src), &x, n, &mut h, Opts { tile, precision: p, ..Default::default() })
             });
             bench_both(&dev, &format!("grouped q4 E=256 [2048x512] n={n} (down)"), 2.0 * (n * 2048 * 512) as f64, |tile, p| {
-                gemm::grouped_gemm_with(&dev, &d, &off, None, &h, n, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap()
+                gemm::grouped_gemm_with(&dev, &d, &off, None, &h, n, &mut y, Opts { tile, precision: p, ..Default::default() })
             });
         }
     }

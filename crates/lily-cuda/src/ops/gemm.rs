@@ -65,6 +65,8 @@ unsafe impl DeviceRepr for GemmParams {}
 /// Tokens (M) per block of a kernel variant. `Auto` lets the wrapper choose.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Tile {
+    /// 4-bit group-64 weights in `Exact` or `Bf16x`: the wgmma kernels, 64 tokens a block, or 128 in
+    /// `Bf16x` when that still gives a block per SM (grouped: when experts average 256 slots). Otherwise
     /// 64 tokens per block when there are enough blocks to fill the GPU, else 32 (grouped: 32 when
     /// experts average fewer than 48 slots).
     #[default]
@@ -73,6 +75,23 @@ pub enum Tile {
     M64,
     /// 32 tokens × 128 weight rows per block (1 × 8 warps of 32 × 16).
     M32,
+    /// Hopper wgmma (`gemm_wgmma`): 64 tokens × 128 weight rows per block, two warpgroups. 4-bit
+    /// group-64 weights in the `Exact` and `Bf16x` precisions only.
+    Wg64,
+    /// Hopper wgmma: 128 tokens × 128 weight rows per block.
+    Wg128,
+}
+
+impl Tile {
+    fn is_wgmma(self) -> bool {
+        matches!(self, Tile::Wg64 | Tile::Wg128)
+    }
+}
+
+/// Whether `Tile::Auto` may choose the wgmma kernels (`LILY_GEMM=mma` keeps gemm.cu's for A/B runs).
+fn wgmma_allowed() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_GEMM").map(|v| v != "mma").unwrap_or(true))
 }
 
 /// The numerics of a GEMM call (see the module doc).
@@ -432,7 +451,28 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         Group::Grouped { e, .. } => e,
         Group::Plain(_) => w.count,
     };
+    let wg_ok = w.bits() == 4 && w.group_size() == Some(super::gemm_wgmma::GROUP) && precision != Precision::Fast;
+    if tile.is_wgmma() && !wg_ok {
+        return Err(CudaError::Shape(format!("{what}: the wgmma tiles take 4-bit group-64 weights in Exact or Bf16x, not {} in {precision:?}", describe(w))));
+    }
+    let wg_tiles = rows.div_ceil(if w2.is_some() { super::gemm_wgmma::BW / 2 } else { super::gemm_wgmma::BW });
     let tile = match tile {
+        Tile::Auto if wg_ok && wgmma_allowed() => {
+            // Measured (PERF.md, 2026-12-02 third session): the two X planes of Exact fit 128-token tiles
+            // one block an SM, where 64-token tiles run two and win by 0-10%; Bf16x gains 128 tokens'
+            // reuse when the grid still fills the GPU. Grouped tiles end at each expert's last slot, so at
+            // 128 slots an expert (a 4K chunk) 64 wins by 17%.
+            let big = if grouped {
+                t / experts >= 256
+            } else {
+                precision == Precision::Bf16x && t.div_ceil(128) * wg_tiles >= dev.sm_count() as usize
+            };
+            if big {
+                Tile::Wg128
+            } else {
+                Tile::Wg64
+            }
+        }
         Tile::Auto if grouped => {
             if t / experts >= 48 {
                 Tile::M64
@@ -449,6 +489,30 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         }
         other => other,
     };
+    if tile.is_wgmma() {
+        let (w_p, s_p, b_p, _) = parts(dev, w);
+        let w2p = match w2 {
+            Some(u) => {
+                let (a, b, c, _) = parts(dev, u);
+                (a, b, c)
+            }
+            None => (0, 0, 0),
+        };
+        let call = super::gemm_wgmma::Call {
+            w: (w_p, s_p, b_p),
+            w2: w2p,
+            x: x_p,
+            x_rows,
+            y: y_p,
+            t,
+            rows,
+            cols,
+            matrix,
+            grouped: if grouped { Some((offsets, gather, experts)) } else { None },
+        };
+        let bt = if tile == Tile::Wg128 { 128 } else { 64 };
+        return super::gemm_wgmma::run(dev, &call, bt, if precision == Precision::Exact { 2 } else { 1 });
+    }
     let bm = if tile == Tile::M64 { 64 } else { 32 };
     let fam = match (w2.is_some(), grouped) {
         (false, false) => &GEMM,

@@ -18,6 +18,7 @@ pub mod embed;
 pub mod gdn;
 pub mod gdn_chunked;
 pub mod gemm;
+pub mod gemm_wgmma;
 pub mod moe_dispatch;
 pub mod moe_route;
 pub mod rmsnorm;
@@ -35,6 +36,7 @@ pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
     ("gdn", gdn::KERNELS),
     ("gdn_chunked", gdn_chunked::KERNELS),
     ("gemm", gemm::KERNELS),
+    ("gemm_wgmma", gemm_wgmma::KERNELS),
     ("moe_dispatch", moe_dispatch::KERNELS),
     ("moe_route", moe_route::KERNELS),
     ("rmsnorm", rmsnorm::KERNELS),
@@ -47,6 +49,7 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     affine_gemv::configure(dev)?;
     affine_gemv_tc::configure(dev)?;
     gemm::configure(dev)?;
+    gemm_wgmma::configure(dev)?;
     attention::configure(dev)?;
     attn_prefill::configure(dev)
 }

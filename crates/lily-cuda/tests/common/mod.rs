@@ -1,4 +1,5 @@
-//! What the GPU test files share: opening the GPU (or skipping cleanly without one), a small seeded
+//! What the GPU test files share: opening the GPU (or skipping cleanly without one; kernels from
+//! `LILY_TEST_KERNEL_DIR` where it names a directory of cubins), a small seeded
 //! generator of test inputs (xorshift64* with Box–Muller normals, as `lily-cpu/tests/gdn.rs`),
 //! NaN-poisoned output buffers, and the launch timer of the `#[ignore]` timing tests.
 #![allow(dead_code)]
@@ -14,7 +15,11 @@ pub fn device() -> Option<Device> {
             println!("no GPU, skipped ({e})");
             None
         }
-        Ok(_) => Some(Device::open(0).expect("the GPU is there but Device::open failed")),
+        // LILY_TEST_KERNEL_DIR: kernels rebuilt on the GPU machine (as `--kernel-dir` does for `lily`).
+        Ok(_) => {
+            let dir = std::env::var_os("LILY_TEST_KERNEL_DIR").map(std::path::PathBuf::from);
+            Some(Device::open_with_kernel_dir(0, dir.as_deref()).expect("the GPU is there but Device::open failed"))
+        }
     }
 }
 
