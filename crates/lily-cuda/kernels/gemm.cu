@@ -4,10 +4,11 @@
 // sorted "slots" belong to experts by a device array of offsets, optionally gathering X rows.
 //
 // Three numerics, chosen at compile time (the _bf16x, _exact and _fast entry points):
-// - bf16x (the default of the model): X rounded to bf16 (nearest even) and the weights exact, as the
+// (For 4-bit group-64 weights in exact and bf16x the model runs gemm_wgmma.cu, the same numerics on wgmma.)
+// - bf16x: X rounded to bf16 (nearest even) and the weights exact, as the
 //   exact kernels below take them (integer codes, the affine map per group in f32, the X sums of the
 //   unrounded x); one MMA per k-step. What is lost is the rounding of x alone (2^-9 relative).
-// - exact (the default of the Rust wrappers): nearly f32. X is split into two bf16 planes, hi = bf16(x)
+// - exact (the default of the Rust wrappers and of the model): nearly f32. X is split into two bf16 planes, hi = bf16(x)
 //   and lo = bf16(x - hi) (x - hi is exact in f32), and every k-step runs two MMAs, W·hi and W·lo, into
 //   the same f32 accumulator; what is left of x is below 2^-16 |x| (~2^-18 typically). Affine weights go
 //   to the tensor cores as their integer codes, centred: c = q - 2^(bits-1) (-8..7 or -128..127, exact

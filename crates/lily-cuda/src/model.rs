@@ -57,6 +57,10 @@ const STEP_TOKENS: usize = 4;
 /// Rows of logits computed per GEMM when every position's logits are asked for.
 const LOGIT_ROWS: usize = 128;
 
+/// Tokens one prefill pass runs at once unless told otherwise (`lily_engine::DEFAULT_MAX_CHUNK` names
+/// the same value for the CLI).
+pub const DEFAULT_MAX_CHUNK: usize = 4096;
+
 /// How to open the model on the GPU.
 #[derive(Clone, Debug)]
 pub struct CudaOptions {
@@ -69,7 +73,7 @@ pub struct CudaOptions {
 
 impl Default for CudaOptions {
     fn default() -> Self {
-        CudaOptions { ordinal: 0, kernel_dir: None, max_chunk: 2048 }
+        CudaOptions { ordinal: 0, kernel_dir: None, max_chunk: DEFAULT_MAX_CHUNK }
     }
 }
 
@@ -735,7 +739,7 @@ fn linear<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMatri
     if t == 1 {
         affine_gemv::gemv(dev, w, Select::matrix(0), x, false, y)
     } else {
-        gemm::gemm(dev, w, 0, x, t, y)
+        gemm::gemm_with(dev, w, 0, x, t, y, prefill_opts())
     }
 }
 
@@ -744,7 +748,7 @@ fn swiglu_linear<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, g: &Devi
     if t == 1 {
         affine_gemv::swiglu(dev, g, u, Select::matrix(0), x, false, y)
     } else {
-        gemm::swiglu_gemm(dev, g, u, 0, x, t, y)
+        gemm::swiglu_gemm_with(dev, g, u, 0, x, t, y, prefill_opts())
     }
 }
 
@@ -960,17 +964,17 @@ fn moe(
     };
     if let Some((sg, su, sd, m, gate)) = shared_mlp {
         mark_swiglu(dev, "moe.shared", sg, 1, t)?;
-        gemm::swiglu_gemm(dev, sg, su, m, &a.normed, t, &mut a.shared_act)?; // [T, Is]
+        gemm::swiglu_gemm_with(dev, sg, su, m, &a.normed, t, &mut a.shared_act, prefill_opts())?; // [T, Is]
         mark_linear(dev, "moe.shared", sd, t)?;
-        gemm::gemm(dev, sd, m, &a.shared_act, t, &mut a.shared_out)?; // [T, H]
+        gemm::gemm_with(dev, sd, m, &a.shared_act, t, &mut a.shared_out, prefill_opts())?; // [T, H]
         mark_linear(dev, "moe.shared", gate, t)?;
-        gemm::gemm(dev, gate, 0, &a.normed, t, &mut a.shared_gate)?; // [T, 1]
+        gemm::gemm_with(dev, gate, 0, &a.normed, t, &mut a.shared_gate, prefill_opts())?; // [T, 1]
     }
     let shared_terms = shared_mlp.map(|_| (&a.shared_out, &a.shared_gate));
     // Sort the T·k slots by expert on the device, run each expert over its slots.
     dev.mark("moe.plan", 4 * 4 * (t * k) as u64, 0)?;
     moe_dispatch::plan(dev, &a.idx, t, k, e, &mut a.counts, &mut a.offsets, &mut a.rows, &mut a.slot_of)?;
-    let routed = gemm::Opts { experts: Some(e), ..Default::default() }; // not the shared expert after them
+    let routed = gemm::Opts { experts: Some(e), ..prefill_opts() }; // not the shared expert after them
     let used = e.min(t * k); // experts with at least one slot (at most)
     mark_grouped(dev, "moe.gate_up", &ex.gate, 2, used, t * k)?;
     gemm::grouped_swiglu_gemm_with(dev, &ex.gate, &ex.up, &a.offsets, Some(&a.rows), &a.normed, t * k, &mut a.act, routed)?; // [T·k, I]
@@ -1069,6 +1073,18 @@ fn moe_decode(
     let y = a.expert_out.slice(0..k * h);
     dev.mark("moe.combine", 4 * ((k + 3) * h) as u64, 2 * ((k + 1) * h) as u64)?;
     moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, shared_terms, 1, k, h, &mut a.x, true) // x += [H]
+}
+
+/// The prefill GEMMs' options: `Precision::Exact` (x as two bf16 planes), or with
+/// `LILY_PREFILL_PRECISION=bf16x` x rounded to bf16 once (read once; for A/B runs of speed and
+/// parity: the default stays Exact until `lily score` shows bf16x inside the numerics bar).
+fn prefill_opts() -> gemm::Opts {
+    static P: std::sync::OnceLock<gemm::Precision> = std::sync::OnceLock::new();
+    let precision = *P.get_or_init(|| match std::env::var("LILY_PREFILL_PRECISION").as_deref() {
+        Ok("bf16x") => gemm::Precision::Bf16x,
+        _ => gemm::Precision::Exact,
+    });
+    gemm::Opts { precision, ..Default::default() }
 }
 
 /// Whether one decode token runs a GDN layer's conv, rule and gated norm as one kernel

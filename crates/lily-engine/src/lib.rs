@@ -12,5 +12,5 @@ pub mod score;
 pub use cache::PrefixCache;
 pub use chat::{ChatModel, ChatModelError};
 pub use generate::{generate, generate_cached, generate_cached_at, CachedOutcome, Flow, FinishReason, GenError, GenSpec, Outcome, Step};
-pub use open::{open, BackendKind, EngineError, LoadedModel, LoadedState, OpenOptions};
+pub use open::{open, BackendKind, DEFAULT_MAX_CHUNK, EngineError, LoadedModel, LoadedState, OpenOptions};
 pub use score::{score, ScoreResult};

@@ -194,7 +194,7 @@ struct LoadArgs {
     #[arg(long, value_name = "DIR")]
     kernel_dir: Option<PathBuf>,
     /// CUDA: the most prompt tokens one forward pass runs at once (bigger is faster, uses more memory).
-    #[arg(long, default_value_t = 2048)]
+    #[arg(long, default_value_t = lily_engine::DEFAULT_MAX_CHUNK)]
     max_chunk: usize,
 }
 

@@ -3,8 +3,13 @@
 //! Also the fused SwiGLU first half of the MLP, and the grouped (MoE prefill) forms where sorted slots
 //! belong to experts through a device array of offsets (no host round trip).
 //!
+//! Two kernel families: `kernels/gemm.cu` (`mma.sync`, every format) and, for 4-bit group-64 weights
+//! in `Exact` and `Bf16x` (the model's format and precision), the Hopper wgmma kernels of
+//! [`super::gemm_wgmma`] (`Tile::Wg64`/`Wg128`, chosen by `Tile::Auto`; about 2× faster, same
+//! numerics; `LILY_GEMM=mma` keeps gemm.cu's for A/B runs).
+//!
 //! Numerics ([`Precision`], all four forms; products are exact and accumulated in f32 by
-//! `mma.sync m16n8k16 .bf16 -> .f32`):
+//! `mma.sync m16n8k16 .bf16 -> .f32` or `wgmma m64nNk16 .bf16 -> .f32`):
 //! - [`Precision::Exact`] (the default of every function without a `precision` argument, what the
 //!   model runs): nearly f32, see below.
 //! - [`Precision::Bf16x`]: X rounded to bf16 (nearest even) once, the weights exact as in `Exact`
