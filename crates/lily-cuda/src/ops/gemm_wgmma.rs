@@ -94,7 +94,7 @@ pub(crate) const KERNELS: &[&str] = &ALL;
 
 /// (tokens a block, x planes) of variant `i`.
 const fn variant(i: usize) -> (usize, usize) {
-    (if (i / 2) % 2 == 0 { 128 } else { 64 }, i % 2 + 1)
+    (if (i / 2).is_multiple_of(2) { 128 } else { 64 }, i % 2 + 1)
 }
 
 /// Dynamic shared memory: STAGES stages of (planes × bt rows of 128 bytes, the codes of 128 rows × 32
