@@ -167,24 +167,34 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     auto out_row = [&](int r) { return SWIGLU ? n_tile * BW_OUT + (r >> 4) * 8 + (r & 7) : n_tile * BW_OUT + r; };
     auto is_up = [](int r) { return SWIGLU && ((r >> 3) & 1) != 0; };
 
-    // ---- Loaders. X: rows tid / 8 + 32 j, chunk tid % 8 (of 16 bytes) of each plane.
+    // ---- Loaders, each with running source pointers (load() is called once per group, in order). X:
+    // rows tid / 8 + 32 j, chunk tid % 8 (of 16 bytes) of each plane; a row past the tile reads row 0
+    // with a zero-fill (no bytes read).
     const int xc = tid & 7;
-    uint32_t xoff[RPT];  // element offset of the staged row, or ~0 (zero-filled)
+    const uint16_t* xp[PLANES][RPT];
+    bool x_ok[RPT];
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
         const int r = (tid >> 3) + 32 * j;
         const int slot = m_begin + r;
-        xoff[j] = 0xFFFFFFFFu;
+        uint32_t off = 0;
+        x_ok[j] = false;
         bool nan_row = false;
         if (slot < m_end) {
             long long src = slot;
             if (GROUPED && p.gather) src = p.gather[slot];
-            if (src < p.x_rows) xoff[j] = (uint32_t)(src * cols);
-            else nan_row = true;
+            if (src < p.x_rows) {
+                off = (uint32_t)(src * cols);
+                x_ok[j] = true;
+            } else {
+                nan_row = true;
+            }
         }
         if (xc == 0) bad[r] = nan_row;
+        xp[0][j] = p.xh + off + xc * 8;
+        if constexpr (PLANES == 2) xp[1][j] = p.xl + off + xc * 8;
     }
-    // Codes: tile row tid / 2, 16-byte half tid % 2.
+    // Codes: tile row tid / 2, 16-byte half tid % 2 (row 0 of the stack, zero-filled, past the rows).
     const int wr = tid >> 1, wh = tid & 1;
     const int w_out = out_row(wr);
     const bool w_ok = w_out < rows;
@@ -203,23 +213,32 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             }
         }
     }
+    // This thread's shared-memory destinations in stage 0.
+    uint32_t xdst[RPT];
+#pragma unroll
+    for (int j = 0; j < RPT; ++j) {
+        const int r = (tid >> 3) + 32 * j;
+        xdst[j] = base + r * 128 + ((xc ^ (r & 7)) << 4);
+    }
+    const uint32_t wdst = base + XB + wr * 32 + wh * 16;
+    const uint32_t sdst = base + XB + WB + tid * 4;
 
     auto load = [&](int kt) {
-        const uint32_t st = base + (kt % STAGES) * STAGE;
-        const int k0 = kt * GROUP;
+        const uint32_t so = (kt % STAGES) * STAGE;
 #pragma unroll
         for (int pl = 0; pl < PLANES; ++pl) {
-            const uint16_t* plane = pl == 0 ? p.xh : p.xl;
 #pragma unroll
             for (int j = 0; j < RPT; ++j) {
-                const int r = (tid >> 3) + 32 * j;
-                const bool ok = xoff[j] != 0xFFFFFFFFu;
-                const uint16_t* src = plane + (ok ? xoff[j] + (uint32_t)(k0 + xc * 8) : 0u);
-                cp_async16(st + pl * XPLANE + r * 128 + ((xc ^ (r & 7)) << 4), src, ok);
+                cp_async16(xdst[j] + so + pl * XPLANE, xp[pl][j], x_ok[j]);
+                xp[pl][j] += GROUP;
             }
         }
-        cp_async16(st + XB + wr * 32 + wh * 16, wsrc + (w_ok ? kt * 8 : 0), w_ok);
-        if (tid < BT) cp_async4(st + XB + WB + tid * 4, ssrc + (s_ok ? kt : 0), s_ok);
+        cp_async16(wdst + so, wsrc, w_ok);
+        wsrc += 8;
+        if (tid < BT) {
+            cp_async4(sdst + so, ssrc, s_ok);
+            if (s_ok) ssrc += 1;
+        }
     };
 
     // ---- This thread's two weight rows (tile rows r0 and r0 + 8) and their scales.
@@ -228,10 +247,15 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     const bool ok0 = o0 < rows, ok1 = o1 < rows;
     const size_t g0 = (size_t)((long long)matrix * rows + (ok0 ? o0 : 0)) * groups;
     const size_t g1 = (size_t)((long long)matrix * rows + (ok1 ? o1 : 0)) * groups;
-    const uint16_t* sc0 = is_up(r0) ? p.scales2 : p.scales;
-    const uint16_t* bi0 = is_up(r0) ? p.biases2 : p.biases;
-    const uint16_t* sc1 = is_up(r1) ? p.scales2 : p.scales;
-    const uint16_t* bi1 = is_up(r1) ? p.biases2 : p.biases;
+    // Their scales and biases, advanced a group a step by issue().
+    const uint16_t* sc0 = (is_up(r0) ? p.scales2 : p.scales) + g0;
+    const uint16_t* bi0 = (is_up(r0) ? p.biases2 : p.biases) + g0;
+    const uint16_t* sc1 = (is_up(r1) ? p.scales2 : p.scales) + g1;
+    const uint16_t* bi1 = (is_up(r1) ? p.biases2 : p.biases) + g1;
+
+    // The X tile descriptor of stage 0 (a stage or k-step further: its byte offset / 16 added to the
+    // start-address field, which cannot carry: shared addresses are below 2^18).
+    const uint64_t d0 = wgmma_desc_sw128(base);
 
     float acc[ND], accg[ND];
 #pragma unroll
@@ -252,10 +276,11 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
 
         const uint32_t st = base + (kt % STAGES) * STAGE;
         // This group's scales and biases (f32; zero past the matrix's rows), the centred codes' bias.
-        const float s0 = ok0 ? bf16_bits_to_f32(__ldg(sc0 + g0 + kt)) : 0.0f;
-        const float s1 = ok1 ? bf16_bits_to_f32(__ldg(sc1 + g1 + kt)) : 0.0f;
-        const float b0 = ok0 ? fmaf(8.0f, s0, bf16_bits_to_f32(__ldg(bi0 + g0 + kt))) : 0.0f;
-        const float b1 = ok1 ? fmaf(8.0f, s1, bf16_bits_to_f32(__ldg(bi1 + g1 + kt))) : 0.0f;
+        const float s0 = ok0 ? bf16_bits_to_f32(__ldg(sc0)) : 0.0f;
+        const float s1 = ok1 ? bf16_bits_to_f32(__ldg(sc1)) : 0.0f;
+        const float b0 = ok0 ? fmaf(8.0f, s0, bf16_bits_to_f32(__ldg(bi0))) : 0.0f;
+        const float b1 = ok1 ? fmaf(8.0f, s1, bf16_bits_to_f32(__ldg(bi1))) : 0.0f;
+        ++sc0, ++sc1, ++bi0, ++bi1;
         const uint2 wa = lds64(st + XB + r0 * 32 + q * 8);
         const uint2 wb = lds64(st + XB + r1 * 32 + q * 8);
         uint32_t a[4][4];
@@ -266,12 +291,13 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             a[s][2] = code_pair(wa.y, s);
             a[s][3] = code_pair(wb.y, s);
         }
+        const uint64_t dst = d0 + (uint64_t)(((kt % STAGES) * STAGE) >> 4);  // this stage's X descriptor
         wgmma_fence();
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
 #pragma unroll
             for (int pl = 0; pl < PLANES; ++pl) {
-                const uint64_t d = wgmma_desc_sw128(st + pl * XPLANE + 32 * s);
+                const uint64_t d = dst + (uint64_t)((pl * XPLANE + 32 * s) >> 4);
                 if constexpr (BT == 128) wgmma_m64n128k16_rs(accg, a[s], d, (s | pl) != 0);
                 else wgmma_m64n64k16_rs(accg, a[s], d, (s | pl) != 0);
             }
