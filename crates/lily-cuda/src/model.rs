@@ -38,7 +38,7 @@ use lily_model::weights::{DenseMlpWeights, Mixer, Mlp};
 use lily_model::{Backend, BackendError, DevicePick, GdnDims, LayerKind, Logits, MaskFill, ModelConfig, ModelWeights};
 
 use crate::ops::affine_gemv::{self, Select};
-use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, gemm, moe_dispatch, moe_route, rmsnorm, sample, Scalar};
+use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, gemm, gemm_wgmma, moe_dispatch, moe_route, rmsnorm, sample, Scalar};
 use crate::weights::{DeviceMatrix, Uploader};
 use crate::{CudaError, Device, Result};
 
@@ -82,6 +82,7 @@ impl Default for CudaOptions {
 pub struct LoadReport {
     pub device: String,
     pub weight_bytes: usize,
+    /// Scratch of a forward pass of `max_chunk` tokens, the wgmma GEMMs' staged x included.
     pub activation_bytes: usize,
     pub upload_seconds: f64,
     /// Bytes of one session's state per token of context (KV caches), and its fixed part (GDN states).
@@ -421,7 +422,29 @@ impl CudaModel {
         let upload_seconds = t0.elapsed().as_secs_f64();
 
         let weight_bytes = (done.get() + extra.get()) as usize;
-        let (act, activation_bytes) = Activations::new(&dev, &cfg, max_chunk)?;
+        let (act, mut activation_bytes) = Activations::new(&dev, &cfg, max_chunk)?;
+        // The wgmma GEMMs' staged x (two planes, exact) for the widest input of a chunk: [T, H] (the
+        // input projections, the experts' gate/up, lm_head when scoring), the output projections'
+        // inputs, and the routed experts' down input [T·k, I].
+        let t = max_chunk;
+        let inputs = [
+            (t, cfg.hidden_size),
+            (t, cfg.linear_num_value_heads * cfg.linear_value_head_dim),
+            (t, cfg.num_attention_heads * cfg.head_dim),
+            (t, cfg.shared_expert_intermediate_size),
+            (t, cfg.intermediate_size),
+            (t * cfg.num_experts_per_tok.max(1), cfg.moe_intermediate_size),
+        ];
+        let stage = inputs
+            .iter()
+            .filter(|(_, c)| *c > 0 && c.is_multiple_of(gemm_wgmma::GROUP))
+            .map(|&(r, c)| gemm_wgmma::stage_bytes(r, c, 2))
+            .max()
+            .unwrap_or(0);
+        if stage > 0 {
+            gemm_wgmma::reserve(&dev, stage)?;
+            activation_bytes += stage.next_multiple_of(16 << 20);
+        }
         let kv_per_token = cfg.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count()
             * 2
             * cfg.num_key_value_heads

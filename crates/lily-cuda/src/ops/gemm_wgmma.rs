@@ -133,20 +133,29 @@ pub(crate) struct Call {
     pub grouped: Option<(u64, u64, usize)>,
 }
 
+/// Bytes of staged x for `x_rows` rows of `cols` (a multiple of 64) in `planes` planes: the planes
+/// (each rounded to 256 bytes) and the f32 sums per group.
+pub(crate) fn stage_bytes(x_rows: usize, cols: usize, planes: usize) -> usize {
+    planes * (x_rows * cols * 2).next_multiple_of(256) + x_rows * (cols / GROUP) * 4
+}
+
+/// Makes the device's staging buffer at least `bytes` (grown in 16 MiB steps; the old one is freed in
+/// stream order) and returns its address. The model reserves its largest need at load, so that the
+/// memory it reports includes it and a prefill allocates nothing.
+pub(crate) fn reserve(dev: &Device, bytes: usize) -> Result<u64> {
+    let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
+    if stage.as_ref().is_none_or(|b| b.len() < bytes) {
+        *stage = Some(dev.zeros::<u8>(bytes.max(1).next_multiple_of(16 << 20))?);
+    }
+    Ok(stage.as_ref().map(|b| b.device_ptr(dev.stream()).0).unwrap_or(0))
+}
+
 /// Runs `c` with `bt` (64 or 128) tokens a block and x as `planes` (1: bf16x, 2: exact) bf16 planes.
 pub(crate) fn run(dev: &Device, c: &Call, bt: usize, planes: usize) -> Result<()> {
     debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && matches!(planes, 1 | 2));
     let groups = c.cols / GROUP;
     let plane_bytes = (c.x_rows * c.cols * 2).next_multiple_of(256);
-    let sums_bytes = c.x_rows * groups * 4;
-    let need = planes * plane_bytes + sums_bytes;
-
-    let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
-    if stage.as_ref().is_none_or(|b| b.len() < need) {
-        // Grow in 16 MiB steps (the buffer in use is freed in stream order).
-        *stage = Some(dev.zeros::<u8>(need.next_multiple_of(16 << 20))?);
-    }
-    let base = stage.as_ref().map(|b| b.device_ptr(dev.stream()).0).unwrap_or(0);
+    let base = reserve(dev, stage_bytes(c.x_rows, c.cols, planes))?;
     let (hi, lo, sums) = (base, if planes == 2 { base + plane_bytes as u64 } else { 0 }, base + (planes * plane_bytes) as u64);
 
     let sp = StageParams { x: c.x, hi, lo, sums, rows: c.x_rows as i64, cols: c.cols as i32 };
