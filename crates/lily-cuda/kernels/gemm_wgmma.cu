@@ -247,7 +247,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     const bool ok0 = o0 < rows, ok1 = o1 < rows;
     const size_t g0 = (size_t)((long long)matrix * rows + (ok0 ? o0 : 0)) * groups;
     const size_t g1 = (size_t)((long long)matrix * rows + (ok1 ? o1 : 0)) * groups;
-    // Their scales and biases, advanced a group a step by issue().
+    // Their scales and biases, advanced a group a step by the main loop.
     const uint16_t* sc0 = (is_up(r0) ? p.scales2 : p.scales) + g0;
     const uint16_t* bi0 = (is_up(r0) ? p.biases2 : p.biases) + g0;
     const uint16_t* sc1 = (is_up(r1) ? p.scales2 : p.scales) + g1;

@@ -494,18 +494,18 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         }
         other => other,
     };
+    let (w_p, s_p, b_p, group_shift) = parts(dev, w);
+    let (w2_p, s2_p, b2_p) = match w2 {
+        Some(u) => {
+            let (a, b, c, _) = parts(dev, u);
+            (a, b, c)
+        }
+        None => (0, 0, 0),
+    };
     if tile.is_wgmma() {
-        let (w_p, s_p, b_p, _) = parts(dev, w);
-        let w2p = match w2 {
-            Some(u) => {
-                let (a, b, c, _) = parts(dev, u);
-                (a, b, c)
-            }
-            None => (0, 0, 0),
-        };
         let call = super::gemm_wgmma::Call {
             w: (w_p, s_p, b_p),
-            w2: w2p,
+            w2: (w2_p, s2_p, b2_p),
             x: x_p,
             x_rows,
             y: y_p,
@@ -537,14 +537,6 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         return Err(CudaError::Shape(format!("{what}: {t} tokens")));
     }
 
-    let (w_p, s_p, b_p, group_shift) = parts(dev, w);
-    let (w2_p, s2_p, b2_p) = match w2 {
-        Some(u) => {
-            let (a, b, c, _) = parts(dev, u);
-            (a, b, c)
-        }
-        None => (0, 0, 0),
-    };
     let params = GemmParams {
         w: w_p,
         scales: s_p,
