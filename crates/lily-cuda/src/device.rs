@@ -39,8 +39,8 @@ pub struct Device {
     /// Launch kernels with programmatic dependent launch (`ops::launch`).
     pdl: std::sync::atomic::AtomicBool,
     /// The wgmma GEMM's staged x (`ops::gemm_wgmma`): grown on demand, reused by every call in stream
-    /// order.
-    pub(crate) gemm_stage: Mutex<Option<CudaSlice<u8>>>,
+    /// order, with what it holds.
+    pub(crate) gemm_stage: Mutex<crate::ops::gemm_wgmma::Stage>,
 }
 
 pub(crate) fn describe(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<DeviceInfo> {
@@ -143,7 +143,7 @@ impl Device {
             occupancy: Mutex::new(HashMap::new()),
             recorder: Mutex::new(None),
             pdl: std::sync::atomic::AtomicBool::new(false),
-            gemm_stage: Mutex::new(None),
+            gemm_stage: Mutex::new(Default::default()),
         };
         ops::configure(&dev)?;
         Ok(dev)

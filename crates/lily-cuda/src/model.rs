@@ -811,11 +811,12 @@ fn gdn_mixer(
             mark_linear(dev, "gdn.in_proj", &g.qkv, t)?;
             linear(dev, &g.qkv, &a.normed, t, &mut a.qkv_raw)?;
             mark_linear(dev, "gdn.in_proj", &g.z, t)?;
-            linear(dev, &g.z, &a.normed, t, &mut a.z)?;
+            // The other three read the same a.normed: its staged copy is reused.
+            gemm::gemm_with(dev, &g.z, 0, &a.normed, t, &mut a.z, reuse_x())?;
             mark_linear(dev, "gdn.in_proj", &g.b, t)?;
-            linear(dev, &g.b, &a.normed, t, &mut a.b)?;
+            gemm::gemm_with(dev, &g.b, 0, &a.normed, t, &mut a.b, reuse_x())?;
             mark_linear(dev, "gdn.in_proj", &g.a, t)?;
-            linear(dev, &g.a, &a.normed, t, &mut a.a)?;
+            gemm::gemm_with(dev, &g.a, 0, &a.normed, t, &mut a.a, reuse_x())?;
             (a.qkv_raw.slice(0..t * c), a.z.slice(0..t * vd), a.b.slice(0..t * hv), a.a.slice(0..t * hv))
         }
     };
@@ -870,9 +871,9 @@ fn attn_mixer(
         mark_linear(dev, "attn.qkv", &w.q, t)?;
         linear(dev, &w.q, &a.normed, t, &mut a.qg)?; // [T, nh·hd·(1+gate)]
         mark_linear(dev, "attn.qkv", &w.k, t)?;
-        linear(dev, &w.k, &a.normed, t, &mut a.k)?; // [T, kvh·hd]
+        gemm::gemm_with(dev, &w.k, 0, &a.normed, t, &mut a.k, reuse_x())?; // [T, kvh·hd]
         mark_linear(dev, "attn.qkv", &w.v, t)?;
-        linear(dev, &w.v, &a.normed, t, &mut a.v)?; // [T, kvh·hd]
+        gemm::gemm_with(dev, &w.v, 0, &a.normed, t, &mut a.v, reuse_x())?; // [T, kvh·hd]
         // q/k RMSNorm, partial RoPE, K/V appended at pos0..
         mark_attn_prep(dev, &dims, t)?;
         attn_prep::prep(dev, &a.qg, &a.k, &a.v, &w.q_norm, &w.k_norm, dims, Scalar::Host(pos0), t, &mut a.q, gate, kc, vc, cap)?;
@@ -985,24 +986,28 @@ fn moe(
         Shared::Separate { mlp, gate } => Some((&mlp.gate, &mlp.up, &mlp.down, 0, gate)),
         Shared::InStack { gate } => Some((&ex.gate, &ex.up, &ex.down, e, gate)),
     };
-    if let Some((sg, su, sd, m, gate)) = shared_mlp {
+    // Every GEMM on a.normed runs before those on other inputs, so that a.normed is staged once.
+    if let Some((sg, su, _, m, gate)) = shared_mlp {
         mark_swiglu(dev, "moe.shared", sg, 1, t)?;
-        gemm::swiglu_gemm_with(dev, sg, su, m, &a.normed, t, &mut a.shared_act, prefill_opts())?; // [T, Is]
-        mark_linear(dev, "moe.shared", sd, t)?;
-        gemm::gemm_with(dev, sd, m, &a.shared_act, t, &mut a.shared_out, prefill_opts())?; // [T, H]
+        gemm::swiglu_gemm_with(dev, sg, su, m, &a.normed, t, &mut a.shared_act, reuse_x())?; // [T, Is]
         mark_linear(dev, "moe.shared", gate, t)?;
-        gemm::gemm_with(dev, gate, 0, &a.normed, t, &mut a.shared_gate, prefill_opts())?; // [T, 1]
+        gemm::gemm_with(dev, gate, 0, &a.normed, t, &mut a.shared_gate, reuse_x())?; // [T, 1]
     }
-    let shared_terms = shared_mlp.map(|_| (&a.shared_out, &a.shared_gate));
     // Sort the T·k slots by expert on the device, run each expert over its slots.
     dev.mark("moe.plan", 4 * 4 * (t * k) as u64, 0)?;
     moe_dispatch::plan(dev, &a.idx, t, k, e, &mut a.counts, &mut a.offsets, &mut a.rows, &mut a.slot_of)?;
     let routed = gemm::Opts { experts: Some(e), ..prefill_opts() }; // not the shared expert after them
     let used = e.min(t * k); // experts with at least one slot (at most)
     mark_grouped(dev, "moe.gate_up", &ex.gate, 2, used, t * k)?;
-    gemm::grouped_swiglu_gemm_with(dev, &ex.gate, &ex.up, &a.offsets, Some(&a.rows), &a.normed, t * k, &mut a.act, routed)?; // [T·k, I]
+    let gate_up = gemm::Opts { reuse_x: true, ..routed };
+    gemm::grouped_swiglu_gemm_with(dev, &ex.gate, &ex.up, &a.offsets, Some(&a.rows), &a.normed, t * k, &mut a.act, gate_up)?; // [T·k, I]
+    if let Some((_, _, sd, m, _)) = shared_mlp {
+        mark_linear(dev, "moe.shared", sd, t)?;
+        gemm::gemm_with(dev, sd, m, &a.shared_act, t, &mut a.shared_out, prefill_opts())?; // [T, H]
+    }
     mark_grouped(dev, "moe.down", &ex.down, 1, used, t * k)?;
     gemm::grouped_gemm_with(dev, &ex.down, &a.offsets, None, &a.act, t * k, &mut a.expert_out, routed)?; // [T·k, H]
+    let shared_terms = shared_mlp.map(|_| (&a.shared_out, &a.shared_gate));
     dev.mark("moe.combine", 4 * ((t * k + 2 * t) * h) as u64, 2 * (t * (k + 1) * h) as u64)?;
     moe_dispatch::combine(dev, &a.expert_out, &a.idx, Some(&a.slot_of), &a.route_w, shared_terms, t, k, h, &mut a.mlp)
 }
@@ -1101,6 +1106,12 @@ fn moe_decode(
 /// The prefill GEMMs' options: `Precision::Exact` (x as two bf16 planes), or with
 /// `LILY_PREFILL_PRECISION=bf16x` x rounded to bf16 once (read once; for A/B runs of speed and
 /// parity: the default stays Exact until `lily score` shows bf16x inside the numerics bar).
+/// [`prefill_opts`] for a GEMM whose x is the previous GEMM's, unwritten since (its staged copy is
+/// reused where the staging buffer still holds it).
+fn reuse_x() -> gemm::Opts {
+    gemm::Opts { reuse_x: true, ..prefill_opts() }
+}
+
 fn prefill_opts() -> gemm::Opts {
     static P: std::sync::OnceLock<gemm::Precision> = std::sync::OnceLock::new();
     let precision = *P.get_or_init(|| match std::env::var("LILY_PREFILL_PRECISION").as_deref() {

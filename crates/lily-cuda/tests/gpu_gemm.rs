@@ -878,3 +878,43 @@ fn bench_gemm() {
         }
     }
 }
+
+/// `Opts::reuse_x`: a wgmma GEMM whose x the previous call staged uses that staging (shown by writing
+/// x in between, which breaks the caller's promise on purpose: the result is still the old x's), and
+/// one whose x is not what the buffer holds stages it (the result is its own x's). Bit-for-bit: the
+/// same staged operands give the same sums.
+#[test]
+fn wgmma_gemm_reuses_staged_x_only_when_it_holds_that_x() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(303);
+    let (cols, t) = (256, 100);
+    let f = Fmt { bits: 4, gs: 64 };
+    let (w1, w2) = (matrix(&mut rng, f, 1, 128, cols), matrix(&mut rng, f, 1, 192, cols));
+    let (d1, d2) = (upload_matrix(&dev, &w1).unwrap(), upload_matrix(&dev, &w2).unwrap());
+    let (x1, x2) = (rng.normals(t * cols, 1.0), rng.normals(t * cols, 1.0));
+    let plain = Opts { tile: Tile::Wg64, precision: Precision::Exact, ..Default::default() };
+    let reuse = Opts { reuse_x: true, ..plain };
+    let run = |w: &DeviceMatrix, x: &CudaSlice<f32>, o: Opts| {
+        let mut y = poisoned(&dev, t * w.rows);
+        gemm::gemm_with(&dev, w, 0, x, t, &mut y, o).unwrap();
+        dev.download(&y).unwrap()
+    };
+    let (mut xa, xb) = (dev.upload(&x1).unwrap(), dev.upload(&x2).unwrap());
+    let want1 = run(&d2, &xa, plain); // W2·x1
+    let want2 = run(&d2, &xb, plain); // W2·x2
+    assert!(want1.iter().all(|v| v.is_finite()) && want1 != want2);
+
+    // Staged by the W1 call, reused by the W2 call: the same numbers as staging it again.
+    run(&d1, &xa, plain);
+    assert_eq!(run(&d2, &xa, reuse), want1, "reuse after staging the same x");
+    // x1's buffer rewritten with x2 after its staging: reuse still reads the staged x1.
+    run(&d1, &xa, plain);
+    dev.upload_into(&x2, &mut xa).unwrap();
+    assert_eq!(run(&d2, &xa, reuse), want1, "reuse must read the staged copy");
+    // Without the promise it stages again and sees x2.
+    assert_eq!(run(&d2, &xa, plain), want2, "no reuse without the promise");
+    // The buffer holds another x (xb, staged last): reuse of xa stages xa (now x2's values) afresh.
+    dev.upload_into(&x1, &mut xa).unwrap();
+    run(&d1, &xb, plain);
+    assert_eq!(run(&d2, &xa, reuse), want1, "a different x in the buffer is staged again");
+}

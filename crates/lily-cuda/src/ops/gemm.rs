@@ -220,6 +220,11 @@ pub struct Opts {
     /// matrices of the stack; `None`: all of them. A stack can carry more matrices after the routed
     /// experts (the shared expert).
     pub experts: Option<usize>,
+    /// x has not been written since the previous GEMM call on this device read it (the caller's
+    /// promise): a wgmma GEMM then reuses that call's staged copy of x instead of staging it again,
+    /// when the staging buffer still holds it (same x, rows, columns and precision). Without the
+    /// promise every call stages its x.
+    pub reuse_x: bool,
 }
 
 /// `Y[t, rows] = X[t, cols] · W[m]ᵀ` (matrix `m` of the stack; like `lily_cpu::linear::matmul(w, m, ..)`).
@@ -230,7 +235,7 @@ pub fn gemm<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMat
 
 /// [`gemm`] with chosen [`Opts`].
 pub fn gemm_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMatrix, m: usize, x: &X, t: usize, y: &mut Y, o: Opts) -> Result<()> {
-    run(dev, w, None, Group::Plain(m), x, t, y, o.tile, o.precision)
+    run(dev, w, None, Group::Plain(m), x, t, y, o.tile, o.precision, o.reuse_x)
 }
 
 /// `Y[t, rows] = silu(X · G[m]ᵀ) ⊙ (X · U[m]ᵀ)`: the first half of the SwiGLU MLP, `gate` and `up` of one
@@ -259,7 +264,7 @@ pub fn swiglu_gemm_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     y: &mut Y,
     o: Opts,
 ) -> Result<()> {
-    run(dev, gate, Some(up), Group::Plain(m), x, t, y, o.tile, o.precision)
+    run(dev, gate, Some(up), Group::Plain(m), x, t, y, o.tile, o.precision, o.reuse_x)
 }
 
 /// Grouped GEMM (MoE prefill). `n` sorted slots; `offsets` is a device array of `E + 1` u32
@@ -297,7 +302,7 @@ pub fn grouped_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f
     o: Opts,
 ) -> Result<()> {
     let g = group(dev, w, o.experts.unwrap_or(w.count), offsets, rows, n)?;
-    run(dev, w, None, g, x, n, y, o.tile, o.precision)
+    run(dev, w, None, g, x, n, y, o.tile, o.precision, o.reuse_x)
 }
 
 /// [`grouped_gemm`] with the fused SwiGLU of [`swiglu_gemm`]:
@@ -330,7 +335,7 @@ pub fn grouped_swiglu_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DeviceP
     o: Opts,
 ) -> Result<()> {
     let g = group(dev, gate, o.experts.unwrap_or(gate.count), offsets, rows, n)?;
-    run(dev, gate, Some(up), g, x, n, y, o.tile, o.precision)
+    run(dev, gate, Some(up), g, x, n, y, o.tile, o.precision, o.reuse_x)
 }
 
 /// Which rows of X and which matrix each output row uses.
@@ -387,6 +392,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     y: &mut Y,
     tile: Tile,
     precision: Precision,
+    reuse_x: bool,
 ) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
     let what = if w2.is_some() { "swiglu gemm" } else { "gemm" };
@@ -516,7 +522,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
             grouped: if grouped { Some((offsets, gather, experts)) } else { None },
         };
         let bt = if tile == Tile::Wg128 { 128 } else { 64 };
-        return super::gemm_wgmma::run(dev, &call, bt, if precision == Precision::Exact { 2 } else { 1 });
+        return super::gemm_wgmma::run(dev, &call, bt, if precision == Precision::Exact { 2 } else { 1 }, reuse_x);
     }
     let bm = if tile == Tile::M64 { 64 } else { 32 };
     let fam = match (w2.is_some(), grouped) {
