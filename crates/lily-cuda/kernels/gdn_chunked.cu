@@ -1,7 +1,7 @@
 // Gated DeltaNet delta rule for prefill, chunk by chunk (the WY / UT form of HF
-// `torch_chunk_gated_delta_rule` and fla-org's `chunk_gated_delta_rule`), f32 throughout (no tensor
-// cores). Same inputs, state and output as gdn_recurrent_* in gdn.cu and lily_cpu::gdn, and the same
-// numbers to f32 rounding.
+// `torch_chunk_gated_delta_rule` and fla-org's `chunk_gated_delta_rule`), f32 throughout: on CUDA
+// cores, or on the tensor cores as 3xTF32 products. Same inputs, state and output as gdn_recurrent_*
+// in gdn.cu and lily_cpu::gdn, and the same numbers to f32 rounding.
 // Layouts: qkv [T, C] after gdn_conv_qk, C = 2·Hk·Dk + Hv·Dv ordered q | k | v (head-major, q already
 // l2-normed and scaled by 1/√Dk, k l2-normed); g, beta [T, Hv]; state [Hv, Dk, Dv] (S[h][i_k][j_v]);
 // out [T, Hv, Dv]; value head j reads key head j / (Hv/Hk). Dk, Dv ≤ 128 (any value: slices are
@@ -453,4 +453,486 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_state_t16(const G
 }
 extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_t32(const GdnChunkStateParams p) { pdl_enter();
     gdn_chunk_state<32>(p);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The tensor-core kernels: mma.m16n8k8 with tf32 operands in the 3xTF32 form (each product as
+// hi·hi + hi·lo + lo·hi of tf32 parts, good to about f32 rounding, accumulated in f32). Same inputs,
+// outputs and formulas as the FFMA kernels above; Dk a multiple of 16 (≤ 128), Dv a multiple of 8.
+// Shared-memory row strides (floats) keep the fragment reads conflict-free: W, Q 132 (≡ 4 mod 32:
+// rows g, columns t), K 136 (≡ 8: read transposed, rows t, columns g), P 68.
+
+#include "mma.cuh"
+
+#define GDC_TW 32      // state columns per block
+#define GDC_WS 132     // W, Q row stride
+#define GDC_KS 136     // K row stride
+#define GDC_PS 68      // P row stride
+
+// ---------------------------------------------------------------------------------------------------
+// gdn_chunk_prep_tc: gdn_chunk_prep with its two products on the tensor cores (mma.m16n8k8, 3xTF32):
+// the same W, U, P and decays, to f32 rounding. Dk a multiple of 16 (≤ 128), Dv a multiple of 8.
+// grid (chunks, Hv), 256 threads (8 warps), GDC_PREP_SMEM bytes of dynamic shared memory (2 blocks
+// per SM). Per (chunk, value head):
+//   1. gates as gdn_chunk_prep;
+//   2. K Kᵀ and Q Kᵀ, lower-triangle m16n8 tiles only (20 of 32 each): warps 0–3 K Kᵀ, 4–7 Q Kᵀ; warp
+//      a (mod 4) takes m-tiles {a/2, 3 − a/2} and of each the n-tiles ≡ a (mod 2), 5 tiles a warp. The
+//      k index of an mma runs over Dk columns in pairs (lane t reads columns 2t, 2t+1 as one float2:
+//      the sum does not depend on how k is ordered), conflict-free with row stride 136;
+//   3. X = (I + A)⁻¹ by forward substitution, as gdn_chunk_prep but with warp barriers (a column's
+//      four threads are lanes of one warp, and columns do not mix), V's copy in flight meanwhile;
+//   4. W = X (β e^Γ ⊙ K) and U = X (β ⊙ V): warps 0–3 W, 4–7 U, warp a (mod 4) the n-tiles 4a..4a+3
+//      of every m-tile (X is lower triangular: m-tile i needs tokens < 16(i+1)).
+#define GDC_RS 136  // K, Q / V row stride
+#define GDC_AS 65   // A row stride
+#define GDC_XS 72   // X row stride
+#define GDC_PREP_SMEM (8 * GDC_CH + 4 * (2 * GDC_CH * GDC_RS + GDC_CH * GDC_AS + GDC_CH * GDC_XS + 3 * GDC_CH))
+
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const GdnChunkPrepParams p) { pdl_enter();
+    extern __shared__ __align__(16) float sm[];
+    double* const gam = reinterpret_cast<double*>(sm);           // Γ_i (f64)
+    float* const sK = sm + 2 * GDC_CH;                            // K [64][RS]
+    float* const sQ = sK + GDC_CH * GDC_RS;                       // Q, then V [64][RS]
+    float* const sA = sQ + GDC_CH * GDC_RS;                       // A [64][AS]
+    float* const sX = sA + GDC_CH * GDC_AS;                       // X [64][XS]
+    float* const bet = sX + GDC_CH * GDC_XS;                      // β_i (0 past n)
+    float* const egs = bet + GDC_CH;                              // e^{Γ_i}
+    float* const sbe = egs + GDC_CH;                              // β_i e^{Γ_i}
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int chunk = blockIdx.x, j = blockIdx.y;
+    const int t0 = chunk * GDC_CH;
+    const int n = min(GDC_CH, p.t_len - t0);
+    const int kh = j / (p.hv / p.hk);
+    const int dk = p.dk, dv = p.dv;
+    const long long kd = (long long)p.hk * dk;
+    const long long C = 2 * kd + (long long)p.hv * dv;
+    const long long blk = (long long)chunk * p.hv + j;
+    const float* qkv = p.qkv + (long long)t0 * C;  // row r of the chunk at qkv + r·C
+
+    // K and Q of the chunk (zero past n).
+    {
+        const int pieces = dk / 4;
+        for (int idx = tid; idx < GDC_CH * pieces; idx += 256) {
+            const int r = idx / pieces, c = 4 * (idx - r * pieces);
+            const bool in = r < n;
+            const float* q = in ? qkv + (long long)r * C + (long long)kh * dk + c : p.qkv;
+            cp_async16z(smem_addr(sQ + r * GDC_RS + c), q, in ? 16 : 0);
+            cp_async16z(smem_addr(sK + r * GDC_RS + c), in ? q + kd : p.qkv, in ? 16 : 0);
+        }
+        cp_async_commit_group();
+    }
+
+    // 1. Gates: β, Γ (f64 prefix sum), e^Γ and e^{Γ_last−Γ}. The g are loaded by 64 threads at once
+    //    (into egs, as a staging place), then summed in order by one.
+    if (tid < GDC_CH) {
+        const bool in = tid < n;
+        bet[tid] = in ? p.beta[(long long)(t0 + tid) * p.hv + j] : 0.0f;
+        egs[tid] = in ? p.g[(long long)(t0 + tid) * p.hv + j] : 0.0f;
+    }
+    __syncthreads();
+    if (tid == 0) {
+        double acc = 0.0;
+#pragma unroll 8
+        for (int i = 0; i < GDC_CH; ++i) {
+            acc += (double)egs[i];
+            gam[i] = acc;
+        }
+    }
+    __syncthreads();
+    if (tid < GDC_CH) {
+        const bool in = tid < n;
+        const float eg = in ? expf((float)gam[tid]) : 0.0f;
+        const float ek = in ? expf((float)(gam[n - 1] - gam[tid])) : 0.0f;
+        egs[tid] = eg;
+        sbe[tid] = bet[tid] * eg;
+        p.e[blk * 2 * GDC_CH + tid] = eg;
+        p.e[blk * 2 * GDC_CH + GDC_CH + tid] = ek;
+    }
+    cp_async_wait_group<0>();
+    __syncthreads();
+
+    // 2. K Kᵀ (warps 0–3) and Q Kᵀ (4–7), decayed into A (shared) and P (scratch).
+    {
+        const bool qk = warp >= 4;
+        const float* M = qk ? sQ : sK;
+        const int a = warp & 3, h = a & 1;
+        float* pp = p.p + blk * GDC_CH * GDC_CH;
+#pragma unroll
+        for (int pm = 0; pm < 2; ++pm) {
+            const int mi = pm == 0 ? a >> 1 : 3 - (a >> 1);
+            const int nt = mi + 1;  // n-tiles ni = h, h + 2, … ≤ 2mi + 1
+            float big[4][4], small[4][4];
+#pragma unroll
+            for (int x = 0; x < 4; ++x)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) big[x][e] = small[x][e] = 0.0f;
+            const int r0 = 16 * mi + g;
+            for (int k = 0; k < dk; k += 8) {
+                const float2 x0 = *reinterpret_cast<const float2*>(&M[r0 * GDC_RS + k + 2 * t4]);
+                const float2 x1 = *reinterpret_cast<const float2*>(&M[(r0 + 8) * GDC_RS + k + 2 * t4]);
+                const Tf32A af = split_a(x0.x, x1.x, x0.y, x1.y);
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    if (x < nt) {
+                        const int col = 8 * (h + 2 * x) + g;
+                        const float2 y = *reinterpret_cast<const float2*>(&sK[col * GDC_RS + k + 2 * t4]);
+                        mma_3xtf32(big[x], small[x], af, split_b(y.x, y.y));
+                    }
+                }
+            }
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                if (x >= nt) continue;
+                const int c = 8 * (h + 2 * x) + 2 * t4;
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    const int r = r0 + 8 * hr;
+                    float v[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int cj = c + e;
+                        const float prod = big[x][2 * hr + e] + small[x][2 * hr + e];
+                        float out = 0.0f;
+                        if (r < n && cj <= r) {
+                            const float dec = expf((float)(gam[r] - gam[cj]));
+                            if (qk) out = prod * dec;
+                            else if (cj < r) out = prod * (bet[r] * dec);
+                        }
+                        v[e] = out;
+                    }
+                    if (qk) *reinterpret_cast<float2*>(&pp[r * GDC_CH + c]) = make_float2(v[0], v[1]);
+                    else {
+                        sA[r * GDC_AS + c] = v[0];
+                        sA[r * GDC_AS + c + 1] = v[1];
+                    }
+                }
+            }
+            // P's upper tiles of these rows are zeros (never read; written so the scratch holds P).
+            if (qk) {
+                for (int ni = 2 * mi + 2 + h; ni < 8; ni += 2) {
+                    const int c = 8 * ni + 2 * t4;
+                    *reinterpret_cast<float2*>(&pp[r0 * GDC_CH + c]) = make_float2(0.0f, 0.0f);
+                    *reinterpret_cast<float2*>(&pp[(r0 + 8) * GDC_CH + c]) = make_float2(0.0f, 0.0f);
+                }
+            }
+        }
+    }
+    __syncthreads();  // A complete; Q is no longer read
+
+    // V of the chunk into Q's buffer (zero past n), in flight during the solve.
+    {
+        const int pieces = dv / 4;
+        for (int idx = tid; idx < GDC_CH * pieces; idx += 256) {
+            const int r = idx / pieces, c = 4 * (idx - r * pieces);
+            const bool in = r < n;
+            const float* v = in ? qkv + (long long)r * C + 2 * kd + (long long)j * dv + c : p.qkv;
+            cp_async16z(smem_addr(sQ + r * GDC_RS + c), v, in ? 16 : 0);
+        }
+        cp_async_commit_group();
+    }
+
+    // 3. X = (I + A)⁻¹, row by row, the sums as gdn_chunk_prep's. Column col of X depends only on
+    //    itself, and its four threads are lanes of one warp: a warp barrier orders its rows.
+    {
+        const int col = tid >> 2, part = tid & 3;
+        if (part == 0) sX[col] = col == 0 ? 1.0f : 0.0f;
+        __syncwarp();
+        for (int i = 1; i < GDC_CH; ++i) {
+            float sum = 0.0f;
+            // X is lower triangular: X[jj][col] = 0 for jj < col, so the terms start at col's row of 4.
+            if (i < n)
+                for (int jj = (col & ~3) + part; jj < i; jj += 4) sum = fmaf(sA[i * GDC_AS + jj], sX[jj * GDC_XS + col], sum);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            if (part == 0) sX[i * GDC_XS + col] = (i == col ? 1.0f : 0.0f) - sum;
+            __syncwarp();
+        }
+    }
+    cp_async_wait_group<0>();
+    __syncthreads();  // V visible
+
+    // 4. W = X (β e^Γ ⊙ K) (warps 0–3), U = X (β ⊙ V) (warps 4–7).
+    {
+        const bool is_u = warp >= 4;
+        const float* R = is_u ? sQ : sK;
+        const float* sc = is_u ? bet : sbe;
+        const int width = is_u ? dv : dk;
+        float* dst = is_u ? p.u + blk * GDC_CH * dv : p.w + blk * GDC_CH * dk;
+        const int nb = 4 * (warp & 3);  // n-tiles nb..nb+3
+        const int ntw = min(4, width / 8 - nb);
+        if (ntw > 0) {
+            for (int mi = 0; mi < 4; ++mi) {
+                float big[4][4], small[4][4];
+#pragma unroll
+                for (int x = 0; x < 4; ++x)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) big[x][e] = small[x][e] = 0.0f;
+                const int r0 = 16 * mi + g;
+                for (int k = 0; k < 16 * (mi + 1); k += 8) {
+                    // X (s ⊙ R) = (X diag(s)) R: the row scale of R goes on A's columns.
+                    const float* xa = sX + r0 * GDC_XS + k + t4;
+                    const float s0 = sc[k + t4], s1 = sc[k + t4 + 4];
+                    const Tf32A af = split_a(xa[0] * s0, xa[8 * GDC_XS] * s0, xa[4] * s1, xa[8 * GDC_XS + 4] * s1);
+#pragma unroll
+                    for (int x = 0; x < 4; ++x) {
+                        if (x < ntw) {
+                            const float* rb = R + (k + t4) * GDC_RS + 8 * (nb + x) + g;
+                            mma_3xtf32(big[x], small[x], af, split_b(rb[0], rb[4 * GDC_RS]));
+                        }
+                    }
+                }
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    if (x >= ntw) continue;
+                    const int c = 8 * (nb + x) + 2 * t4;
+                    *reinterpret_cast<float2*>(&dst[(long long)r0 * width + c]) =
+                        make_float2(big[x][0] + small[x][0], big[x][1] + small[x][1]);
+                    *reinterpret_cast<float2*>(&dst[(long long)(r0 + 8) * width + c]) =
+                        make_float2(big[x][2] + small[x][2], big[x][3] + small[x][3]);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// gdn_chunk_state_tc: the sequential pass on the tensor cores. grid (⌈Dv/32⌉, Hv), 512 threads (16
+// warps), 1 block per SM, GDC_TC_SMEM bytes of dynamic shared memory (223 KB). One block per (value
+// head, 32 state columns). Warps 0–7 ("state warps") compute V' = U − W S and then S ← e^{Γ_last} S +
+// (e^{Γ_last−Γ} ⊙ K)ᵀ V'; warps 8–15 ("output warps") compute O = e^Γ ⊙ (Q S) and then O += P V', at
+// the same time as the state update. In step 1 warp w (mod 8) takes token rows 16(w/2).. and columns
+// 16(w%2).. (two n8 tiles); in the update state warp w holds state rows 16w.. and all 32 columns in
+// its accumulators. S and V' are written to shared memory once, as (hi, lo) tf32 pairs (8 bytes an
+// element, row stride 36 pairs: a fragment load is one 8-byte load a lane, conflict-free); the A
+// operands are split where they are loaded. Copies (cp.async, 16 bytes, zero-filled past the chunk):
+// W, Q and the decays (two buffers) of chunk c+1 once step 1 of chunk c is done with W and Q; P and K
+// (two buffers each) at the start of chunk c−1; U into the state warps' registers with W.
+#define GDC_S2 36  // row stride of S and V' in (hi, lo) pairs
+#define GDC_TC_SMEM (4 * (2 * GDC_CH * GDC_WS + 2 * GDC_CH * GDC_KS + 2 * GDC_CH * GDC_PS + 4 * GDC_CH) + 8 * (GDC_MAXD + GDC_CH) * GDC_S2)
+
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter();
+    extern __shared__ __align__(16) float sm[];
+    float* const sW = sm;                            // [64][WS]
+    float* const sQ = sW + GDC_CH * GDC_WS;          // [64][WS]
+    float* const sK = sQ + GDC_CH * GDC_WS;          // [2][64][KS]
+    float* const sP = sK + 2 * GDC_CH * GDC_KS;      // [2][64][PS]
+    float* const sE = sP + 2 * GDC_CH * GDC_PS;      // [2][e^Γ 64 | e^{Γ_last−Γ} 64]
+    uint2* const sS = reinterpret_cast<uint2*>(sE + 4 * GDC_CH);  // S [128][S2] (hi, lo)
+    uint2* const sV = sS + GDC_MAXD * GDC_S2;                     // V' [64][S2] (hi, lo)
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const bool out_warp = warp >= 8;
+    const int w8 = warp & 7;
+    const int j = blockIdx.y, c0 = blockIdx.x * GDC_TW;
+    const int kh = j / (p.hv / p.hk);
+    const int dk = p.dk, dv = p.dv;
+    const long long kd = (long long)p.hk * dk;
+    const long long C = 2 * kd + (long long)p.hv * dv;
+    const long long qoff = (long long)kh * dk, koff = kd + (long long)kh * dk;
+    const int nc = (p.t_len + GDC_CH - 1) / GDC_CH;
+    const int piece = 4 * (tid & 31), prow = tid >> 5;  // W, Q, K copies: row prow + 16i, floats piece..
+    const bool piece_in = piece < dk;
+
+    // Step 1 tile: token rows r0 = 16mi + g, r1 = r0 + 8; columns cb + 8x + 2t4 (+1), x < 2.
+    const int mi = w8 >> 1, cb = 16 * (w8 & 1);
+    const int r0 = 16 * mi + g, r1 = r0 + 8;
+    float upre[2][4];  // state warps: U of the next chunk at their step-1 elements
+
+    auto issue_a = [&](int chunk) {
+        const int t0 = chunk * GDC_CH, n = min(GDC_CH, p.t_len - t0);
+        const long long blk = (long long)chunk * p.hv + j;
+        if (piece_in) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = prow + 16 * i;
+                cp_async16z(smem_addr(sW + r * GDC_WS + piece), p.w + (blk * GDC_CH + r) * dk + piece, 16);
+                const bool in = r < n;
+                const float* q = in ? p.qkv + (long long)(t0 + r) * C + qoff + piece : p.qkv;
+                cp_async16z(smem_addr(sQ + r * GDC_WS + piece), q, in ? 16 : 0);
+            }
+        }
+        if (tid < 2 * GDC_CH / 4)
+            cp_async16z(smem_addr(sE + (chunk & 1) * 2 * GDC_CH + 4 * tid), p.e + blk * 2 * GDC_CH + 4 * tid, 16);
+        if (!out_warp) {
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                const int col = c0 + cb + 8 * x + 2 * t4;
+                const bool in = col < dv;
+                const float* u = p.u + blk * GDC_CH * dv + col;
+                upre[x][0] = in ? u[(long long)r0 * dv] : 0.0f;
+                upre[x][1] = in ? u[(long long)r0 * dv + 1] : 0.0f;
+                upre[x][2] = in ? u[(long long)r1 * dv] : 0.0f;
+                upre[x][3] = in ? u[(long long)r1 * dv + 1] : 0.0f;
+            }
+        }
+    };
+    auto issue_b = [&](int chunk) {
+        const int t0 = chunk * GDC_CH, n = min(GDC_CH, p.t_len - t0);
+        const long long blk = (long long)chunk * p.hv + j;
+        float* const kb = sK + (chunk & 1) * GDC_CH * GDC_KS;
+        float* const pb = sP + (chunk & 1) * GDC_CH * GDC_PS;
+        if (piece_in) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = prow + 16 * i;
+                const bool in = r < n;
+                const float* k = in ? p.qkv + (long long)(t0 + r) * C + koff + piece : p.qkv;
+                cp_async16z(smem_addr(kb + r * GDC_KS + piece), k, in ? 16 : 0);
+            }
+        }
+        const int pr = tid >> 4, pc = 4 * (tid & 15);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            const int r = pr + 32 * i;
+            cp_async16z(smem_addr(pb + r * GDC_PS + pc), p.p + (blk * GDC_CH + r) * GDC_CH + pc, 16);
+        }
+    };
+
+    // The state tile (zero past Dk and Dv): split into sS; state warp w keeps rows 16w.. in registers.
+    float* const S = p.state + (long long)j * dk * dv;
+    for (int idx = tid; idx < GDC_MAXD * GDC_TW / 2; idx += 512) {
+        const int d = idx / (GDC_TW / 2), c = 2 * (idx % (GDC_TW / 2));
+        const bool in = d < dk && c0 + c < dv;
+        const float a = in ? S[(long long)d * dv + c0 + c] : 0.0f;
+        const float b = in ? S[(long long)d * dv + c0 + c + 1] : 0.0f;
+        *reinterpret_cast<uint4*>(&sS[d * GDC_S2 + c]) = split_pair(a, b);
+    }
+    const int ms = 16 * w8;        // state warps: state rows ms + g, ms + g + 8
+    const bool ms_in = ms < dk;
+    float sacc[4][4];              // ... columns 8x + 2t4 (+1), x < 4
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+        const int col = c0 + 8 * x + 2 * t4;
+        const bool in = !out_warp && ms_in && col < dv;
+        sacc[x][0] = in ? S[(long long)(ms + g) * dv + col] : 0.0f;
+        sacc[x][1] = in ? S[(long long)(ms + g) * dv + col + 1] : 0.0f;
+        sacc[x][2] = in ? S[(long long)(ms + g + 8) * dv + col] : 0.0f;
+        sacc[x][3] = in ? S[(long long)(ms + g + 8) * dv + col + 1] : 0.0f;
+    }
+    if (nc > 0) {
+        issue_a(0);
+        cp_async_commit_group();
+        issue_b(0);
+        cp_async_commit_group();
+    }
+
+    for (int chunk = 0; chunk < nc; ++chunk) {
+        const int t0 = chunk * GDC_CH, n = min(GDC_CH, p.t_len - t0);
+        const float* E = sE + (chunk & 1) * 2 * GDC_CH;
+        cp_async_wait_group<0>();
+        __syncthreads();  // this chunk's copies and S are visible; V' is free
+        if (chunk + 1 < nc) issue_b(chunk + 1);
+        cp_async_commit_group();
+
+        // 1. (W or Q) S over Dk, for two n8 tiles.
+        float big[2][4], small[2][4];
+#pragma unroll
+        for (int x = 0; x < 2; ++x)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) big[x][e] = small[x][e] = 0.0f;
+        {
+            const float* a = (out_warp ? sQ : sW) + r0 * GDC_WS + t4;
+            const uint2* b = sS + t4 * GDC_S2 + cb + g;
+#pragma unroll 4
+            for (int k = 0; k < dk; k += 8) {
+                const Tf32A af = split_a(a[k], a[k + 8 * GDC_WS], a[k + 4], a[k + 8 * GDC_WS + 4]);
+#pragma unroll
+                for (int x = 0; x < 2; ++x)
+                    mma_3xtf32(big[x], small[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
+            }
+        }
+        float o[2][4];
+        if (out_warp) {
+            const float eg0 = E[r0], eg1 = E[r1];
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                o[x][0] = (big[x][0] + small[x][0]) * eg0;
+                o[x][1] = (big[x][1] + small[x][1]) * eg0;
+                o[x][2] = (big[x][2] + small[x][2]) * eg1;
+                o[x][3] = (big[x][3] + small[x][3]) * eg1;
+            }
+        } else {
+            // V' = U − W S (zero past n: U and W are zero there), stored split.
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                const int col = cb + 8 * x + 2 * t4;
+                *reinterpret_cast<uint4*>(&sV[r0 * GDC_S2 + col]) =
+                    split_pair(upre[x][0] - (big[x][0] + small[x][0]), upre[x][1] - (big[x][1] + small[x][1]));
+                *reinterpret_cast<uint4*>(&sV[r1 * GDC_S2 + col]) =
+                    split_pair(upre[x][2] - (big[x][2] + small[x][2]), upre[x][3] - (big[x][3] + small[x][3]));
+            }
+        }
+        __syncthreads();  // V' visible; W, Q free; S read
+        if (chunk + 1 < nc) issue_a(chunk + 1);
+        cp_async_commit_group();
+
+        if (out_warp) {
+            // 2. O += P V' over the tokens up to the tile's last row, then written out.
+            const float* P = sP + (chunk & 1) * GDC_CH * GDC_PS + r0 * GDC_PS + t4;
+            const uint2* b = sV + t4 * GDC_S2 + cb + g;
+            float os[2][4];
+#pragma unroll
+            for (int x = 0; x < 2; ++x)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) os[x][e] = 0.0f;
+            for (int k = 0; k < 16 * (mi + 1); k += 8) {
+                const Tf32A af = split_a(P[k], P[k + 8 * GDC_PS], P[k + 4], P[k + 8 * GDC_PS + 4]);
+#pragma unroll
+                for (int x = 0; x < 2; ++x) mma_3xtf32(o[x], os[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
+            }
+#pragma unroll
+            for (int x = 0; x < 2; ++x) {
+                const int col = c0 + cb + 8 * x + 2 * t4;
+                if (col >= dv) continue;
+                if (r0 < n)
+                    *reinterpret_cast<float2*>(&p.out[((long long)(t0 + r0) * p.hv + j) * dv + col]) =
+                        make_float2(o[x][0] + os[x][0], o[x][1] + os[x][1]);
+                if (r1 < n)
+                    *reinterpret_cast<float2*>(&p.out[((long long)(t0 + r1) * p.hv + j) * dv + col]) =
+                        make_float2(o[x][2] + os[x][2], o[x][3] + os[x][3]);
+            }
+        } else if (ms_in) {
+            // 3. S ← e^{Γ_last} S + (e^{Γ_last−Γ} ⊙ K)ᵀ V'; A read transposed from K [64][KS].
+            const float elast = E[n - 1];
+            const float* K = sK + (chunk & 1) * GDC_CH * GDC_KS + t4 * GDC_KS + ms + g;
+            const float* ek = E + GDC_CH + t4;
+            const uint2* b = sV + t4 * GDC_S2 + g;
+            // ΔS in fresh accumulators, then S = e^{Γ_last} S + ΔS in f32 FMAs: the tensor cores' adds do
+            // not round to nearest, and S would pass through them (and their bias) at every chunk.
+            float ds[4][4];
+#pragma unroll
+            for (int x = 0; x < 4; ++x)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) ds[x][e] = 0.0f;
+            for (int k = 0; k < n; k += 8) {
+                const float e0 = ek[k], e1 = ek[k + 4];
+                const float* ka = K + k * GDC_KS;
+                const Tf32A af = split_a(ka[0] * e0, ka[8] * e0, ka[4 * GDC_KS] * e1, ka[4 * GDC_KS + 8] * e1);
+#pragma unroll
+                for (int x = 0; x < 4; ++x) mma_3xtf32(ds[x], ds[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
+            }
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sacc[x][e] = fmaf(sacc[x][e], elast, ds[x][e]);
+                const int col = 8 * x + 2 * t4;
+                *reinterpret_cast<uint4*>(&sS[(ms + g) * GDC_S2 + col]) = split_pair(sacc[x][0], sacc[x][1]);
+                *reinterpret_cast<uint4*>(&sS[(ms + g + 8) * GDC_S2 + col]) = split_pair(sacc[x][2], sacc[x][3]);
+            }
+        }
+    }
+
+    // The final state tile.
+    if (!out_warp && ms_in) {
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+            const int col = c0 + 8 * x + 2 * t4;
+            if (col >= dv) continue;
+            *reinterpret_cast<float2*>(&S[(long long)(ms + g) * dv + col]) = make_float2(sacc[x][0], sacc[x][1]);
+            *reinterpret_cast<float2*>(&S[(long long)(ms + g + 8) * dv + col]) = make_float2(sacc[x][2], sacc[x][3]);
+        }
+    }
 }

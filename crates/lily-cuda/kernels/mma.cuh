@@ -1,7 +1,7 @@
-// Tensor-core and copy helpers shared by the attention kernels (attention.cu, attn_prefill.cu):
-// bf16 packing (round to nearest even, and the hi/lo split of an f32 into two bf16), the
-// m16n8k16 bf16 MMA with f32 accumulation, ldmatrix, 16-byte cp.async with zero-fill, and shared
-// loads by 32-bit shared address.
+// Tensor-core and copy helpers shared by the attention kernels (attention.cu, attn_prefill.cu) and
+// the chunked delta rule (gdn_chunked.cu): bf16 packing (round to nearest even, and the hi/lo split
+// of an f32 into two bf16), the m16n8k16 bf16 MMA with f32 accumulation, the m16n8k8 tf32 MMA and
+// its 3xTF32 product, ldmatrix, 16-byte cp.async with zero-fill, and shared loads by 32-bit address.
 //
 // m16n8k16 fragments (PTX ISA, "mma.m16n8k16" with .bf16), g = lane / 4, t = lane % 4:
 //   A (16×16, row): a0 = (row g, k 2t..2t+1), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, k 2t+8..)
@@ -30,6 +30,65 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// m16n8k8 with tf32 operands (PTX ISA "mma.m16n8k8" with .tf32), g = lane / 4, t = lane % 4:
+//   A (16×8, row): a0 = (row g, k t), a1 = (row g+8, k t), a2 = (row g, k t+4), a3 = (row g+8, k t+4)
+//   B (8×8, col):  b0 = (k t, col g), b1 = (k t+4, col g);  C as for m16n8k16.
+// tf32 keeps 10 mantissa bits; x = hi + lo + (a remainder below 2^-21 |x|) with hi = tf32(x),
+// lo = tf32(x − hi), and a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi (the "3xTF32" product) is good to
+// about f32 rounding.
+__device__ __forceinline__ uint32_t tf32_bits(float x) {
+    uint32_t r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+    hi = tf32_bits(x);
+    lo = tf32_bits(x - __uint_as_float(hi));
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// The split fragments of one m16n8k8 product: A (4 registers) and B (2), each as hi and lo.
+struct Tf32A { uint32_t hi[4], lo[4]; };
+struct Tf32B { uint32_t hi[2], lo[2]; };
+__device__ __forceinline__ Tf32A split_a(float a0, float a1, float a2, float a3) {
+    Tf32A f;
+    split_tf32(a0, f.hi[0], f.lo[0]);
+    split_tf32(a1, f.hi[1], f.lo[1]);
+    split_tf32(a2, f.hi[2], f.lo[2]);
+    split_tf32(a3, f.hi[3], f.lo[3]);
+    return f;
+}
+__device__ __forceinline__ Tf32B split_b(float b0, float b1) {
+    Tf32B f;
+    split_tf32(b0, f.hi[0], f.lo[0]);
+    split_tf32(b1, f.hi[1], f.lo[1]);
+    return f;
+}
+// c += a·b in 3xTF32: the two small terms into `small`, the large one into `big` (two accumulators,
+// so that consecutive products do not all wait on one).
+__device__ __forceinline__ void mma_3xtf32(float (&big)[4], float (&small)[4], const Tf32A& a, const Tf32B& b) {
+    mma_tf32(small, a.lo[0], a.lo[1], a.lo[2], a.lo[3], b.hi[0], b.hi[1]);
+    mma_tf32(small, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.lo[0], b.lo[1]);
+    mma_tf32(big, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.hi[0], b.hi[1]);
+}
+
+// The same with B already split: b0, b1 as (hi, lo) pairs (e.g. one 8-byte shared load each).
+__device__ __forceinline__ void mma_3xtf32(float (&big)[4], float (&small)[4], const Tf32A& a, uint2 b0, uint2 b1) {
+    mma_tf32(small, a.lo[0], a.lo[1], a.lo[2], a.lo[3], b0.x, b1.x);
+    mma_tf32(small, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b0.y, b1.y);
+    mma_tf32(big, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b0.x, b1.x);
+}
+// Two f32 as their (hi, lo) tf32 pairs, for a 16-byte shared store.
+__device__ __forceinline__ uint4 split_pair(float a, float b) {
+    uint4 r;
+    split_tf32(a, r.x, r.y);
+    split_tf32(b, r.z, r.w);
+    return r;
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }

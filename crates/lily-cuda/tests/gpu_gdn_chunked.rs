@@ -18,7 +18,21 @@ use common::{device, Rng, poisoned, time_op};
 use cudarc::driver::CudaSlice;
 use lily_cpu::gdn as cpu;
 use lily_cuda::ops::gdn::{self, GdnDims};
-use lily_cuda::ops::gdn_chunked::{self as chunked, scratch_len};
+use lily_cuda::ops::gdn_chunked::{self as chunked, scratch_len, PrepKernel, StateKernel};
+
+/// Every (prep, sequential pass) pair of kernels.
+const KERNELS: [(PrepKernel, StateKernel); 6] = [
+    (PrepKernel::Ffma, StateKernel::Ffma16),
+    (PrepKernel::Ffma, StateKernel::Ffma32),
+    (PrepKernel::Ffma, StateKernel::Tensor),
+    (PrepKernel::Tensor, StateKernel::Ffma16),
+    (PrepKernel::Tensor, StateKernel::Ffma32),
+    (PrepKernel::Tensor, StateKernel::Tensor),
+];
+
+fn supports(d: &GdnDims, (prep, state): (PrepKernel, StateKernel)) -> bool {
+    prep.supports(d) && state.supports(d)
+}
 use lily_cuda::Device;
 
 /// max |got − want| / max |want|, after checking every element was written (no NaN).
@@ -78,7 +92,8 @@ fn inputs(rng: &mut Rng, d: &GdnDims, t: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>
     (qkv, g, beta, state)
 }
 
-/// Runs the GPU chunked rule (state tile `tile`, or the default with None) from `state0`: (out, state).
+/// Runs the GPU chunked rule (the kernels `kernel`, or the default with None) from `state0`:
+/// (out, state).
 #[allow(clippy::too_many_arguments)]
 fn gpu_chunked(
     dev: &Device,
@@ -88,21 +103,23 @@ fn gpu_chunked(
     g: &CudaSlice<f32>,
     beta: &CudaSlice<f32>,
     state0: &[f32],
-    tile: Option<usize>,
+    kernel: Option<(PrepKernel, StateKernel)>,
 ) -> (Vec<f32>, Vec<f32>) {
     let mut state = dev.upload(state0).unwrap();
     let mut out = poisoned(dev, t * d.value_dim());
     let mut scratch = poisoned(dev, scratch_len(d, t));
-    match tile {
+    match kernel {
         None => chunked::delta_rule_chunked(dev, d, t, qkv, g, beta, &mut state, &mut out, &mut scratch),
-        Some(w) => chunked::delta_rule_chunked_with(dev, d, t, qkv, g, beta, &mut state, &mut out, &mut scratch, w),
+        Some((pk, sk)) => {
+            chunked::delta_rule_chunked_with(dev, d, t, qkv, g, beta, &mut state, &mut out, &mut scratch, pk, sk)
+        }
     }
     .unwrap();
     (dev.download(&out).unwrap(), dev.download(&state).unwrap())
 }
 
-/// One case: the GPU chunked rule (default tile, and both tiles) vs the CPU recurrent and chunked rules
-/// and the GPU recurrent kernel. Returns the worst error.
+/// One case: the GPU chunked rule (the default kernel, then each kernel that takes the shape) vs the
+/// CPU recurrent and chunked rules and the GPU recurrent kernel. Returns the worst error.
 fn check_case(dev: &Device, d: &GdnDims, t: usize, seed: u64) -> f64 {
     let mut rng = Rng::new(seed);
     let (qkv, g, beta, state0) = inputs(&mut rng, d, t);
@@ -130,17 +147,27 @@ fn check_case(dev: &Device, d: &GdnDims, t: usize, seed: u64) -> f64 {
         check(&o, &o_gr, TOL, &format!("{what}: out vs GPU recurrent")),
         check(&s, &s_gr, TOL, &format!("{what}: state vs GPU recurrent")),
     ];
-    // Both state tile widths: the same numbers (the same sums in the same order).
-    let mut e_tiles = 0.0f64;
-    for tile in [16, 32] {
-        let (ot, st) = gpu_chunked(dev, d, t, &qkv_d, &g_d, &beta_d, &state0, Some(tile));
-        e_tiles = e_tiles.max(check(&ot, &o, 1e-6, &format!("{what}: out, tile {tile} vs default")));
-        e_tiles = e_tiles.max(check(&st, &s, 1e-6, &format!("{what}: state, tile {tile} vs default")));
+    // Every pair of kernels that takes the shape, against the definition; the two FFMA tile widths
+    // after the FFMA prep give the same numbers (the same sums in the same order).
+    let mut e_kern = 0.0f64;
+    let mut ffma = Vec::new();
+    for kernel in KERNELS {
+        if !supports(d, kernel) {
+            continue;
+        }
+        let (ok, sk) = gpu_chunked(dev, d, t, &qkv_d, &g_d, &beta_d, &state0, Some(kernel));
+        e_kern = e_kern.max(check(&ok, &o_rec, TOL, &format!("{what}: out, {kernel:?} vs CPU recurrent")));
+        e_kern = e_kern.max(check(&sk, &s_rec, TOL, &format!("{what}: state, {kernel:?} vs CPU recurrent")));
+        if kernel.0 == PrepKernel::Ffma && matches!(kernel.1, StateKernel::Ffma16 | StateKernel::Ffma32) {
+            ffma.push((ok, sk));
+        }
     }
+    let e_tiles = check(&ffma[0].0, &ffma[1].0, 1e-6, &format!("{what}: out, FFMA tile 16 vs 32"))
+        .max(check(&ffma[0].1, &ffma[1].1, 1e-6, &format!("{what}: state, FFMA tile 16 vs 32")));
     let (gmin, gmax) = g.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
     println!(
         "{what}: vs CPU recurrent out {:.1e} state {:.1e} | vs CPU chunked {:.1e} {:.1e} | vs GPU recurrent \
-         {:.1e} {:.1e} | tiles {e_tiles:.1e} (g in [{gmin:.2e}, {gmax:.2e}])",
+         {:.1e} {:.1e} | each kernel {e_kern:.1e}, tiles {e_tiles:.1e} (g in [{gmin:.2e}, {gmax:.2e}])",
         errs[0], errs[1], errs[2], errs[3], errs[4], errs[5]
     );
     errs.iter().fold(0.0, |a, &b| a.max(b))
@@ -215,26 +242,32 @@ fn gdn_chunked_split_calls_equal_whole() {
 fn gdn_chunked_rejects_bad_shapes() {
     let Some(dev) = device() else { return };
     let t = 3;
-    let run = |d: &GdnDims, scratch_n: usize, tile: usize| {
+    let run = |d: &GdnDims, scratch_n: usize, (pk, sk): (PrepKernel, StateKernel)| {
         let qkv = dev.zeros::<f32>(t * d.conv_dim()).unwrap();
         let (g, beta) = (dev.zeros::<f32>(t * d.num_v_heads).unwrap(), dev.zeros::<f32>(t * d.num_v_heads).unwrap());
         let mut state = dev.zeros::<f32>(d.state_len()).unwrap();
         let mut o = dev.zeros::<f32>(t * d.value_dim()).unwrap();
         let mut scratch = dev.zeros::<f32>(scratch_n.max(1)).unwrap();
-        chunked::delta_rule_chunked_with(&dev, d, t, &qkv, &g, &beta, &mut state, &mut o, &mut scratch, tile)
+        chunked::delta_rule_chunked_with(&dev, d, t, &qkv, &g, &beta, &mut state, &mut o, &mut scratch, pk, sk)
     };
     let ok = dims(2, 4, 32, 32);
-    run(&ok, scratch_len(&ok, t), 16).unwrap();
-    run(&ok, scratch_len(&ok, t), 32).unwrap();
+    for kernel in KERNELS {
+        run(&ok, scratch_len(&ok, t), kernel).unwrap();
+    }
+    let f16 = (PrepKernel::Ffma, StateKernel::Ffma16);
+    let (tc_prep, tc_state) = ((PrepKernel::Tensor, StateKernel::Ffma32), (PrepKernel::Ffma, StateKernel::Tensor));
     let err = |r: lily_cuda::Result<()>, what: &str| match r {
         Err(lily_cuda::CudaError::Shape(m)) => println!("{what}: {m}"),
         other => panic!("{what}: expected a Shape error, got {other:?}"),
     };
-    err(run(&ok, scratch_len(&ok, t) - 1, 16), "scratch one short");
-    err(run(&ok, scratch_len(&ok, t), 8), "tile 8");
-    err(run(&dims(1, 1, 144, 32), scratch_len(&dims(1, 1, 144, 32), t), 16), "Dk 144");
-    err(run(&dims(1, 1, 32, 256), scratch_len(&dims(1, 1, 32, 256), t), 16), "Dv 256");
-    err(run(&dims(3, 4, 32, 32), scratch_len(&dims(3, 4, 32, 32), t), 16), "Hv not a multiple of Hk");
+    err(run(&ok, scratch_len(&ok, t) - 1, f16), "scratch one short");
+    err(run(&dims(1, 1, 24, 32), scratch_len(&dims(1, 1, 24, 32), t), tc_state), "tensor pass, Dk 24");
+    err(run(&dims(1, 1, 32, 12), scratch_len(&dims(1, 1, 32, 12), t), tc_state), "tensor pass, Dv 12");
+    err(run(&dims(1, 1, 24, 32), scratch_len(&dims(1, 1, 24, 32), t), tc_prep), "tensor prep, Dk 24");
+    err(run(&dims(1, 1, 32, 12), scratch_len(&dims(1, 1, 32, 12), t), tc_prep), "tensor prep, Dv 12");
+    err(run(&dims(1, 1, 144, 32), scratch_len(&dims(1, 1, 144, 32), t), f16), "Dk 144");
+    err(run(&dims(1, 1, 32, 256), scratch_len(&dims(1, 1, 32, 256), t), f16), "Dv 256");
+    err(run(&dims(3, 4, 32, 32), scratch_len(&dims(3, 4, 32, 32), t), f16), "Hv not a multiple of Hk");
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -258,7 +291,7 @@ fn bench_gdn_chunked() {
             gdn::delta_rule_recurrent(&dev, &d, t, &qkv, &g, &beta, &mut state, &mut out).unwrap();
         });
         let mut line = format!("  T={t:5}: recurrent {:9.1} µs (spread {sr:.2})", tr * 1e6);
-        for tile in [16usize, 32] {
+        for kernel in KERNELS {
             let (tc, sc) = time_op(&dev, reps, batch, |_| {
                 chunked::delta_rule_chunked_with(
                     &dev,
@@ -270,11 +303,12 @@ fn bench_gdn_chunked() {
                     &mut state,
                     &mut out,
                     &mut scratch,
-                    tile,
+                    kernel.0,
+                    kernel.1,
                 )
                 .unwrap();
             });
-            line += &format!(" | chunked t{tile} {:8.1} µs (×{:.1}, spread {sc:.2})", tc * 1e6, tr / tc);
+            line += &format!("\n    {kernel:?} {:8.1} µs (×{:.1}, spread {sc:.2})", tc * 1e6, tr / tc);
         }
         println!("{line}; scratch {:.0} MB", scratch_len(&d, t) as f64 * 4e-6);
         assert!(dev.download(&out).unwrap().iter().all(|v| v.is_finite()));

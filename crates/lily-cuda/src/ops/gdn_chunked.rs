@@ -2,13 +2,18 @@
 //! and output as [`super::gdn::delta_rule_recurrent`] and the same numbers to f32 rounding, computed
 //! with the WY / UT form of `lily_cpu::gdn::delta_rule_chunked` (HF `torch_chunk_gated_delta_rule`,
 //! fla-org's `chunk_gated_delta_rule`) so that T tokens cost two well-parallel launches instead of T
-//! sequential steps. f32 throughout (CUDA cores, no tensor cores).
+//! sequential steps. f32 throughout: f32 on CUDA cores, or f32 as 3xTF32 products on the tensor cores.
 //!
-//! Two launches: `gdn_chunk_prep`, one block per (chunk of [`CHUNK`] tokens, value head), builds each
-//! chunk's W, U, intra-chunk attention P and decay vectors in `scratch`; then `gdn_chunk_state_t{16,32}`,
-//! one block per (value head, tile of 16 or 32 state columns), carries the state tile through the
-//! chunks in shared memory and writes the output. Dk, Dv ≤ [`MAX_D`].
+//! Two launches: the prep, one block per (chunk of [`CHUNK`] tokens, value head), builds each chunk's
+//! W, U, intra-chunk attention P and decay vectors in `scratch` ([`PrepKernel`]: `gdn_chunk_prep` on
+//! FFMA, or `gdn_chunk_prep_tc` with its products on the tensor cores); then the sequential pass, one
+//! block per (value head, tile of state columns), carries the state tile through the chunks and writes
+//! the output ([`StateKernel`]: `gdn_chunk_state_t{16,32}` on FFMA with 16 or 32 columns, or
+//! `gdn_chunk_state_tc` on the tensor cores with 32). The tensor-core kernels (mma.sync m16n8k8 in
+//! 3xTF32) need Dk a multiple of 16 and Dv of 8, and are the default where the shape allows; the FFMA
+//! ones take any Dk, Dv ≤ [`MAX_D`]. `LILY_GDN_CHUNK=ffma` keeps the FFMA kernels for A/B runs.
 
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
 use super::{addr, addr_mut, launch};
@@ -64,7 +69,88 @@ struct GdnChunkStateParams {
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for GdnChunkStateParams {}
 
-pub(crate) const KERNELS: &[&str] = &["gdn_chunk_prep", "gdn_chunk_state_t16", "gdn_chunk_state_t32"];
+pub(crate) const KERNELS: &[&str] =
+    &["gdn_chunk_prep", "gdn_chunk_prep_tc", "gdn_chunk_state_t16", "gdn_chunk_state_t32", "gdn_chunk_state_tc"];
+
+/// `GDC_PREP_SMEM` in `kernels/gdn_chunked.cu`: Γ [64] f64, then K, Q/V [64, 136], A [64, 65], X [64, 72]
+/// and three vectors [64], f32.
+const PREP_TC_SMEM: usize = 8 * 64 + 4 * (2 * 64 * 136 + 64 * 65 + 64 * 72 + 3 * 64);
+
+/// `GDC_TC_SMEM` in `kernels/gdn_chunked.cu`: W, Q [64, 132], K [2, 64, 136], P [2, 64, 68], the decays
+/// [2, 2, 64] f32, then S [128, 36] and V' [64, 36] as (hi, lo) tf32 pairs.
+const TC_SMEM: usize = 4 * (2 * 64 * 132 + 2 * 64 * 136 + 2 * 64 * 68 + 4 * 64) + 8 * (128 + 64) * 36;
+
+pub(crate) fn configure(dev: &Device) -> Result<()> {
+    dev.function("gdn_chunk_state_tc")?
+        .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, TC_SMEM as i32)?;
+    dev.function("gdn_chunk_prep_tc")?
+        .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, PREP_TC_SMEM as i32)?;
+    Ok(())
+}
+
+/// The kernel of the per-chunk prep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PrepKernel {
+    /// FFMA, any shape.
+    Ffma,
+    /// K Kᵀ, Q Kᵀ and the W, U products on the tensor cores in 3xTF32; Dk a multiple of 16, Dv of 8.
+    Tensor,
+}
+
+impl PrepKernel {
+    /// Whether this kernel takes the shape.
+    pub fn supports(self, dims: &GdnDims) -> bool {
+        match self {
+            PrepKernel::Ffma => true,
+            PrepKernel::Tensor => tensor_shape(dims),
+        }
+    }
+}
+
+fn tensor_shape(dims: &GdnDims) -> bool {
+    dims.head_k_dim.is_multiple_of(16) && dims.head_v_dim.is_multiple_of(8)
+}
+
+/// The kernel of the sequential pass over chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateKernel {
+    /// FFMA, 16 state columns a block (256 threads, 2 blocks per SM).
+    Ffma16,
+    /// FFMA, 32 state columns a block (512 threads).
+    Ffma32,
+    /// The tensor cores in 3xTF32, 32 state columns a block (the state update and the output by
+    /// different warps at once); Dk a multiple of 16, Dv of 8.
+    Tensor,
+}
+
+impl StateKernel {
+    /// Whether this kernel takes the shape.
+    pub fn supports(self, dims: &GdnDims) -> bool {
+        match self {
+            StateKernel::Ffma16 | StateKernel::Ffma32 => true,
+            StateKernel::Tensor => tensor_shape(dims),
+        }
+    }
+}
+
+/// Whether the default may choose the tensor-core kernels (`LILY_GDN_CHUNK=ffma` keeps the FFMA ones;
+/// read once, for A/B runs).
+fn tensor_allowed() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_GDN_CHUNK").map(|v| v != "ffma").unwrap_or(true))
+}
+
+/// The kernels [`delta_rule_chunked`] runs for this shape on this device.
+pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel) {
+    if tensor_allowed() && tensor_shape(dims) {
+        return (PrepKernel::Tensor, StateKernel::Tensor);
+    }
+    // 32-column tiles read each chunk's W, Q, K and P from L2 half as often as 16-column ones; 16 only
+    // when 32 would leave more than half of the SMs idle (small models).
+    let blocks32 = dims.num_v_heads * dims.head_v_dim.div_ceil(32);
+    let state = if 2 * blocks32 >= dev.sm_count() as usize { StateKernel::Ffma32 } else { StateKernel::Ffma16 };
+    (PrepKernel::Ffma, state)
+}
 
 /// The f32 elements of `scratch` that [`delta_rule_chunked`] needs for `t_len` tokens: per chunk and
 /// value head, W [64, Dk], U [64, Dv], P [64, 64] and two decay vectors [64]
@@ -97,15 +183,12 @@ where
     O: DevicePtrMut<f32>,
     SC: DevicePtrMut<f32>,
 {
-    // 32-column tiles read each chunk's W, Q, K and P from L2 half as often as 16-column ones; 16 only
-    // when 32 would leave more than half of the SMs idle (small models).
-    let blocks32 = dims.num_v_heads * dims.head_v_dim.div_ceil(32);
-    let tile = if 2 * blocks32 >= dev.sm_count() as usize { 32 } else { 16 };
-    delta_rule_chunked_with(dev, dims, t_len, qkv, g, beta, state, out, scratch, tile)
+    let (prep, pass) = default_kernels(dev, dims);
+    delta_rule_chunked_with(dev, dims, t_len, qkv, g, beta, state, out, scratch, prep, pass)
 }
 
-/// [`delta_rule_chunked`] with a chosen state tile width of the sequential kernel (16 or 32 columns,
-/// 256 or 512 threads per block): the same numbers either way.
+/// [`delta_rule_chunked`] with chosen kernels: the two FFMA tile widths give the same numbers; the
+/// tensor-core kernels agree with the FFMA ones to f32 rounding.
 #[allow(clippy::too_many_arguments)]
 pub fn delta_rule_chunked_with<Q, G, BE, S, O, SC>(
     dev: &Device,
@@ -117,7 +200,8 @@ pub fn delta_rule_chunked_with<Q, G, BE, S, O, SC>(
     state: &mut S,
     out: &mut O,
     scratch: &mut SC,
-    tile: usize,
+    prep_kernel: PrepKernel,
+    kernel: StateKernel,
 ) -> Result<()>
 where
     Q: DevicePtr<f32>,
@@ -137,10 +221,15 @@ where
             "gdn chunked: unsupported dims {dims:?} (T = {t_len}; Dk, Dv ≤ {MAX_D}, Hv a multiple of Hk)"
         )));
     }
-    let name = match tile {
-        16 => "gdn_chunk_state_t16",
-        32 => "gdn_chunk_state_t32",
-        _ => return Err(CudaError::Shape(format!("gdn chunked: state tile of {tile} columns (16 or 32)"))),
+    if !kernel.supports(dims) || !prep_kernel.supports(dims) {
+        return Err(CudaError::Shape(format!(
+            "gdn chunked: the tensor-core kernels need Dk a multiple of 16 and Dv of 8 (got {dims:?})"
+        )));
+    }
+    let (name, tile, threads, smem) = match kernel {
+        StateKernel::Ffma16 => ("gdn_chunk_state_t16", 16, 256, 0),
+        StateKernel::Ffma32 => ("gdn_chunk_state_t32", 32, 512, 0),
+        StateKernel::Tensor => ("gdn_chunk_state_tc", 32, 512, TC_SMEM as u32),
     };
     if t_len == 0 {
         return Ok(());
@@ -163,19 +252,23 @@ where
 
     let prep =
         GdnChunkPrepParams { qkv, g, beta, w, u, p, e, t_len: t_len_i, hk, hv: hv_i, dk: dk_i, dv: dv_i, pad: 0 };
+    let (prep_name, prep_smem) = match prep_kernel {
+        PrepKernel::Ffma => ("gdn_chunk_prep", 0),
+        PrepKernel::Tensor => ("gdn_chunk_prep_tc", PREP_TC_SMEM as u32),
+    };
     let cfg = LaunchConfig {
         grid_dim: (t_len.div_ceil(CHUNK) as u32, hv as u32, 1),
         block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+        shared_mem_bytes: prep_smem,
     };
-    launch(dev, "gdn_chunk_prep", cfg, &prep)?;
+    launch(dev, prep_name, cfg, &prep)?;
 
     let run =
         GdnChunkStateParams { qkv, w, u, p, e, state, out, t_len: t_len_i, hk, hv: hv_i, dk: dk_i, dv: dv_i, pad: 0 };
     let cfg = LaunchConfig {
         grid_dim: (dv.div_ceil(tile) as u32, hv as u32, 1),
-        block_dim: (16 * tile as u32, 1, 1),
-        shared_mem_bytes: 0,
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: smem,
     };
     launch(dev, name, cfg, &run)
 }

@@ -51,6 +51,7 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     gemm::configure(dev)?;
     gemm_wgmma::configure(dev)?;
     attention::configure(dev)?;
+    gdn_chunked::configure(dev)?;
     attn_prefill::configure(dev)
 }
 
