@@ -38,10 +38,11 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 // tf32 keeps 10 mantissa bits; x = hi + lo + (a remainder below 2^-21 |x|) with hi = tf32(x),
 // lo = tf32(x − hi), and a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi (the "3xTF32" product) is good to
 // about f32 rounding.
+// tf32(x), rounded to nearest with ties away from zero, as cvt.rna.tf32.f32 — which sm_90 emulates in
+// ~4 instructions (an infinity test, a predicated add, a mask); this is the add and the mask, the same
+// bits for every finite x below the largest tf32 (the operands here are activations and states).
 __device__ __forceinline__ uint32_t tf32_bits(float x) {
-    uint32_t r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
+    return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
 }
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
     hi = tf32_bits(x);
