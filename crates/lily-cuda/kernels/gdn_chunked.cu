@@ -474,15 +474,16 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_t32(const G
 // the same W, U, P and decays, to f32 rounding. Dk a multiple of 16 (≤ 128), Dv a multiple of 8.
 // grid (chunks, Hv), 256 threads (8 warps), GDC_PREP_SMEM bytes of dynamic shared memory (2 blocks
 // per SM). Per (chunk, value head):
-//   1. gates as gdn_chunk_prep;
+//   1. gates as gdn_chunk_prep, the chunk's g loaded by 64 threads at once;
 //   2. K Kᵀ and Q Kᵀ, lower-triangle m16n8 tiles only (20 of 32 each): warps 0–3 K Kᵀ, 4–7 Q Kᵀ; warp
 //      a (mod 4) takes m-tiles {a/2, 3 − a/2} and of each the n-tiles ≡ a (mod 2), 5 tiles a warp. The
 //      k index of an mma runs over Dk columns in pairs (lane t reads columns 2t, 2t+1 as one float2:
 //      the sum does not depend on how k is ordered), conflict-free with row stride 136;
 //   3. X = (I + A)⁻¹ by forward substitution, as gdn_chunk_prep but with warp barriers (a column's
 //      four threads are lanes of one warp, and columns do not mix), V's copy in flight meanwhile;
-//   4. W = X (β e^Γ ⊙ K) and U = X (β ⊙ V): warps 0–3 W, 4–7 U, warp a (mod 4) the n-tiles 4a..4a+3
-//      of every m-tile (X is lower triangular: m-tile i needs tokens < 16(i+1)).
+//   4. W = X (β e^Γ ⊙ K) and U = X (β ⊙ V), as (X diag(β e^Γ)) K and (X diag(β)) V: warps 0–3 W, 4–7 U,
+//      warp a (mod 4) the n-tiles 4a..4a+3 of every m-tile (X is lower triangular: m-tile i needs
+//      tokens < 16(i+1)).
 #define GDC_RS 136  // K, Q / V row stride
 #define GDC_AS 65   // A row stride
 #define GDC_XS 72   // X row stride

@@ -5,11 +5,13 @@
 //! the layer sees them: q, k through `lily_cpu::gdn::normalize_qk` (L2-normed per head, q scaled by
 //! 1/√Dk), v normal, g and β through `lily_cpu::gdn::gates` with per-head gate parameters giving strong
 //! (g ≈ −5), moderate and near-zero (|g| ≈ 1e-3) decays, a random nonzero initial state. The outputs,
-//! the scratch included, are poisoned with NaN first. The GPU chunked output and final state are
-//! compared with (a) the GPU recurrent kernel and (b) `lily_cpu::gdn::delta_rule_recurrent` (the
-//! definition) and `delta_rule_chunked`, at a relative max error (max |Δ| / max |want|) of 1e-4: the
-//! forms sum in different orders in f32, which costs ~1e-6 (the worst is printed); a wrong decay,
-//! chunk boundary or index costs ≥ 1e-2.
+//! the scratch included, are poisoned with NaN first. The GPU chunked output and final state (the
+//! default kernels, then every (prep, sequential pass) pair of FFMA and tensor-core kernels that takes
+//! the shape) are compared with (a) the GPU recurrent kernel and (b) `lily_cpu::gdn::delta_rule_recurrent`
+//! (the definition) and `delta_rule_chunked`, at a relative max error (max |Δ| / max |want|) of 1e-4:
+//! the forms sum in different orders in f32, and the tensor cores' 3xTF32 products are good to ~2^-21,
+//! which together cost ~1e-6 (the worst is printed); a wrong decay, chunk boundary or index, or a
+//! dropped lo part of a 3xTF32 product (~1e-3), costs more.
 #![cfg(feature = "cuda")]
 
 mod common;
