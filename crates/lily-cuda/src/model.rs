@@ -766,6 +766,15 @@ fn linear<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMatri
     }
 }
 
+/// [`linear`] on the x of the previous GEMM call, unwritten since (its staged copy is reused).
+fn linear_reuse<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMatrix, x: &X, t: usize, y: &mut Y) -> Result<()> {
+    if t == 1 {
+        affine_gemv::gemv(dev, w, Select::matrix(0), x, false, y)
+    } else {
+        gemm::gemm_with(dev, w, 0, x, t, y, reuse_x())
+    }
+}
+
 /// y = silu(x·Gᵀ) ⊙ (x·Uᵀ) for T rows.
 fn swiglu_linear<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, g: &DeviceMatrix, u: &DeviceMatrix, x: &X, t: usize, y: &mut Y) -> Result<()> {
     if t == 1 {
@@ -812,11 +821,11 @@ fn gdn_mixer(
             linear(dev, &g.qkv, &a.normed, t, &mut a.qkv_raw)?;
             mark_linear(dev, "gdn.in_proj", &g.z, t)?;
             // The other three read the same a.normed: its staged copy is reused.
-            gemm::gemm_with(dev, &g.z, 0, &a.normed, t, &mut a.z, reuse_x())?;
+            linear_reuse(dev, &g.z, &a.normed, t, &mut a.z)?;
             mark_linear(dev, "gdn.in_proj", &g.b, t)?;
-            gemm::gemm_with(dev, &g.b, 0, &a.normed, t, &mut a.b, reuse_x())?;
+            linear_reuse(dev, &g.b, &a.normed, t, &mut a.b)?;
             mark_linear(dev, "gdn.in_proj", &g.a, t)?;
-            gemm::gemm_with(dev, &g.a, 0, &a.normed, t, &mut a.a, reuse_x())?;
+            linear_reuse(dev, &g.a, &a.normed, t, &mut a.a)?;
             (a.qkv_raw.slice(0..t * c), a.z.slice(0..t * vd), a.b.slice(0..t * hv), a.a.slice(0..t * hv))
         }
     };
@@ -871,9 +880,9 @@ fn attn_mixer(
         mark_linear(dev, "attn.qkv", &w.q, t)?;
         linear(dev, &w.q, &a.normed, t, &mut a.qg)?; // [T, nh·hd·(1+gate)]
         mark_linear(dev, "attn.qkv", &w.k, t)?;
-        gemm::gemm_with(dev, &w.k, 0, &a.normed, t, &mut a.k, reuse_x())?; // [T, kvh·hd]
+        linear_reuse(dev, &w.k, &a.normed, t, &mut a.k)?; // [T, kvh·hd]
         mark_linear(dev, "attn.qkv", &w.v, t)?;
-        gemm::gemm_with(dev, &w.v, 0, &a.normed, t, &mut a.v, reuse_x())?; // [T, kvh·hd]
+        linear_reuse(dev, &w.v, &a.normed, t, &mut a.v)?; // [T, kvh·hd]
         // q/k RMSNorm, partial RoPE, K/V appended at pos0..
         mark_attn_prep(dev, &dims, t)?;
         attn_prep::prep(dev, &a.qg, &a.k, &a.v, &w.q_norm, &w.k_norm, dims, Scalar::Host(pos0), t, &mut a.q, gate, kc, vc, cap)?;

@@ -881,8 +881,8 @@ fn bench_gemm() {
 
 /// `Opts::reuse_x`: a wgmma GEMM whose x the previous call staged uses that staging (shown by writing
 /// x in between, which breaks the caller's promise on purpose: the result is still the old x's), and
-/// one whose x is not what the buffer holds stages it (the result is its own x's). Bit-for-bit: the
-/// same staged operands give the same sums.
+/// one whose x is not what the buffer holds, or whose previous call staged nothing, stages it (the
+/// result is its own x's). Bit-for-bit: the same staged operands give the same sums.
 #[test]
 fn wgmma_gemm_reuses_staged_x_only_when_it_holds_that_x() {
     let Some(dev) = device() else { return };
@@ -917,4 +917,10 @@ fn wgmma_gemm_reuses_staged_x_only_when_it_holds_that_x() {
     dev.upload_into(&x1, &mut xa).unwrap();
     run(&d1, &xb, plain);
     assert_eq!(run(&d2, &xa, reuse), want1, "a different x in the buffer is staged again");
+    // A call that stages nothing (the mma.sync kernels) leaves nothing to reuse: xa staged, then read
+    // by an mma.sync GEMM, then rewritten; the promise after that call stages the new values.
+    run(&d1, &xa, plain);
+    run(&d1, &xa, Opts { tile: Tile::M64, ..plain });
+    dev.upload_into(&x2, &mut xa).unwrap();
+    assert_eq!(run(&d2, &xa, reuse), want2, "a call that staged nothing in between");
 }

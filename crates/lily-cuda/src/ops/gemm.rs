@@ -220,10 +220,11 @@ pub struct Opts {
     /// matrices of the stack; `None`: all of them. A stack can carry more matrices after the routed
     /// experts (the shared expert).
     pub experts: Option<usize>,
-    /// x has not been written since the previous GEMM call on this device read it (the caller's
-    /// promise): a wgmma GEMM then reuses that call's staged copy of x instead of staging it again,
-    /// when the staging buffer still holds it (same x, rows, columns and precision). Without the
-    /// promise every call stages its x.
+    /// x is the previous GEMM call's x (on this device), unwritten since (the caller's promise): a
+    /// wgmma GEMM then reuses that call's staged copy of x instead of staging it again, when the
+    /// staging buffer still holds it (same x, rows, columns and precision). Every call without the
+    /// promise leaves the buffer holding its own x, or nothing when it did not stage (the mma.sync
+    /// kernels), so a promise after such a call stages afresh.
     pub reuse_x: bool,
 }
 
@@ -523,6 +524,10 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         };
         let bt = if tile == Tile::Wg128 { 128 } else { 64 };
         return super::gemm_wgmma::run(dev, &call, bt, if precision == Precision::Exact { 2 } else { 1 }, reuse_x);
+    }
+    // This call stages nothing: a later `reuse_x` call must not take an older staging for its x.
+    if !reuse_x {
+        super::gemm_wgmma::forget_staged(dev)?;
     }
     let bm = if tile == Tile::M64 { 64 } else { 32 };
     let fam = match (w2.is_some(), grouped) {

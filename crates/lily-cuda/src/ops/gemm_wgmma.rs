@@ -163,6 +163,13 @@ fn reserve_in(dev: &Device, stage: &mut Stage, bytes: usize) -> Result<u64> {
     Ok(stage.buf.as_ref().map(|b| b.device_ptr(dev.stream()).0).unwrap_or(0))
 }
 
+/// Marks the staging buffer as holding no x (a GEMM call that stages nothing ran since).
+pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
+    let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
+    stage.holds = None;
+    Ok(())
+}
+
 /// Runs `c` with `bt` (64 or 128) tokens a block and x as `planes` (1: bf16x, 2: exact) bf16 planes.
 /// `reuse_x`: the caller promises x has not been written since the previous call that staged it;
 /// when the buffer still holds that staging (same x, shape and planes), it is not staged again.
