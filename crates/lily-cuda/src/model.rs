@@ -1115,12 +1115,6 @@ fn moe_decode(
 /// The prefill GEMMs' options: `Precision::Exact` (x as two bf16 planes), or with
 /// `LILY_PREFILL_PRECISION=bf16x` x rounded to bf16 once (read once; for A/B runs of speed and
 /// parity: the default stays Exact until `lily score` shows bf16x inside the numerics bar).
-/// [`prefill_opts`] for a GEMM whose x is the previous GEMM's, unwritten since (its staged copy is
-/// reused where the staging buffer still holds it).
-fn reuse_x() -> gemm::Opts {
-    gemm::Opts { reuse_x: true, ..prefill_opts() }
-}
-
 fn prefill_opts() -> gemm::Opts {
     static P: std::sync::OnceLock<gemm::Precision> = std::sync::OnceLock::new();
     let precision = *P.get_or_init(|| match std::env::var("LILY_PREFILL_PRECISION").as_deref() {
@@ -1128,6 +1122,12 @@ fn prefill_opts() -> gemm::Opts {
         _ => gemm::Precision::Exact,
     });
     gemm::Opts { precision, ..Default::default() }
+}
+
+/// [`prefill_opts`] for a GEMM whose x is the previous GEMM's, unwritten since (its staged copy is
+/// reused where the staging buffer still holds it).
+fn reuse_x() -> gemm::Opts {
+    gemm::Opts { reuse_x: true, ..prefill_opts() }
 }
 
 /// Whether one decode token runs a GDN layer's conv, rule and gated norm as one kernel

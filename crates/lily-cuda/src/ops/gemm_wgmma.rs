@@ -182,7 +182,9 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, planes: usize, reuse_x: boo
         let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
         let base = reserve_in(dev, &mut stage, stage_bytes(c.x_rows, c.cols, planes))?;
         let staged = reuse_x && stage.holds == Some(key);
-        stage.holds = Some(key);
+        if !staged {
+            stage.holds = None; // until the staging below has been launched
+        }
         (base, staged)
     };
     let (hi, lo, sums) = (base, if planes == 2 { base + plane_bytes as u64 } else { 0 }, base + (planes * plane_bytes) as u64);
@@ -193,6 +195,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, planes: usize, reuse_x: boo
         let cfg =
             LaunchConfig { grid_dim: (warps.div_ceil(THREADS / 32) as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
         launch(dev, STAGE_KERNEL, cfg, &sp)?;
+        dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?.holds = Some(key);
     }
 
     let swiglu = c.w2.0 != 0;
