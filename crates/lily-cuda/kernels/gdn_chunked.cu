@@ -579,7 +579,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const Gdn
                     if (x < nt) {
                         const int col = 8 * (h + 2 * x) + g;
                         const float2 y = *reinterpret_cast<const float2*>(&sK[col * GDC_RS + k + 2 * t4]);
-                        mma_3xtf32(big[x], small[x], af, split_b(y.x, y.y));
+                        mma_3xtf32(big[x], small[x], af, split_tf32(y.x), split_tf32(y.y));
                     }
                 }
             }
@@ -680,7 +680,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const Gdn
                     for (int x = 0; x < 4; ++x) {
                         if (x < ntw) {
                             const float* rb = R + (k + t4) * GDC_RS + 8 * (nb + x) + g;
-                            mma_3xtf32(big[x], small[x], af, split_b(rb[0], rb[4 * GDC_RS]));
+                            mma_3xtf32(big[x], small[x], af, split_tf32(rb[0]), split_tf32(rb[4 * GDC_RS]));
                         }
                     }
                 }

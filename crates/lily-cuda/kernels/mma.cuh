@@ -38,6 +38,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 // tf32 keeps 10 mantissa bits; x = hi + lo + (a remainder below 2^-21 |x|) with hi = tf32(x),
 // lo = tf32(x − hi), and a·b ≈ a_hi·b_hi + a_hi·b_lo + a_lo·b_hi (the "3xTF32" product) is good to
 // about f32 rounding.
+
 // tf32(x), rounded to nearest with ties away from zero, as cvt.rna.tf32.f32 — which sm_90 emulates in
 // ~4 instructions (an infinity test, a predicated add, a mask); this is the add and the mask, the same
 // bits for every finite x below the largest tf32 (the operands here are activations and states).
@@ -53,9 +54,14 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], uint32_t a0, uint32_t a1
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// The split fragments of one m16n8k8 product: A (4 registers) and B (2), each as hi and lo.
+// x as its (hi, lo) tf32 pair.
+__device__ __forceinline__ uint2 split_tf32(float x) {
+    uint2 r;
+    split_tf32(x, r.x, r.y);
+    return r;
+}
+// The split A fragment of one m16n8k8 product (4 registers), as hi and lo.
 struct Tf32A { uint32_t hi[4], lo[4]; };
-struct Tf32B { uint32_t hi[2], lo[2]; };
 __device__ __forceinline__ Tf32A split_a(float a0, float a1, float a2, float a3) {
     Tf32A f;
     split_tf32(a0, f.hi[0], f.lo[0]);
@@ -64,21 +70,9 @@ __device__ __forceinline__ Tf32A split_a(float a0, float a1, float a2, float a3)
     split_tf32(a3, f.hi[3], f.lo[3]);
     return f;
 }
-__device__ __forceinline__ Tf32B split_b(float b0, float b1) {
-    Tf32B f;
-    split_tf32(b0, f.hi[0], f.lo[0]);
-    split_tf32(b1, f.hi[1], f.lo[1]);
-    return f;
-}
-// c += a·b in 3xTF32: the two small terms into `small`, the large one into `big` (two accumulators,
-// so that consecutive products do not all wait on one).
-__device__ __forceinline__ void mma_3xtf32(float (&big)[4], float (&small)[4], const Tf32A& a, const Tf32B& b) {
-    mma_tf32(small, a.lo[0], a.lo[1], a.lo[2], a.lo[3], b.hi[0], b.hi[1]);
-    mma_tf32(small, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.lo[0], b.lo[1]);
-    mma_tf32(big, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b.hi[0], b.hi[1]);
-}
-
-// The same with B already split: b0, b1 as (hi, lo) pairs (e.g. one 8-byte shared load each).
+// c += a·b in 3xTF32, B's b0, b1 as (hi, lo) pairs (split_tf32, or one 8-byte shared load each): the
+// two small terms into `small`, the large one into `big` (two accumulators, so that consecutive
+// products do not all wait on one; the same array for both is allowed).
 __device__ __forceinline__ void mma_3xtf32(float (&big)[4], float (&small)[4], const Tf32A& a, uint2 b0, uint2 b1) {
     mma_tf32(small, a.lo[0], a.lo[1], a.lo[2], a.lo[3], b0.x, b1.x);
     mma_tf32(small, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b0.y, b1.y);
@@ -86,10 +80,8 @@ __device__ __forceinline__ void mma_3xtf32(float (&big)[4], float (&small)[4], c
 }
 // Two f32 as their (hi, lo) tf32 pairs, for a 16-byte shared store.
 __device__ __forceinline__ uint4 split_pair(float a, float b) {
-    uint4 r;
-    split_tf32(a, r.x, r.y);
-    split_tf32(b, r.z, r.w);
-    return r;
+    const uint2 x = split_tf32(a), y = split_tf32(b);
+    return make_uint4(x.x, x.y, y.x, y.y);
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }

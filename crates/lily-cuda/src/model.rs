@@ -759,19 +759,19 @@ impl CudaModel {
 
 /// y = x·Wᵀ for T rows: a GEMV for one token, a GEMM for more.
 fn linear<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMatrix, x: &X, t: usize, y: &mut Y) -> Result<()> {
-    if t == 1 {
-        affine_gemv::gemv(dev, w, Select::matrix(0), x, false, y)
-    } else {
-        gemm::gemm_with(dev, w, 0, x, t, y, prefill_opts())
-    }
+    linear_with(dev, w, x, t, y, prefill_opts())
 }
 
 /// [`linear`] on the x of the previous GEMM call, unwritten since (its staged copy is reused).
 fn linear_reuse<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMatrix, x: &X, t: usize, y: &mut Y) -> Result<()> {
+    linear_with(dev, w, x, t, y, reuse_x())
+}
+
+fn linear_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMatrix, x: &X, t: usize, y: &mut Y, o: gemm::Opts) -> Result<()> {
     if t == 1 {
         affine_gemv::gemv(dev, w, Select::matrix(0), x, false, y)
     } else {
-        gemm::gemm_with(dev, w, 0, x, t, y, reuse_x())
+        gemm::gemm_with(dev, w, 0, x, t, y, o)
     }
 }
 
