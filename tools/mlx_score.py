@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Teacher-forced float32 scoring of an MLX-format qwen3_5_moe checkpoint with mlx-lm.
 
-    python3 tools/mlx_score.py --model DIR --tokens FILE [--device cpu|gpu] [--hidden-out FILE.safetensors]
+    python3 tools/mlx_score.py --model DIR --tokens FILE [--device cpu|gpu] [--dtype float32|native]
+                               [--hidden-out FILE.safetensors]
 
 DIR is an mlx-lm checkpoint (config.json with an optional top-level `quantization` block and
 model*.safetensors), e.g. tests/fixtures/tiny-a/mlx or a checkpoint written by `lily`.
@@ -16,6 +17,10 @@ Every floating-point parameter (including quantisation scales and biases) is cas
 before the forward pass (bf16 -> f32 is exact), so the only approximation left relative to the
 dequantised weights is float32 arithmetic. The whole prompt runs as one forward call, without a
 cache, exactly like `Qwen3_5TextModel.__call__` (causal mask for attention, no SSM mask).
+
+--dtype native skips that cast: the model runs in the checkpoint's own dtype (bf16 scales, biases and
+norms, so bf16 activations), as `mlx_lm.generate` would run it; the log-softmax is still float32. It
+is the "MLX-LM's own bf16 run" the numerics bar compares against.
 
 --device gpu runs on MLX's GPU backend (the CUDA build on the GPU machine) with TF32 turned off
 (MLX_ENABLE_TF32=0), so float32 products stay float32. The CPU backend (the default) runs its
@@ -48,9 +53,13 @@ def progress(msg):
     print(f"[{time.time() - T0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
-def load_f32(model_dir):
-    """Load an mlx-lm checkpoint and cast every floating parameter to float32."""
+def load_f32(model_dir, native=False):
+    """Load an mlx-lm checkpoint and cast every floating parameter to float32 (unless `native`)."""
     model, config = load_model(Path(model_dir))
+    if native:
+        mx.eval(model.parameters())
+        progress(f"loaded {model_dir} (parameters in their own dtype)")
+        return model, config
 
     def to_f32(x):
         if isinstance(x, mx.array) and mx.issubdtype(x.dtype, mx.floating):
@@ -129,9 +138,9 @@ def make_result(token_logprobs, argmax):
     return {"positions": len(lp), "perplexity": ppl, "token_logprobs": lp, "argmax": am}
 
 
-def score_mlx(model_dir, tokens):
+def score_mlx(model_dir, tokens, native=False):
     """Returns (result_dict, tensors) where tensors holds hidden.{l}, final, logits (float32)."""
-    model, _ = load_f32(model_dir)
+    model, _ = load_f32(model_dir, native)
     hidden, final, logits = forward_with_hidden(model, tokens)
     result = score_from_logits(tokens, logits)
     tensors = {f"hidden.{l}": h for l, h in enumerate(hidden)}
@@ -146,11 +155,13 @@ def main():
     ap.add_argument("--tokens", required=True, help="JSON array of token ids")
     ap.add_argument("--hidden-out", help="optionally write hidden.{l}/final/logits (f32 safetensors)")
     ap.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="MLX device (default cpu)")
+    ap.add_argument("--dtype", choices=["float32", "native"], default="float32",
+                    help="float32: every floating parameter cast to float32 (the reference); native: as stored (bf16)")
     args = ap.parse_args()
     mx.set_default_device(mx.gpu if args.device == "gpu" else mx.cpu)
     progress(f"device {mx.default_device()}")
     tokens = json.loads(Path(args.tokens).read_text())
-    result, tensors = score_mlx(args.model, tokens)
+    result, tensors = score_mlx(args.model, tokens, args.dtype == "native")
     if args.hidden_out:
         from safetensors.numpy import save_file
 
