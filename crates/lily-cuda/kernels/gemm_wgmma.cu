@@ -34,6 +34,7 @@
 
 #include <stdint.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include "pdl.cuh"
 #include "grouped.cuh"
 #include "wgmma.cuh"
@@ -66,12 +67,15 @@ struct WgParams {
     int cols;                  // K, a multiple of 64
     int count;                 // grouped: experts
     int matrix;                // plain: which matrix of the stack
+    int split;                 // grouped: 0 every expert in tiles of BT; 1 / 2 the big / small part of a
+                               // mixed split (grouped.cuh)
 };
 
-constexpr int THREADS = 256;
+constexpr int THREADS = 256;  // two warpgroups (the wide half variants: four)
 constexpr int BW = 128;      // weight rows a block
 constexpr int GROUP = 64;    // K a step
-constexpr int STAGES = 4;
+constexpr int STAGES = 4;    // the folded numerics' ring (the half numerics' depth is a variant's NS)
+enum : int { NUM_BF16X = 1, NUM_EXACT = 2, NUM_HALF = 3 };
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
@@ -82,6 +86,7 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool o
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
 }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -100,6 +105,17 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t w, int s) {
     const uint32_t k136 = 0x43084308u;
     __nv_bfloat162 d = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), *reinterpret_cast<const __nv_bfloat162*>(&k136));
     return *reinterpret_cast<uint32_t*>(&d);
+}
+
+// Nibbles s and s + 4 of w as the f16 pair (s·q + b, s·q' + b) (nibble s in the low half): under the
+// bits of 1024.0 (ulp 1) a nibble makes 1024 + q, 1024 is subtracted (exact), one fused multiply-add
+// rounds the weight once.
+__device__ __forceinline__ uint32_t half_weight_pair(uint32_t w, int s, __half2 scale, __half2 bias) {
+    uint32_t v = ((w >> (4 * s)) & 0x000F000Fu) | 0x64006400u;
+    const uint32_t k1024 = 0x64006400u;
+    const __half2 c = __hsub2(*reinterpret_cast<const __half2*>(&v), *reinterpret_cast<const __half2*>(&k1024));
+    const __half2 d = __hfma2(c, scale, bias);
+    return *reinterpret_cast<const uint32_t*>(&d);
 }
 
 // The staged column (within its group) of code m of the group: see the header.
@@ -133,19 +149,72 @@ extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_stage(const WgStage
     if (lane == 0) p.sums[row * groups + g] = s;
 }
 
-template <int BT, int PLANES, bool SWIGLU, bool GROUPED>
+// Half numerics: one warp per row. The row's largest |x| sets its scale 2^e (the largest scaled value in
+// [2^14, 2^15), well inside f16's range; e clamped to ±110 so both 2^e and 2^-e are normal f32): x·2^-e is
+// rounded to f16 into `hi` (permuted as above) and 2^e goes to sums[row] for the GEMM's epilogue. A NaN
+// or infinity in x reaches the plane (and so the output) as itself.
+extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_stage_half(const WgStageParams p) {
+    pdl_enter();
+    const long long row = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (row >= p.rows) return;
+    const int lane = threadIdx.x & 31;
+    const float* xr = p.x + row * p.cols;
+    float m = 0.0f;
+    for (int c = 2 * lane; c < p.cols; c += 64) {
+        const float2 v = *reinterpret_cast<const float2*>(xr + c);
+        m = fmaxf(m, fmaxf(fabsf(v.x), fabsf(v.y)));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    int e = 0;
+    if (m > 0.0f && m <= 3.4e38f) e = min(max(ilogbf(m) - 14, -110), 110);
+    const float down = __int_as_float((127 - e) << 23), up = __int_as_float((127 + e) << 23);
+    uint16_t* out = p.hi + row * p.cols;
+    for (int c = 2 * lane; c < p.cols; c += 64) {
+        const float2 v = *reinterpret_cast<const float2*>(xr + c);
+        const int g0 = c & ~63, k = c & 63;
+        out[g0 + stage_column(k)] = __half_as_ushort(__float2half_rn(v.x * down));
+        out[g0 + stage_column(k + 1)] = __half_as_ushort(__float2half_rn(v.y * down));
+    }
+    if (lane == 0) p.sums[row] = up;
+}
+
+// The block's tile: which matrix and slots (tokens) it takes, or none.
+template <int BT, int NT, bool GROUPED>
+__device__ __forceinline__ bool tile_slots(const WgParams& p, int& matrix, int& m_begin, int& m_end) {
+    if (GROUPED) return find_group_tile<NT>(p.offsets, p.t, p.count, BT, matrix, m_begin, m_end, p.split);
+    matrix = p.matrix;
+    m_begin = blockIdx.x * BT;
+    m_end = min(m_begin + BT, p.t);
+    return true;
+}
+
+// BT tokens × 64·WGS·MT weight rows (WGS warpgroups of 64·MT rows, MT m64 tiles each) in numerics NUM:
+// NUM_EXACT / NUM_BF16X fold each group (MT = 1, a ring of NS = STAGES); NUM_HALF accumulates across
+// groups in the MMA (a ring of NS stages, see the header).
+template <int BT, int MT, int NUM, int NS, int WGS, bool SWIGLU, bool GROUPED>
 __device__ __forceinline__ void wg_tile(const WgParams& p) {
-    constexpr int XPLANE = BT * 128;            // bytes of one X plane a stage (BT rows of 64 bf16)
+    constexpr int NT = 128 * WGS;               // threads
+    constexpr bool HALF = NUM == NUM_HALF;
+    constexpr int PLANES = NUM == NUM_EXACT ? 2 : 1;
+    constexpr int NSTAGE = NS;
+    constexpr int BWT = 64 * WGS * MT;          // weight rows a block
+    constexpr int XPLANE = BT * 128;            // bytes of one X plane a stage (BT rows of 64 16-bit values)
     constexpr int XB = PLANES * XPLANE;
-    constexpr int WB = BW * 32;                 // the codes: 128 rows of 32 bytes
-    constexpr int SB = BT * 4;                  // the X sums
+    constexpr int WB = BWT * 32;                // the codes: BWT rows of 32 bytes
+    constexpr int SB = HALF ? 0 : BT * 4;       // the X sums (folded numerics)
     constexpr int STAGE = (XB + WB + SB + 1023) / 1024 * 1024;
-    constexpr int RPT = BT / 32;                // X rows a thread loads (32 rows of 8 chunks per pass)
-    constexpr int ND = BT / 2;                  // accumulators a thread: 64 × BT / 128
-    constexpr int BW_OUT = SWIGLU ? BW / 2 : BW;
+    constexpr int XPASS = NT / 8;               // X rows a pass (8 chunks a row)
+    constexpr int RPT = BT / XPASS;             // X rows a thread loads
+    constexpr int ND = BT / 2;                  // accumulators a thread an m64 tile: 64 × BT / 128
+    constexpr int BW_OUT = SWIGLU ? BWT / 2 : BWT;
+    static_assert(HALF || (MT == 1 && NS == STAGES && WGS == 2), "the folded numerics take one m64 tile a warpgroup, STAGES deep, two warpgroups");
+    static_assert(RPT >= 1 && BT <= NT, "every X row has a loader and every slot a sum thread");
+    static_assert(NS >= 3, "the half ring needs a stage in use, one in flight and one filling");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned char bad[BT];           // gathered slot past x: a NaN output row
+    __shared__ float tscale[HALF ? BT : 1];     // half: the slot's 2^e (the stager's per-row scale)
     const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
 
     const int tid = threadIdx.x, lane = tid & 31;
@@ -154,34 +223,28 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     const int rows = p.rows, cols = p.cols, groups = cols >> 6;
 
     int matrix, m_begin, m_end;
-    if (GROUPED) {
-        if (!find_group_tile<THREADS>(p.offsets, p.t, p.count, BT, matrix, m_begin, m_end)) return;
-    } else {
-        matrix = p.matrix;
-        m_begin = blockIdx.x * BT;
-        m_end = min(m_begin + BT, p.t);
-    }
+    if (!tile_slots<BT, NT, GROUPED>(p, matrix, m_begin, m_end)) return;
     const int n_tile = blockIdx.y;
 
     // Tile row r -> (from the up matrix, output row).
     auto out_row = [&](int r) { return SWIGLU ? n_tile * BW_OUT + (r >> 4) * 8 + (r & 7) : n_tile * BW_OUT + r; };
     auto is_up = [](int r) { return SWIGLU && ((r >> 3) & 1) != 0; };
 
-    // ---- Loaders, each with running source pointers (load() is called once per group, in order). X:
-    // rows tid / 8 + 32 j, chunk tid % 8 (of 16 bytes) of each plane; a row past the tile reads row 0
-    // with a zero-fill (no bytes read).
+    // ---- Loaders, with 32-bit source offsets (group kt adds kt steps). X: rows tid / 8 + XPASS j, chunk
+    // tid % 8 (of 16 bytes) of each plane; a row past the tile reads row 0 with a zero-fill (no bytes read).
     const int xc = tid & 7;
-    const uint16_t* xp[PLANES][RPT];
+    uint32_t xoff[RPT];
     bool x_ok[RPT];
 #pragma unroll
     for (int j = 0; j < RPT; ++j) {
-        const int r = (tid >> 3) + 32 * j;
+        const int r = (tid >> 3) + XPASS * j;
         const int slot = m_begin + r;
         uint32_t off = 0;
         x_ok[j] = false;
         bool nan_row = false;
+        long long src = 0;
         if (slot < m_end) {
-            long long src = slot;
+            src = slot;
             if (GROUPED && p.gather) src = p.gather[slot];
             if (src < p.x_rows) {
                 off = (uint32_t)(src * cols);
@@ -190,19 +253,28 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
                 nan_row = true;
             }
         }
-        if (xc == 0) bad[r] = nan_row;
-        xp[0][j] = p.xh + off + xc * 8;
-        if constexpr (PLANES == 2) xp[1][j] = p.xl + off + xc * 8;
+        if (xc == 0) {
+            bad[r] = nan_row;
+            if constexpr (HALF) tscale[r] = x_ok[j] ? p.xsum[src] : 0.0f;
+        }
+        xoff[j] = off + xc * 8;
     }
-    // Codes: tile row tid / 2, 16-byte half tid % 2 (row 0 of the stack, zero-filled, past the rows).
-    const int wr = tid >> 1, wh = tid & 1;
-    const int w_out = out_row(wr);
-    const bool w_ok = w_out < rows;
-    const uint32_t* wsrc = (is_up(wr) ? p.w2 : p.w) + (size_t)((long long)matrix * rows + (w_ok ? w_out : 0)) * (cols / 8) + wh * 4;
-    // X sums: slot tid (tid < BT).
+    // Codes: tile row tid / 2 + (NT / 2) j, 16-byte half tid % 2 (row 0 of the stack, zero-filled, past the rows).
+    const int wh = tid & 1;
+    uint32_t wchunk[MT];  // in 16-byte chunks of the stack (below 2^32: checked by the wrapper)
+    bool w_ok[MT], w_up[MT];
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+        const int wr = (tid >> 1) + (NT / 2) * j;
+        const int w_out = out_row(wr);
+        w_ok[j] = w_out < rows;
+        w_up[j] = is_up(wr);
+        wchunk[j] = (uint32_t)(((long long)matrix * rows + (w_ok[j] ? w_out : 0)) * (cols / 32)) + wh;
+    }
+    // X sums (folded numerics): slot tid (tid < BT).
     const float* ssrc = p.xsum;
     bool s_ok = false;
-    if (tid < BT) {
+    if (!HALF && tid < BT) {
         const int slot = m_begin + tid;
         if (slot < m_end) {
             long long src = slot;
@@ -213,143 +285,247 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             }
         }
     }
-    // This thread's shared-memory destinations in stage 0.
-    uint32_t xdst[RPT];
-#pragma unroll
-    for (int j = 0; j < RPT; ++j) {
-        const int r = (tid >> 3) + 32 * j;
-        xdst[j] = base + r * 128 + ((xc ^ (r & 7)) << 4);
-    }
-    const uint32_t wdst = base + XB + wr * 32 + wh * 16;
+    // This thread's shared-memory destination in stage 0 (row tid / 8; XPASS rows further keep the same
+    // swizzle: XPASS is a multiple of 8).
+    const uint32_t xdst = base + (tid >> 3) * 128 + ((xc ^ ((tid >> 3) & 7)) << 4);
+    const uint32_t wdst = base + XB + (tid >> 1) * 32 + wh * 16;
     const uint32_t sdst = base + XB + WB + tid * 4;
 
     auto load = [&](int kt) {
-        const uint32_t so = (kt % STAGES) * STAGE;
+        const uint32_t so = (kt % NSTAGE) * STAGE;
 #pragma unroll
         for (int pl = 0; pl < PLANES; ++pl) {
 #pragma unroll
-            for (int j = 0; j < RPT; ++j) {
-                cp_async16(xdst[j] + so + pl * XPLANE, xp[pl][j], x_ok[j]);
-                xp[pl][j] += GROUP;
-            }
+            for (int j = 0; j < RPT; ++j)
+                cp_async16(xdst + so + pl * XPLANE + j * XPASS * 128, (pl ? p.xl : p.xh) + xoff[j] + kt * GROUP, x_ok[j]);
         }
-        cp_async16(wdst + so, wsrc, w_ok);
-        wsrc += 8;
-        if (tid < BT) {
+#pragma unroll
+        for (int j = 0; j < MT; ++j)
+            cp_async16(wdst + so + j * (NT / 2) * 32, reinterpret_cast<const uint4*>(w_up[j] ? p.w2 : p.w) + wchunk[j] + kt * 2, w_ok[j]);
+        if (!HALF && tid < BT) {
             cp_async4(sdst + so, ssrc, s_ok);
             if (s_ok) ssrc += 1;
         }
     };
 
-    // ---- This thread's two weight rows (tile rows r0 and r0 + 8) and their scales.
-    const int r0 = 64 * wg + 16 * warp + g, r1 = r0 + 8;
-    const int o0 = out_row(r0), o1 = out_row(r1);
-    const bool ok0 = o0 < rows, ok1 = o1 < rows;
-    const size_t g0 = (size_t)((long long)matrix * rows + (ok0 ? o0 : 0)) * groups;
-    const size_t g1 = (size_t)((long long)matrix * rows + (ok1 ? o1 : 0)) * groups;
-    // Their scales and biases, advanced a group a step by the main loop.
-    const uint16_t* sc0 = (is_up(r0) ? p.scales2 : p.scales) + g0;
-    const uint16_t* bi0 = (is_up(r0) ? p.biases2 : p.biases) + g0;
-    const uint16_t* sc1 = (is_up(r1) ? p.scales2 : p.scales) + g1;
-    const uint16_t* bi1 = (is_up(r1) ? p.biases2 : p.biases) + g1;
+    // ---- This thread's weight rows: tile rows r0[m] and r0[m] + 8 of each m64 tile (SwiGLU: r0 a gate
+    // row, r0 + 8 the up row of the same output), and the index of their first group's scale and bias
+    // (group kt adds kt; below 2^32: checked by the wrapper).
+    int r0[MT], o0[MT], o1[MT];
+    bool ok0[MT], ok1[MT];
+    uint32_t gi0[MT], gi1[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        r0[m] = 64 * (MT * wg + m) + 16 * warp + g;
+        o0[m] = out_row(r0[m]), o1[m] = out_row(r0[m] + 8);
+        ok0[m] = o0[m] < rows, ok1[m] = o1[m] < rows;
+        gi0[m] = (uint32_t)(((long long)matrix * rows + (ok0[m] ? o0[m] : 0)) * groups);
+        gi1[m] = (uint32_t)(((long long)matrix * rows + (ok1[m] ? o1[m] : 0)) * groups);
+    }
+    const uint16_t* sc1p = SWIGLU ? p.scales2 : p.scales;
+    const uint16_t* bi1p = SWIGLU ? p.biases2 : p.biases;
+    if constexpr (HALF) {
+        // Those scales and biases into L2 now (a 128-byte line holds 64 groups' worth): the loop loads
+        // them one group ahead, too late to hide a miss to DRAM when a group step is short.
+        for (int k = 0; k < groups; k += 64) {
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                prefetch_l2(p.scales + gi0[m] + k);
+                prefetch_l2(p.biases + gi0[m] + k);
+                prefetch_l2(sc1p + gi1[m] + k);
+                prefetch_l2(bi1p + gi1[m] + k);
+            }
+        }
+    }
 
     // The X tile descriptor of stage 0 (a stage or k-step further: its byte offset / 16 added to the
     // start-address field, which cannot carry: shared addresses are below 2^18).
     const uint64_t d0 = wgmma_desc_sw128(base);
-
-    float acc[ND], accg[ND];
-#pragma unroll
-    for (int i = 0; i < ND; ++i) acc[i] = accg[i] = 0.0f;
-
     const int nk = groups;
-#pragma unroll
-    for (int s = 0; s < STAGES - 1; ++s) {
-        if (s < nk) load(s);
-        cp_async_commit();
-    }
-    for (int kt = 0; kt < nk; ++kt) {
-        cp_async_wait<STAGES - 2>();
-        fence_proxy_async();
-        __syncthreads();
-        if (kt + STAGES - 1 < nk) load(kt + STAGES - 1);
-        cp_async_commit();
 
-        const uint32_t st = base + (kt % STAGES) * STAGE;
-        // This group's scales and biases (f32; zero past the matrix's rows), the centred codes' bias.
-        const float s0 = ok0 ? bf16_bits_to_f32(__ldg(sc0)) : 0.0f;
-        const float s1 = ok1 ? bf16_bits_to_f32(__ldg(sc1)) : 0.0f;
-        const float b0 = ok0 ? fmaf(8.0f, s0, bf16_bits_to_f32(__ldg(bi0))) : 0.0f;
-        const float b1 = ok1 ? fmaf(8.0f, s1, bf16_bits_to_f32(__ldg(bi1))) : 0.0f;
-        ++sc0, ++sc1, ++bi0, ++bi1;
-        const uint2 wa = lds64(st + XB + r0 * 32 + q * 8);
-        const uint2 wb = lds64(st + XB + r1 * 32 + q * 8);
-        uint32_t a[4][4];
+    float acc[MT][ND];
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-            a[s][0] = code_pair(wa.x, s);
-            a[s][1] = code_pair(wb.x, s);
-            a[s][2] = code_pair(wa.y, s);
-            a[s][3] = code_pair(wb.y, s);
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < ND; ++i) acc[m][i] = 0.0f;
+
+    if constexpr (HALF) {
+        // Prefetch distance NS - 2: the stage a load refills was last read by the MMAs of the group
+        // before the previous one, which every warpgroup has waited for (wgmma_wait<1> below, then the
+        // barrier) by the time the load is issued.
+        constexpr int D = NS - 2;
+#pragma unroll
+        for (int s = 0; s < D; ++s) {
+            if (s < nk) load(s);
+            cp_async_commit();
         }
-        const uint64_t dst = d0 + (uint64_t)(((kt % STAGES) * STAGE) >> 4);  // this stage's X descriptor
-        wgmma_fence();
+        // This group's scales and biases as bf16 bits, fetched a group ahead (zero past the rows).
+        uint16_t nxt[MT][4];
+        auto fetch = [&](int kt) {
 #pragma unroll
-        for (int s = 0; s < 4; ++s) {
-#pragma unroll
-            for (int pl = 0; pl < PLANES; ++pl) {
-                const uint64_t d = dst + (uint64_t)((pl * XPLANE + 32 * s) >> 4);
-                if constexpr (BT == 128) wgmma_m64n128k16_rs(accg, a[s], d, (s | pl) != 0);
-                else wgmma_m64n64k16_rs(accg, a[s], d, (s | pl) != 0);
+            for (int m = 0; m < MT; ++m) {
+                nxt[m][0] = ok0[m] ? __ldg(p.scales + gi0[m] + kt) : (uint16_t)0;
+                nxt[m][1] = ok0[m] ? __ldg(p.biases + gi0[m] + kt) : (uint16_t)0;
+                nxt[m][2] = ok1[m] ? __ldg(sc1p + gi1[m] + kt) : (uint16_t)0;
+                nxt[m][3] = ok1[m] ? __ldg(bi1p + gi1[m] + kt) : (uint16_t)0;
             }
-        }
-        wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_pin(accg);
-        // Fold: tokens 8j + 2q + e.
-        const uint32_t sums = st + XB + WB;
+        };
+        fetch(0);
+        // One group: refill, dequantise into `a` (whose last MMAs, two groups back, have completed),
+        // issue its 4·MT MMAs, and leave them in flight.
+        auto step = [&](int kt, uint32_t (&a)[MT][4][4]) {
+            cp_async_wait<D - 1>();
+            fence_proxy_async();
+            __syncthreads();
+            if (kt + D < nk) load(kt + D);
+            cp_async_commit();
+            const uint32_t so = (kt % NSTAGE) * STAGE;
+            __half2 hs0[MT], hb0[MT], hs1[MT], hb1[MT];
 #pragma unroll
-        for (int j = 0; j < BT / 8; ++j) {
-            const uint2 xv = lds64(sums + (8 * j + 2 * q) * 4);
-            const float x0 = __uint_as_float(xv.x), x1 = __uint_as_float(xv.y);
-            acc[4 * j + 0] = fmaf(s0, accg[4 * j + 0], fmaf(b0, x0, acc[4 * j + 0]));
-            acc[4 * j + 1] = fmaf(s0, accg[4 * j + 1], fmaf(b0, x1, acc[4 * j + 1]));
-            acc[4 * j + 2] = fmaf(s1, accg[4 * j + 2], fmaf(b1, x0, acc[4 * j + 2]));
-            acc[4 * j + 3] = fmaf(s1, accg[4 * j + 3], fmaf(b1, x1, acc[4 * j + 3]));
+            for (int m = 0; m < MT; ++m) {
+                hs0[m] = __float2half2_rn(bf16_bits_to_f32(nxt[m][0]));
+                hb0[m] = __float2half2_rn(bf16_bits_to_f32(nxt[m][1]));
+                hs1[m] = __float2half2_rn(bf16_bits_to_f32(nxt[m][2]));
+                hb1[m] = __float2half2_rn(bf16_bits_to_f32(nxt[m][3]));
+            }
+            if (kt + 1 < nk) fetch(kt + 1);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                const uint2 wa = lds64(base + so + XB + r0[m] * 32 + q * 8);
+                const uint2 wb = lds64(base + so + XB + (r0[m] + 8) * 32 + q * 8);
+#pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    a[m][s][0] = half_weight_pair(wa.x, s, hs0[m], hb0[m]);
+                    a[m][s][1] = half_weight_pair(wb.x, s, hs1[m], hb1[m]);
+                    a[m][s][2] = half_weight_pair(wa.y, s, hs0[m], hb0[m]);
+                    a[m][s][3] = half_weight_pair(wb.y, s, hs1[m], hb1[m]);
+                }
+            }
+            const uint64_t dst = d0 + (uint64_t)(so >> 4);
+            wgmma_fence();
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    if constexpr (BT == 128) wgmma_m64n128k16_rs<true>(acc[m], a[m][s], dst + (uint64_t)((32 * s) >> 4), 1);
+                    else wgmma_m64n64k16_rs<true>(acc[m], a[m][s], dst + (uint64_t)((32 * s) >> 4), 1);
+                }
+            }
+            wgmma_commit();
+            wgmma_wait<1>();
+        };
+        uint32_t a0[MT][4][4], a1[MT][4][4];
+        int kt = 0;
+#pragma unroll 1
+        for (; kt + 1 < nk; kt += 2) {
+            step(kt, a0);
+            step(kt + 1, a1);
+        }
+        if (kt < nk) step(kt, a0);
+        wgmma_wait<0>();
+#pragma unroll
+        for (int m = 0; m < MT; ++m) wgmma_pin(acc[m]);
+    } else {
+        float accg[ND];
+#pragma unroll
+        for (int i = 0; i < ND; ++i) accg[i] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < nk) load(s);
+            cp_async_commit();
+        }
+        for (int kt = 0; kt < nk; ++kt) {
+            cp_async_wait<STAGES - 2>();
+            fence_proxy_async();
+            __syncthreads();
+            if (kt + STAGES - 1 < nk) load(kt + STAGES - 1);
+            cp_async_commit();
+
+            const uint32_t st = base + (kt % STAGES) * STAGE;
+            // This group's scales and biases (f32; zero past the matrix's rows), the centred codes' bias.
+            const float s0 = ok0[0] ? bf16_bits_to_f32(__ldg(p.scales + gi0[0] + kt)) : 0.0f;
+            const float s1 = ok1[0] ? bf16_bits_to_f32(__ldg(sc1p + gi1[0] + kt)) : 0.0f;
+            const float b0 = ok0[0] ? fmaf(8.0f, s0, bf16_bits_to_f32(__ldg(p.biases + gi0[0] + kt))) : 0.0f;
+            const float b1 = ok1[0] ? fmaf(8.0f, s1, bf16_bits_to_f32(__ldg(bi1p + gi1[0] + kt))) : 0.0f;
+            const uint2 wa = lds64(st + XB + r0[0] * 32 + q * 8);
+            const uint2 wb = lds64(st + XB + (r0[0] + 8) * 32 + q * 8);
+            uint32_t a[4][4];
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+                a[s][0] = code_pair(wa.x, s);
+                a[s][1] = code_pair(wb.x, s);
+                a[s][2] = code_pair(wa.y, s);
+                a[s][3] = code_pair(wb.y, s);
+            }
+            const uint64_t dst = d0 + (uint64_t)(((kt % STAGES) * STAGE) >> 4);  // this stage's X descriptor
+            wgmma_fence();
+#pragma unroll
+            for (int s = 0; s < 4; ++s) {
+#pragma unroll
+                for (int pl = 0; pl < PLANES; ++pl) {
+                    const uint64_t d = dst + (uint64_t)((pl * XPLANE + 32 * s) >> 4);
+                    if constexpr (BT == 128) wgmma_m64n128k16_rs(accg, a[s], d, (s | pl) != 0);
+                    else wgmma_m64n64k16_rs(accg, a[s], d, (s | pl) != 0);
+                }
+            }
+            wgmma_commit();
+            wgmma_wait<0>();
+            wgmma_pin(accg);
+            // Fold: tokens 8j + 2q + e.
+            const uint32_t sums = st + XB + WB;
+#pragma unroll
+            for (int j = 0; j < BT / 8; ++j) {
+                const uint2 xv = lds64(sums + (8 * j + 2 * q) * 4);
+                const float x0 = __uint_as_float(xv.x), x1 = __uint_as_float(xv.y);
+                acc[0][4 * j + 0] = fmaf(s0, accg[4 * j + 0], fmaf(b0, x0, acc[0][4 * j + 0]));
+                acc[0][4 * j + 1] = fmaf(s0, accg[4 * j + 1], fmaf(b0, x1, acc[0][4 * j + 1]));
+                acc[0][4 * j + 2] = fmaf(s1, accg[4 * j + 2], fmaf(b1, x0, acc[0][4 * j + 2]));
+                acc[0][4 * j + 3] = fmaf(s1, accg[4 * j + 3], fmaf(b1, x1, acc[0][4 * j + 3]));
+            }
         }
     }
     cp_async_wait<0>();
 
-    // ---- Epilogue: rows o0 (and o1), tokens 8j + 2q + e.
+    // ---- Epilogue: rows o0[m] (and o1[m]), tokens 8j + 2q + e.
 #pragma unroll
-    for (int j = 0; j < BT / 8; ++j) {
+    for (int m = 0; m < MT; ++m) {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int tok = 8 * j + 2 * q + e;
-            const int slot = m_begin + tok;
-            if (slot >= m_end) continue;
-            float* yrow = p.y + (long long)slot * rows;
-            const bool nan_row = bad[tok];
-            if (SWIGLU) {
-                const float gv = acc[4 * j + e], uv = acc[4 * j + 2 + e];
-                if (ok0) yrow[o0] = nan_row ? __int_as_float(0x7fc00000) : gv / (1.0f + expf(-gv)) * uv;
-            } else {
-                if (ok0) yrow[o0] = nan_row ? __int_as_float(0x7fc00000) : acc[4 * j + e];
-                if (ok1) yrow[o1] = nan_row ? __int_as_float(0x7fc00000) : acc[4 * j + 2 + e];
+        for (int j = 0; j < BT / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int tok = 8 * j + 2 * q + e;
+                const int slot = m_begin + tok;
+                if (slot >= m_end) continue;
+                float* yrow = p.y + (long long)slot * rows;
+                const bool nan_row = bad[tok];
+                const float k = HALF ? tscale[tok] : 1.0f;
+                const float v0 = acc[m][4 * j + e] * k, v1 = acc[m][4 * j + 2 + e] * k;
+                if (SWIGLU) {
+                    if (ok0[m]) yrow[o0[m]] = nan_row ? __int_as_float(0x7fc00000) : v0 / (1.0f + expf(-v0)) * v1;
+                } else {
+                    if (ok0[m]) yrow[o0[m]] = nan_row ? __int_as_float(0x7fc00000) : v0;
+                    if (ok1[m]) yrow[o1[m]] = nan_row ? __int_as_float(0x7fc00000) : v1;
+                }
             }
         }
     }
 }
 
-#define WG_ENTRY(name, BT, PLANES, SWIGLU, GROUPED, MINB)                                              \
-    extern "C" __global__ void __launch_bounds__(THREADS, MINB) name(const WgParams p) {                 \
+#define WG_ENTRY_W(name, BT, MT, NUM, NS, WGS, SWIGLU, GROUPED, MINB)                                 \
+    extern "C" __global__ void __launch_bounds__(128 * WGS, MINB) name(const WgParams p) {               \
         pdl_enter();                                                                                   \
-        wg_tile<BT, PLANES, SWIGLU, GROUPED>(p);                                                       \
+        wg_tile<BT, MT, NUM, NS, WGS, SWIGLU, GROUPED>(p);                                             \
     }
-#define WG_FORM(prefix, SWIGLU, GROUPED)                               \
-    WG_ENTRY(prefix##_n128_p1, 128, 1, SWIGLU, GROUPED, 1)             \
-    WG_ENTRY(prefix##_n128_p2, 128, 2, SWIGLU, GROUPED, 1)             \
-    WG_ENTRY(prefix##_n64_p1, 64, 1, SWIGLU, GROUPED, 2)               \
-    WG_ENTRY(prefix##_n64_p2, 64, 2, SWIGLU, GROUPED, 2)
+#define WG_ENTRY(name, BT, MT, NUM, NS, SWIGLU, GROUPED, MINB) WG_ENTRY_W(name, BT, MT, NUM, NS, 2, SWIGLU, GROUPED, MINB)
+#define WG_FORM(prefix, SWIGLU, GROUPED)                                      \
+    WG_ENTRY(prefix##_n128_p1, 128, 1, NUM_BF16X, STAGES, SWIGLU, GROUPED, 1)     \
+    WG_ENTRY(prefix##_n128_p2, 128, 1, NUM_EXACT, STAGES, SWIGLU, GROUPED, 1)     \
+    WG_ENTRY(prefix##_n64_p1, 64, 1, NUM_BF16X, STAGES, SWIGLU, GROUPED, 2)       \
+    WG_ENTRY(prefix##_n64_p2, 64, 1, NUM_EXACT, STAGES, SWIGLU, GROUPED, 2)       \
+    WG_ENTRY(prefix##_n128_h128, 128, 1, NUM_HALF, 5, SWIGLU, GROUPED, 2)         \
+    WG_ENTRY(prefix##_n64_h128, 64, 1, NUM_HALF, 4, SWIGLU, GROUPED, 3)           \
+    WG_ENTRY_W(prefix##_n128_h256, 128, 1, NUM_HALF, 6, 4, SWIGLU, GROUPED, 1)    \
+    WG_ENTRY_W(prefix##_n64_h256, 64, 1, NUM_HALF, 6, 4, SWIGLU, GROUPED, 1)
 
 WG_FORM(gemm_wgmma_plain, false, false)
 WG_FORM(gemm_wgmma_swiglu, true, false)

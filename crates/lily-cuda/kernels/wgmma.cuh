@@ -1,13 +1,13 @@
 // Hopper warpgroup MMA (wgmma, sm_90a) helpers: the fences and groups that order it, the shared-memory
-// matrix descriptor for a K-major bf16 tile in the 128-byte swizzle, and the m64nNk16 bf16 -> f32 forms
-// with A from registers. Used by gemm_wgmma.cu.
+// matrix descriptor for a K-major 16-bit tile in the 128-byte swizzle, and the m64nNk16 bf16/f16 -> f32
+// forms with A from registers. Used by gemm_wgmma.cu.
 //
 // A warpgroup is 4 consecutive warps (128 threads); every wgmma instruction is issued by all of them.
 // Fragments, g = lane / 4, q = lane % 4, warp w of the warpgroup (PTX ISA, "wgmma" register fragments):
-//   A (64×16 bf16, registers): warp w holds rows 16w..16w+15 as mma.m16n8k16's A: a0 = (row g, k 2q..2q+1),
+//   A (64×16, registers): warp w holds rows 16w..16w+15 as mma.m16n8k16's A: a0 = (row g, k 2q..2q+1),
 //     a1 = (row g+8, k 2q..), a2 = (row g, k 2q+8..), a3 = (row g+8, k 2q+8..); the lower k in the low half.
 //   D (64×N f32): d[4j + e] = (row 16w + g, col 8j + 2q + e), d[4j + 2 + e] = (row 16w + g + 8, same col).
-//   B (16×N bf16, shared memory, K-major: N rows of K): rows of 128 bytes (64 bf16) in groups of 8 rows
+//   B (16×N, shared memory, K-major: N rows of K): rows of 128 bytes (64 elements) in groups of 8 rows
 //     (1024 bytes, the stride-dimension offset), the 16-byte chunk c of row r stored at chunk c ^ (r % 8)
 //     (the 128-byte swizzle; the tile 1024-byte aligned). The k-step s of a 64-wide tile starts 32·s
 //     bytes into it.
@@ -34,49 +34,59 @@ __device__ __forceinline__ void wgmma_pin(float (&d)[N]) {
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// Descriptor of a K-major bf16 tile at shared address `saddr` (1024-byte aligned, plus 32·s for k-step s):
-// start address >> 4 (bits 0-13), leading-dimension offset 16 bytes (unused with this swizzle), stride
+// Descriptor of a K-major 16-bit tile at shared address `saddr` (1024-byte aligned, plus 32·s for k-step
+// s): start address >> 4 (bits 0-13), leading-dimension offset 16 bytes (unused with this swizzle), stride
 // offset 1024 bytes (8 rows of 128), swizzle mode 1 = 128 bytes (bits 62-63).
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t saddr) {
     return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)(16 >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
 }
 
-// D[64 x 64] (+)= A[64 x 16] · B[16 x 64]: A from registers (bf16, the m16n8k16 A layout per warp),
-// B by descriptor (bf16, K-major), D in f32; accumulate = 0 overwrites D.
+// The accumulator operands and their placeholders, 32 and 64 registers.
+#define WG_D32(d)                                                                                                   \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),      \
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),     \
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define WG_D64(d)                                                                                                   \
+    WG_D32(d), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]),           \
+        "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]),     \
+        "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),     \
+        "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),     \
+        "+f"(d[63])
+#define WG_R32                                                                                                     \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                       \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WG_R64                                                                                                     \
+    WG_R32 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                    \
+           "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+
+#define WG_RS_ASM(shape, type, rlist, A, DESC, ACC)                                                             \
+    "{\n.reg .pred p;\nsetp.ne.b32 p, " ACC ", 0;\n"                                                               \
+    "wgmma.mma_async.sync.aligned." shape ".f32." type "." type " {" rlist "}, {" A "}, " DESC ", p, 1, 1, 0;\n}\n"
+
+// D[64 x 64] (+)= A[64 x 16] · B[16 x 64]: A from registers (the m16n8k16 A layout per warp), B by
+// descriptor (K-major), D in f32; accumulate = 0 overwrites D. A and B in bf16, or in f16 (F16).
+template <bool F16 = false>
 __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-        "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-        "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
+    if constexpr (F16)
+        asm volatile(WG_RS_ASM("m64n64k16", "f16", WG_R32, "%32, %33, %34, %35", "%36", "%37")
+                     : WG_D32(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
+    else
+        asm volatile(WG_RS_ASM("m64n64k16", "bf16", WG_R32, "%32, %33, %34, %35", "%36", "%37")
+                     : WG_D32(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
 }
 
-// D[64 x 128] (+)= A[64 x 16] · B[16 x 128]: A from registers (bf16, the m16n8k16 A layout per warp),
-// B by descriptor (bf16, K-major), D in f32; accumulate = 0 overwrites D.
+// D[64 x 128] (+)= A[64 x 16] · B[16 x 128], as above.
+template <bool F16 = false>
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
+    if constexpr (F16)
+        asm volatile(WG_RS_ASM("m64n128k16", "f16", WG_R64, "%64, %65, %66, %67", "%68", "%69")
+                     : WG_D64(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
+    else
+        asm volatile(WG_RS_ASM("m64n128k16", "bf16", WG_R64, "%64, %65, %66, %67", "%68", "%69")
+                     : WG_D64(d)
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
 }

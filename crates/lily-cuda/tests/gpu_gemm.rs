@@ -30,6 +30,15 @@
 //! bias, X sum or group boundary. Against lily-cpu's f32 matmul (its own f32 sums, ~1e-6)
 //! CPU_TOL_EXACT = 5e-5.
 //!
+//! `Precision::Half` (4-bit group-64 weights on the wgmma tiles; every other format and tile runs
+//! Exact and is checked as Exact): each x row scaled by its power of two 2^-e (the largest scaled value
+//! in [2^14, 2^15)) and rounded to f16, each weight formed as f16(f16(s)·q + f16(b)) (one rounding,
+//! as the kernel's fused multiply-add), the products accumulated in f32 over all of K, times 2^e. Its
+//! reference forms the same roundings in f64, so what is left is f32 accumulation over K/16 steps
+//! without the per-group restart, TOL as for Fast; a wrong code, scale, row scale or token is > 1e-2.
+//! Against lily-cpu's f32 matmul the difference is the f16 roundings (2^-11 relative each, ~1e-4 of
+//! the largest output), CPU_TOL_HALF.
+//!
 //! Every output is poisoned with NaN first (with spare elements past the end that must stay NaN), and
 //! x carries NaN rows past the tokens a kernel may read.
 #![cfg(feature = "cuda")]
@@ -55,17 +64,36 @@ const CPU_TOL: f64 = 1e-2;
 const TOL_EXACT: f64 = 2e-5;
 /// Exact: GPU vs lily-cpu's f32 matmul, relative to the largest output.
 const CPU_TOL_EXACT: f64 = 5e-5;
+/// Half: GPU vs lily-cpu's f32 matmul, relative to the largest output.
+const CPU_TOL_HALF: f64 = 1e-3;
 /// Spare output elements past the end, which must stay NaN.
 const SPARE: usize = 37;
 
-const PRECISIONS: [Precision; 3] = [Precision::Exact, Precision::Bf16x, Precision::Fast];
-const TILES: [Tile; 5] = [Tile::Auto, Tile::M64, Tile::M32, Tile::Wg64, Tile::Wg128];
+const PRECISIONS: [Precision; 4] = [Precision::Exact, Precision::Bf16x, Precision::Fast, Precision::Half];
+const TILES: [Tile; 8] = [Tile::Auto, Tile::M64, Tile::M32, Tile::Wg64, Tile::Wg128, Tile::Wg64x256, Tile::Wg128x256, Tile::WgMixed];
 
-/// Whether `tile` takes weights `w` in precision `p` (the wgmma tiles: 4-bit group 64, not Fast). The
-/// others must be refused.
+fn is_q4g64(w: &Matrix) -> bool {
+    matches!(&w.storage, Storage::Affine { params, .. } if params.bits == 4 && params.group_size == 64)
+}
+
+/// Whether `tile` takes weights `w` in precision `p` (the wgmma tiles: 4-bit group 64, not Fast; the
+/// 256-row ones Half only). The others must be refused.
 fn tile_takes(tile: Tile, w: &Matrix, p: Precision) -> bool {
-    let q4g64 = matches!(&w.storage, Storage::Affine { params, .. } if params.bits == 4 && params.group_size == 64);
-    !matches!(tile, Tile::Wg64 | Tile::Wg128) || (q4g64 && p != Precision::Fast)
+    match tile {
+        Tile::Wg64 | Tile::Wg128 | Tile::WgMixed => is_q4g64(w) && p != Precision::Fast,
+        Tile::Wg64x256 | Tile::Wg128x256 => is_q4g64(w) && p == Precision::Half,
+        _ => true,
+    }
+}
+
+/// The numerics a call runs: Half only on the wgmma tiles (Auto takes them for 4-bit group 64), else
+/// Exact.
+fn effective(tile: Tile, w: &Matrix, p: Precision) -> Precision {
+    if p == Precision::Half && (!is_q4g64(w) || matches!(tile, Tile::M64 | Tile::M32)) {
+        Precision::Exact
+    } else {
+        p
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -140,6 +168,28 @@ struct RefMat {
     exact: Vec<f32>,
     fast: Vec<f32>,
     bprime: Vec<f32>,
+    /// 4-bit group 64: the weights as the Half kernels form them, f16(f16(s)·q + f16(b)).
+    half: Option<Vec<f32>>,
+}
+
+/// Matrix `m` of a 4-bit group-64 stack as the Half kernels dequantise it.
+fn half_weights(w: &Matrix, m: usize) -> Option<Vec<f32>> {
+    let Storage::Affine { params, packed, scales, biases } = &w.storage else { return None };
+    if params.bits != 4 || params.group_size != 64 {
+        return None;
+    }
+    let f16r = |v: f32| half::f16::from_f32(v).to_f64();
+    let words = w.cols / 8;
+    let mut out = Vec::with_capacity(w.rows * w.cols);
+    for r in 0..w.rows {
+        let row = m * w.rows + r;
+        for c in 0..w.cols {
+            let q = (packed[row * words + c / 8] >> (4 * (c % 8))) & 15;
+            let j = row * (w.cols / 64) + c / 64;
+            out.push(half::f16::from_f64(q as f64 * f16r(scales.get(j)) + f16r(biases.get(j))).to_f32());
+        }
+    }
+    Some(out)
 }
 
 impl RefMat {
@@ -159,7 +209,7 @@ impl RefMat {
             }
             Storage::Dense(_) => (0, Vec::new()),
         };
-        RefMat { cols: w.cols, gs, exact, fast, bprime }
+        RefMat { cols: w.cols, gs, exact, fast, bprime, half: half_weights(w, m) }
     }
 
     /// One unrounded x row through precision `p`'s reference (every output row).
@@ -167,6 +217,16 @@ impl RefMat {
         let xr: Vec<f32> = x.iter().map(|v| bf16r(*v)).collect();
         match p {
             Precision::Exact => dot_rows(&self.exact, self.cols, x),
+            Precision::Half => match &self.half {
+                Some(wh) => {
+                    // The row's scale 2^e, as the stager picks it.
+                    let m = x.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                    let e = if m > 0.0 && m.is_finite() { (((m.to_bits() >> 23) & 0xff) as i32 - 127 - 14).clamp(-110, 110) } else { 0 };
+                    let xh: Vec<f32> = x.iter().map(|v| half::f16::from_f32(v * 2f32.powi(-e)).to_f32()).collect();
+                    dot_rows(wh, self.cols, &xh).into_iter().map(|y| y * 2f64.powi(e)).collect()
+                }
+                None => dot_rows(&self.exact, self.cols, x),
+            },
             Precision::Fast => dot_rows(&self.fast, self.cols, &xr),
             Precision::Bf16x => {
                 let mut y = dot_rows(&self.exact, self.cols, &xr);
@@ -236,14 +296,16 @@ struct Refs {
     exact: Vec<f64>,
     bf16x: Vec<f64>,
     fast: Vec<f64>,
+    half: Vec<f64>,
     cpu: Vec<f32>,
 }
 
-/// Worst errors seen per precision (index 0 Exact, 1 Bf16x, 2 Fast): vs the reference and vs lily-cpu.
+/// Worst errors seen per precision (index 0 Exact, 1 Bf16x, 2 Fast, 3 Half): vs the reference and vs
+/// lily-cpu.
 #[derive(Default)]
 struct Worst {
-    reference: [f64; 3],
-    cpu: [f64; 3],
+    reference: [f64; 4],
+    cpu: [f64; 4],
 }
 
 fn pidx(p: Precision) -> usize {
@@ -251,12 +313,13 @@ fn pidx(p: Precision) -> usize {
         Precision::Exact => 0,
         Precision::Bf16x => 1,
         Precision::Fast => 2,
+        Precision::Half => 3,
     }
 }
 
 impl Worst {
     fn merge(&mut self, o: &Worst) {
-        for i in 0..3 {
+        for i in 0..4 {
             self.reference[i] = self.reference[i].max(o.reference[i]);
             self.cpu[i] = self.cpu[i].max(o.cpu[i]);
         }
@@ -266,18 +329,21 @@ impl Worst {
             "{what}: worst relative error, Exact {:.2e} vs the f64 reference (tolerance {TOL_EXACT:.0e}), {:.2e} vs lily-cpu f32 \
              (tolerance {CPU_TOL_EXACT:.0e}); Bf16x {:.2e} vs its f64 reference (tolerance {TOL_EXACT:.0e}), {:.2e} vs lily-cpu f32 \
              (tolerance {CPU_TOL:.0e}); Fast {:.2e} vs the bf16-operand f64 reference (tolerance {TOL:.0e}), {:.2e} vs \
-             lily-cpu f32 (tolerance {CPU_TOL:.0e})",
-            self.reference[0], self.cpu[0], self.reference[1], self.cpu[1], self.reference[2], self.cpu[2]
+             lily-cpu f32 (tolerance {CPU_TOL:.0e}); Half {:.2e} vs its f64 reference (tolerance {TOL:.0e}), {:.2e} vs lily-cpu \
+             f32 (tolerance {CPU_TOL_HALF:.0e})",
+            self.reference[0], self.cpu[0], self.reference[1], self.cpu[1], self.reference[2], self.cpu[2], self.reference[3], self.cpu[3]
         );
     }
 }
 
-/// Compares a [t, rows] output of precision `p` with its reference and with lily-cpu's result.
+/// Compares a [t, rows] output of precision `p` (the numerics the call ran: see `effective`) with its
+/// reference and with lily-cpu's result.
 fn compare(got: &[f32], refs: &Refs, p: Precision, worst: &mut Worst, what: &str) {
     let (want, tol, cpu_tol) = match p {
         Precision::Exact => (&refs.exact, TOL_EXACT, CPU_TOL_EXACT),
         Precision::Bf16x => (&refs.bf16x, TOL_EXACT, CPU_TOL),
         Precision::Fast => (&refs.fast, TOL, CPU_TOL),
+        Precision::Half => (&refs.half, TOL, CPU_TOL_HALF),
     };
     let e = check(got, want, tol, what);
     let cpu64: Vec<f64> = refs.cpu.iter().map(|v| *v as f64).collect();
@@ -313,7 +379,7 @@ fn plain_refs(w: &Matrix, m: usize, x: &[f32], xr: &[f32]) -> Refs {
     let run = |p: Precision| -> Vec<f64> { x.chunks_exact(cols).flat_map(|xt| rm.apply(p, xt)).collect() };
     let mut cpu = vec![0.0f32; x.len() / cols * w.rows];
     lily_cpu::linear::matmul(w, m, x, &mut cpu);
-    Refs { exact: run(Precision::Exact), bf16x: run(Precision::Bf16x), fast: run(Precision::Fast), cpu }
+    Refs { exact: run(Precision::Exact), bf16x: run(Precision::Bf16x), fast: run(Precision::Fast), half: run(Precision::Half), cpu }
 }
 
 /// Runs `gemm` in both precisions and all tiles on one case and checks it.
@@ -331,7 +397,7 @@ fn plain_case(dev: &Device, w: &Matrix, m: usize, xd: &CudaSlice<f32>, refs: &Re
             r.unwrap();
             let what = format!("{what} {p:?} {tile:?}");
             let got = download_checked(dev, &y, t * w.rows, &what);
-            compare(&got, refs, p, worst, &what);
+            compare(&got, refs, effective(tile, w, p), worst, &what);
         }
     }
 }
@@ -405,13 +471,20 @@ fn exact_is_the_default_and_beats_bf16x() {
     };
     let default = run(None);
     let bf16x = run(Some(Precision::Bf16x));
+    let halfp = run(Some(Precision::Half));
+    let e_half_ref = rel_err(&halfp, &refs.half, "gemm half vs its reference");
+    let e_h = rel_err(&halfp, &refs.exact, "gemm half");
     let e_default = rel_err(&bf16x, &refs.bf16x, "gemm bf16x vs its reference");
     let (e_b, e_x, e_f) = (
         rel_err(&bf16x, &refs.exact, "gemm bf16x"),
         rel_err(&default, &refs.exact, "gemm default"),
         rel_err(&run(Some(Precision::Fast)), &refs.exact, "gemm fast"),
     );
-    println!("gemm {f} [{rows}x{cols}] t={t}: vs the unrounded f64 product: default (Exact) {e_x:.2e}, Bf16x {e_b:.2e}, Fast {e_f:.2e}");
+    println!(
+        "gemm {f} [{rows}x{cols}] t={t}: vs the unrounded f64 product: default (Exact) {e_x:.2e}, Half {e_h:.2e}, Bf16x {e_b:.2e}, Fast {e_f:.2e}"
+    );
+    assert!(e_half_ref <= TOL, "half is {e_half_ref:.3e} from its reference");
+    assert!(e_x * 20.0 <= e_h && e_h * 2.0 <= e_b, "Half ({e_h:.3e}) is not between Exact ({e_x:.3e}) and Bf16x ({e_b:.3e})");
     assert!(e_x <= TOL_EXACT, "the default gemm is not Exact: {e_x:.3e}");
     assert!(e_default <= TOL_EXACT, "bf16x is {e_default:.3e} from its reference");
     assert!(e_x * 20.0 <= e_b, "Exact ({e_x:.3e}) is not 20x closer than Bf16x ({e_b:.3e})");
@@ -476,7 +549,13 @@ fn swiglu_gemm_matches_reference() {
             lily_cpu::linear::matmul(&g, m, &x, &mut cg);
             lily_cpu::linear::matmul(&u, m, &x, &mut cu);
             let cpu: Vec<f32> = cg.iter().zip(&cu).map(|(a, b)| (silu64(*a as f64) * *b as f64) as f32).collect();
-            let refs = Refs { exact: swiglu_ref(Precision::Exact), bf16x: swiglu_ref(Precision::Bf16x), fast: swiglu_ref(Precision::Fast), cpu };
+            let refs = Refs {
+                exact: swiglu_ref(Precision::Exact),
+                bf16x: swiglu_ref(Precision::Bf16x),
+                fast: swiglu_ref(Precision::Fast),
+                half: swiglu_ref(Precision::Half),
+                cpu,
+            };
             for p in PRECISIONS {
                 for tile in TILES {
                     let mut y = poisoned(&dev, t * rows + SPARE);
@@ -488,7 +567,7 @@ fn swiglu_gemm_matches_reference() {
                     }
                     r.unwrap();
                     let got = download_checked(&dev, &y, t * rows, &what);
-                    compare(&got, &refs, p, &mut worst, &what);
+                    compare(&got, &refs, effective(tile, &g, p), &mut worst, &what);
                 }
             }
         }
@@ -540,7 +619,8 @@ fn grouped_case(
     let src_d = dev.upload(&src).unwrap();
     let off_d = dev.upload(&off).unwrap();
 
-    let mut refs = Refs { exact: vec![0.0f64; n * rows], bf16x: vec![0.0f64; n * rows], fast: vec![0.0f64; n * rows], cpu: vec![0.0f32; n * rows] };
+    let zeros = || vec![0.0f64; n * rows];
+    let mut refs = Refs { exact: zeros(), bf16x: zeros(), fast: zeros(), half: zeros(), cpu: vec![0.0f32; n * rows] };
     for e in 0..e_count {
         let (a, b) = (off[e] as usize, off[e + 1] as usize);
         if a == b {
@@ -566,7 +646,9 @@ fn grouped_case(
         // The f64 references of each precision.
         let rg = RefMat::new(&g, e);
         let ru = u.as_ref().map(|u| RefMat::new(u, e));
-        for (p, want) in [(Precision::Exact, &mut refs.exact), (Precision::Bf16x, &mut refs.bf16x), (Precision::Fast, &mut refs.fast)] {
+        for (p, want) in
+            [(Precision::Exact, &mut refs.exact), (Precision::Bf16x, &mut refs.bf16x), (Precision::Fast, &mut refs.fast), (Precision::Half, &mut refs.half)]
+        {
             for i in a..b {
                 let s = src[i] as usize;
                 let xt = &x[s * cols..(s + 1) * cols];
@@ -603,7 +685,7 @@ fn grouped_case(
                 gather_rows
             );
             let got = download_checked(dev, &y, n * rows, &what);
-            compare(&got, &refs, p, &mut worst, &what);
+            compare(&got, &refs, effective(tile, &g, p), &mut worst, &what);
         }
     }
     worst
@@ -690,7 +772,7 @@ fn grouped_gather_past_x_gives_nan_rows_only() {
                 assert!(row.iter().all(|v| v.is_nan()), "{p:?}: slot {i} reads row {} of 5: must be NaN", src[i]);
             } else {
                 let s = src[i] as usize;
-                let tol = if p == Precision::Fast { TOL } else { TOL_EXACT };
+                let tol = if matches!(p, Precision::Fast | Precision::Half) { TOL } else { TOL_EXACT };
                 let want = RefMat::new(&w, expert[i]).apply(p, &x[s * cols..(s + 1) * cols]);
                 check(row, &want, tol, &format!("{p:?}: slot {i} next to bad gathers"));
             }
@@ -789,7 +871,7 @@ fn report(what: &str, flops: f64, t: f64) {
 /// Times `op(tile, precision)` for every tile and precision that takes the shape; prints one line each, then the
 /// Exact/Fast time ratio with the Auto tile.
 fn bench_both(dev: &Device, what: &str, flops: f64, mut op: impl FnMut(Tile, Precision) -> lily_cuda::Result<()>) {
-    let mut auto = [0.0f64; 3];
+    let mut auto = [0.0f64; 4];
     for p in PRECISIONS {
         for tile in TILES {
             if op(tile, p).is_err() {
@@ -802,7 +884,7 @@ fn bench_both(dev: &Device, what: &str, flops: f64, mut op: impl FnMut(Tile, Pre
             }
         }
     }
-    println!("{what}: Exact / Bf16x / Fast time (Auto) = {:.2} / {:.2} / 1", auto[0] / auto[2], auto[1] / auto[2]);
+    println!("{what}: Exact / Bf16x / Half / Fast time (Auto) = {:.2} / {:.2} / {:.2} / 1", auto[0] / auto[2], auto[1] / auto[2], auto[3] / auto[2]);
 }
 
 #[test]
@@ -923,4 +1005,38 @@ fn wgmma_gemm_reuses_staged_x_only_when_it_holds_that_x() {
     run(&d1, &xa, Opts { tile: Tile::M64, ..plain });
     dev.upload_into(&x2, &mut xa).unwrap();
     assert_eq!(run(&d2, &xa, reuse), want2, "a call that staged nothing in between");
+    // A staging of the same x in other numerics (Half: one f16 plane and row scales) is not reused by
+    // an Exact call, nor the other way round.
+    dev.upload_into(&x1, &mut xa).unwrap();
+    let half = Opts { tile: Tile::Wg64, precision: Precision::Half, ..Default::default() };
+    let want_half = run(&d2, &xa, half);
+    assert!(want_half.iter().all(|v| v.is_finite()) && want_half != want1);
+    run(&d1, &xa, half);
+    assert_eq!(run(&d2, &xa, reuse), want1, "an Exact call after a Half staging");
+    run(&d1, &xa, plain);
+    assert_eq!(run(&d2, &xa, Opts { reuse_x: true, ..half }), want_half, "a Half call after an Exact staging");
+}
+
+/// One launch each of the large shapes in the Half tiles, for `ncu` (run with `--ignored ncu_gemm`):
+/// [8192×2048] t=4096 in Wg128 and Wg128x256, and the grouped down projection of a 4K chunk in Wg64.
+#[test]
+#[ignore = "for profiling with ncu on the GPU machine"]
+fn ncu_gemm_shapes() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(8);
+    let mut up = Uploader::new(&dev).unwrap();
+    let t = 4096;
+    let x = dev.upload(&rng.normals(8 * t * 2048, 1.0)).unwrap();
+    let mut y = dev.zeros::<f32>(8 * t * 2048).unwrap();
+    let w = bench_affine(&mut up, &mut rng, 1, 8192, 2048, 4, 64);
+    for tile in [Tile::Wg128, Tile::Wg128x256] {
+        gemm::gemm_with(&dev, &w, 0, &x, t, &mut y, Opts { tile, precision: Precision::Half, ..Default::default() }).unwrap();
+    }
+    let d = bench_affine(&mut up, &mut rng, 256, 2048, 512, 4, 64);
+    let n = 8 * t;
+    let counts: Vec<usize> = (0..256).map(|e| n / 256 + usize::from(e < n % 256)).collect();
+    let off = dev.upload(&offsets_of(&counts)).unwrap();
+    let o = Opts { tile: Tile::Wg64, precision: Precision::Half, ..Default::default() };
+    gemm::grouped_gemm_with(&dev, &d, &off, None, &x, n, &mut y, o).unwrap();
+    dev.synchronize().unwrap();
 }

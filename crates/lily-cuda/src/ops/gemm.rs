@@ -4,9 +4,9 @@
 //! belong to experts through a device array of offsets (no host round trip).
 //!
 //! Two kernel families: `kernels/gemm.cu` (`mma.sync`, every format) and, for 4-bit group-64 weights
-//! in `Exact` and `Bf16x` (the model's format and precision), the Hopper wgmma kernels of
-//! [`super::gemm_wgmma`] (`Tile::Wg64`/`Wg128`, chosen by `Tile::Auto`; about 2× faster, same
-//! numerics; `LILY_GEMM=mma` keeps gemm.cu's for A/B runs).
+//! in `Exact`, `Bf16x` and `Half` (the model's format), the Hopper wgmma kernels of
+//! [`super::gemm_wgmma`] (`Tile::Wg*`, chosen by `Tile::Auto`; about 2× faster in the same numerics;
+//! `LILY_GEMM=mma` keeps gemm.cu's for A/B runs).
 //!
 //! Numerics ([`Precision`], all four forms; products are exact and accumulated in f32 by
 //! `mma.sync m16n8k16 .bf16 -> .f32` or `wgmma m64nNk16 .bf16 -> .f32`):
@@ -16,6 +16,12 @@
 //!   (integer codes, the affine map per group in f32, the X sums of the unrounded x); one MMA per
 //!   k-step. Against an f64 product expect a relative difference of order 1e-3 of the largest output
 //!   (the rounding of x, 2^-9 relative per element, averaged over the row).
+//! - [`Precision::Half`] (4-bit group-64 weights on the wgmma kernels; any other format or tile
+//!   runs `Exact`): each X row is scaled by a power of two 2^-e (its largest |x| to [2^14, 2^15)) and
+//!   rounded to f16, each weight formed in f16 as `f16(s)·q + f16(b)` by one fused multiply-add (one
+//!   rounding), and the products are summed in f32 across all of K by the MMA, then times 2^e: no
+//!   per-group fold, so the MMAs of successive groups overlap. Against an f64 product expect ~2e-4 of
+//!   the largest output (f16's 11-bit significand on both operands), 5–8× closer than `Bf16x`.
 //! - [`Precision::Exact`]:
 //!   Each X element is split into two bf16, `hi = bf16(x)` and `lo = bf16(x - hi)`, and both are
 //!   multiplied (two MMAs per k-step), so what is lost of x is below 2^-16 |x| (~2^-18 typically).
@@ -71,7 +77,9 @@ unsafe impl DeviceRepr for GemmParams {}
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Tile {
     /// 4-bit group-64 weights in `Exact` or `Bf16x`: the wgmma kernels, 64 tokens a block, or 128 in
-    /// `Bf16x` when that still gives a block per SM (grouped: when experts average 256 slots). Otherwise
+    /// `Bf16x` when that still gives a block per SM (grouped: when experts average 256 slots); in `Half`
+    /// 128 tokens when that gives a block per SM, else 64 (grouped: `WgMixed` from 96 slots an expert
+    /// on average, else 64). Otherwise
     /// 64 tokens per block when there are enough blocks to fill the GPU, else 32 (grouped: 32 when
     /// experts average fewer than 48 slots).
     #[default]
@@ -85,11 +93,29 @@ pub enum Tile {
     Wg64,
     /// Hopper wgmma: 128 tokens × 128 weight rows per block.
     Wg128,
+    /// Hopper wgmma, `Half` only: 64 tokens × 256 weight rows per block (two m64 tiles a warpgroup).
+    Wg64x256,
+    /// Hopper wgmma, `Half` only: 128 tokens × 256 weight rows per block.
+    Wg128x256,
+    /// Hopper wgmma, grouped calls: each expert in 128-token tiles but for a tail of at most 64 slots,
+    /// in 64-token tiles (a second launch), so no expert leaves most of a 128 tile empty. Plain calls:
+    /// `Wg128`.
+    WgMixed,
 }
 
 impl Tile {
     fn is_wgmma(self) -> bool {
-        matches!(self, Tile::Wg64 | Tile::Wg128)
+        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::WgMixed)
+    }
+
+    /// (tokens, m64 tiles a warpgroup) of a wgmma tile.
+    fn wgmma_shape(self) -> (usize, usize) {
+        match self {
+            Tile::Wg64 => (64, 1),
+            Tile::Wg64x256 => (64, 2),
+            Tile::Wg128x256 => (128, 2),
+            _ => (128, 1),
+        }
     }
 }
 
@@ -110,6 +136,11 @@ pub enum Precision {
     Bf16x,
     /// x and each dequantised weight rounded to bf16 (one MMA per k-step): ~1e-3 relative error.
     Fast,
+    /// 4-bit group-64 weights on the wgmma kernels: each row of x scaled by a power of two into f16's
+    /// range and rounded to f16, each weight dequantised to f16 (`s·q + b`, one rounding), products
+    /// accumulated in f32 across all of K (one MMA per k-step, no per-group fold). Other formats,
+    /// and the mma.sync tiles, run `Exact` (closer; there is no half kernel for them).
+    Half,
 }
 
 const THREADS: usize = 256;
@@ -129,7 +160,7 @@ const fn smem_bytes(bm: usize, precision: Precision) -> usize {
     match precision {
         Precision::Fast => 2 * (bm + BN) * LDS * 2,
         Precision::Bf16x => 2 * (bm + BN) * LDS * 2 + staging,
-        Precision::Exact => 2 * (2 * bm + BN) * LDS * 2 + staging,
+        Precision::Exact | Precision::Half => 2 * (2 * bm + BN) * LDS * 2 + staging,
     }
 }
 
@@ -382,6 +413,21 @@ fn describe(w: &DeviceMatrix) -> String {
     format!("[{}, {}, {}] {}-bit/{:?}", w.count, w.rows, w.cols, w.bits(), w.group_size())
 }
 
+/// The wgmma tile `Tile::Auto` takes in `Half` (`wg_tiles`: the call's 128-row tiles). Measured
+/// (PERF.md, 2026-12-03 fourth session): 128 tokens × 128 rows at two blocks an SM is the fastest on
+/// every large shape, the 256-row tiles slower; 64 tokens where 128 would not give each SM a block;
+/// grouped, the mixed tiles from 96 slots an expert on average, else 64 tokens.
+fn half_tile(dev: &Device, grouped: bool, t: usize, experts: usize, wg_tiles: usize) -> Tile {
+    if grouped {
+        return if t / experts >= 96 { Tile::WgMixed } else { Tile::Wg64 };
+    }
+    if t.div_ceil(128) * wg_tiles >= dev.sm_count() as usize {
+        Tile::Wg128
+    } else {
+        Tile::Wg64
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     dev: &Device,
@@ -465,10 +511,14 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     };
     let wg_ok = w.bits() == 4 && w.group_size() == Some(super::gemm_wgmma::GROUP) && precision != Precision::Fast;
     if tile.is_wgmma() && !wg_ok {
-        return Err(CudaError::Shape(format!("{what}: the wgmma tiles take 4-bit group-64 weights in Exact or Bf16x, not {} in {precision:?}", describe(w))));
+        return Err(CudaError::Shape(format!("{what}: the wgmma tiles take 4-bit group-64 weights in Exact, Bf16x or Half, not {} in {precision:?}", describe(w))));
+    }
+    if matches!(tile, Tile::Wg64x256 | Tile::Wg128x256) && precision != Precision::Half {
+        return Err(CudaError::Shape(format!("{what}: the 256-row wgmma tiles take the Half precision, not {precision:?}")));
     }
     let wg_tiles = rows.div_ceil(if w2.is_some() { super::gemm_wgmma::BW / 2 } else { super::gemm_wgmma::BW });
     let tile = match tile {
+        Tile::Auto if wg_ok && wgmma_allowed() && precision == Precision::Half => half_tile(dev, grouped, t, experts, wg_tiles),
         Tile::Auto if wg_ok && wgmma_allowed() => {
             // Measured (PERF.md, 2026-12-02 third session): the two X planes of Exact fit 128-token tiles
             // one block an SM, where 64-token tiles run two and win by 0-10%; Bf16x gains 128 tokens'
@@ -522,9 +572,16 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
             matrix,
             grouped: if grouped { Some((offsets, gather, experts)) } else { None },
         };
-        let bt = if tile == Tile::Wg128 { 128 } else { 64 };
-        return super::gemm_wgmma::run(dev, &call, bt, if precision == Precision::Exact { 2 } else { 1 }, reuse_x);
+        let (bt, mt) = tile.wgmma_shape();
+        let num = match precision {
+            Precision::Exact => super::gemm_wgmma::Num::Exact,
+            Precision::Bf16x => super::gemm_wgmma::Num::Bf16x,
+            _ => super::gemm_wgmma::Num::Half,
+        };
+        return super::gemm_wgmma::run(dev, &call, bt, num, mt, tile == Tile::WgMixed && grouped, reuse_x);
     }
+    // No half kernel off the wgmma path: Exact.
+    let precision = if precision == Precision::Half { Precision::Exact } else { precision };
     // This call stages nothing: a later `reuse_x` call must not take an older staging for its x.
     if !reuse_x {
         super::gemm_wgmma::forget_staged(dev)?;
@@ -539,7 +596,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     let prec = match precision {
         Precision::Exact => 0,
         Precision::Bf16x => 1,
-        Precision::Fast => 2,
+        _ => 2,
     };
     let name = fam[prec * 6 + fmt * 2 + if bm == 64 { 0 } else { 1 }];
     // Worst case of the grouped forms: sum over experts of ceil(count_e / bm) <= ceil(n / bm) + E.

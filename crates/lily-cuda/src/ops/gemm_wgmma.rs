@@ -1,9 +1,9 @@
 //! The Hopper (wgmma) prefill GEMM (`kernels/gemm_wgmma.cu`) for 4-bit group-64 weights: the kernels
-//! behind [`super::gemm`]'s `Tile::Wg64` / `Tile::Wg128` (what `Tile::Auto` picks for that format in the
-//! `Exact` and `Bf16x` precisions, with the same numerics as gemm.cu's kernels). This module launches
-//! them: one pass stages x (bf16 planes in the kernel's column order, and the f32 sums per group) into
-//! a device buffer the [`Device`] keeps, then the GEMM runs on it. Shapes and pointers are checked by
-//! `gemm::run` before it comes here.
+//! behind [`super::gemm`]'s `Tile::Wg*` tiles (what `Tile::Auto` picks for that format: in `Exact` and
+//! `Bf16x` with the same numerics as gemm.cu's kernels, and in `Half`). This module launches them: one
+//! pass stages x (16-bit planes in the kernel's column order, and the f32 sums per group or the
+//! per-row scales) into a device buffer the [`Device`] keeps, then the GEMM runs on it. Shapes and
+//! pointers are checked by `gemm::run` before it comes here.
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig};
@@ -47,6 +47,7 @@ struct WgParams {
     cols: i32,
     count: i32,
     matrix: i32,
+    split: i32,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for WgParams {}
@@ -58,57 +59,117 @@ const STAGES: usize = 4;
 /// K a step: the group size this kernel takes.
 pub(crate) const GROUP: usize = 64;
 
-// Index = form (plain, swiglu, grouped, grouped swiglu) * 4 + tile (n128, n64) * 2 + planes - 1.
-const NAMES: [&str; 16] = [
-    "gemm_wgmma_plain_n128_p1",
-    "gemm_wgmma_plain_n128_p2",
-    "gemm_wgmma_plain_n64_p1",
-    "gemm_wgmma_plain_n64_p2",
-    "gemm_wgmma_swiglu_n128_p1",
-    "gemm_wgmma_swiglu_n128_p2",
-    "gemm_wgmma_swiglu_n64_p1",
-    "gemm_wgmma_swiglu_n64_p2",
-    "gemm_wgmma_grouped_n128_p1",
-    "gemm_wgmma_grouped_n128_p2",
-    "gemm_wgmma_grouped_n64_p1",
-    "gemm_wgmma_grouped_n64_p2",
-    "gemm_wgmma_grouped_swiglu_n128_p1",
-    "gemm_wgmma_grouped_swiglu_n128_p2",
-    "gemm_wgmma_grouped_swiglu_n64_p1",
-    "gemm_wgmma_grouped_swiglu_n64_p2",
-];
-const STAGE_KERNEL: &str = "gemm_wgmma_stage";
+/// The numerics of a wgmma GEMM: x as one bf16 plane (the per-group fold), two (hi + lo, the fold), or
+/// one f16 plane scaled per row with the weights dequantised to f16 (no fold).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Num {
+    Bf16x,
+    Exact,
+    Half,
+}
 
-const fn all_kernels() -> [&'static str; 17] {
-    let mut out = [""; 17];
+impl Num {
+    /// The 16-bit planes of staged x.
+    fn planes(self) -> usize {
+        if self == Num::Exact { 2 } else { 1 }
+    }
+}
+
+// Index = form (plain, swiglu, grouped, grouped swiglu) * 8 + variant (see `variant`).
+const VARIANTS: usize = 8;
+macro_rules! forms {
+    ($($f:literal),*) => {
+        [$(
+            concat!("gemm_wgmma_", $f, "_n128_p1"),
+            concat!("gemm_wgmma_", $f, "_n128_p2"),
+            concat!("gemm_wgmma_", $f, "_n64_p1"),
+            concat!("gemm_wgmma_", $f, "_n64_p2"),
+            concat!("gemm_wgmma_", $f, "_n128_h128"),
+            concat!("gemm_wgmma_", $f, "_n64_h128"),
+            concat!("gemm_wgmma_", $f, "_n128_h256"),
+            concat!("gemm_wgmma_", $f, "_n64_h256"),
+        )*]
+    };
+}
+const NAMES: [&str; 4 * VARIANTS] = forms!("plain", "swiglu", "grouped", "grouped_swiglu");
+const STAGE_KERNEL: &str = "gemm_wgmma_stage";
+const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
+
+const fn all_kernels() -> [&'static str; 4 * VARIANTS + 2] {
+    let mut out = [""; 4 * VARIANTS + 2];
     let mut i = 0;
-    while i < 16 {
+    while i < 4 * VARIANTS {
         out[i] = NAMES[i];
         i += 1;
     }
-    out[16] = STAGE_KERNEL;
+    out[4 * VARIANTS] = STAGE_KERNEL;
+    out[4 * VARIANTS + 1] = STAGE_HALF_KERNEL;
     out
 }
-const ALL: [&str; 17] = all_kernels();
+const ALL: [&str; 4 * VARIANTS + 2] = all_kernels();
 pub(crate) const KERNELS: &[&str] = &ALL;
 
-/// (tokens a block, x planes) of variant `i`.
-const fn variant(i: usize) -> (usize, usize) {
-    (if (i / 2).is_multiple_of(2) { 128 } else { 64 }, i % 2 + 1)
+/// A kernel variant: tokens a block, numerics, m64 tiles a warpgroup, ring stages, warpgroups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Variant {
+    bt: usize,
+    num: Num,
+    mt: usize,
+    stages: usize,
+    wgs: usize,
 }
 
-/// Dynamic shared memory: STAGES stages of (planes × bt rows of 128 bytes, the codes of 128 rows × 32
-/// bytes, bt X sums), each rounded to 1024 bytes, plus 1024 for aligning the ring.
-const fn smem_bytes(bt: usize, planes: usize) -> usize {
-    let stage = (planes * bt * 128 + BW * 32 + bt * 4).div_ceil(1024) * 1024;
-    STAGES * stage + 1024
+/// Variant `i` of a form. The half kernels of 128 weight rows run 2 (128 tokens) or 3 (64 tokens) blocks
+/// an SM on shallower rings; those of 256 rows, four warpgroups of one m64 tile each (measured in
+/// PERF.md, 2026-12-03 fourth session: two warpgroups of two tiles ran slower, at the register limit).
+const fn variant(i: usize) -> Variant {
+    let (bt, num, mt, stages, wgs) = match i % VARIANTS {
+        0 => (128, Num::Bf16x, 1, STAGES, 2),
+        1 => (128, Num::Exact, 1, STAGES, 2),
+        2 => (64, Num::Bf16x, 1, STAGES, 2),
+        3 => (64, Num::Exact, 1, STAGES, 2),
+        4 => (128, Num::Half, 1, 5, 2),
+        5 => (64, Num::Half, 1, 4, 2),
+        6 => (128, Num::Half, 1, 6, 4),
+        _ => (64, Num::Half, 1, 6, 4),
+    };
+    Variant { bt, num, mt, stages, wgs }
+}
+
+/// The variant index for `bt` tokens and `rows` weight rows a block (128, or 256 in `Num::Half`).
+fn variant_index(bt: usize, num: Num, rows: usize) -> usize {
+    match (num, bt, rows) {
+        (Num::Bf16x, 128, _) => 0,
+        (Num::Exact, 128, _) => 1,
+        (Num::Bf16x, _, _) => 2,
+        (Num::Exact, _, _) => 3,
+        (Num::Half, 128, 128) => 4,
+        (Num::Half, _, 128) => 5,
+        (Num::Half, 128, _) => 6,
+        (Num::Half, _, _) => 7,
+    }
+}
+
+/// Dynamic shared memory: the ring's `stages`, each rounded to 1024 bytes (planes × bt rows of 128
+/// bytes, the codes of 128·mt weight rows × 32 bytes, and in the folded numerics bt X sums), plus 1024 for
+/// aligning the ring.
+const fn smem_bytes(bt: usize, num: Num, mt: usize, stages: usize) -> usize {
+    let (planes, sums) = match num {
+        Num::Bf16x => (1, bt * 4),
+        Num::Exact => (2, bt * 4),
+        Num::Half => (1, 0),
+    };
+    let stage = (planes * bt * 128 + BW * mt * 32 + sums).div_ceil(1024) * 1024;
+    stages * stage + 1024
 }
 
 pub(crate) fn configure(dev: &Device) -> Result<()> {
     for (i, name) in NAMES.iter().enumerate() {
-        let (bt, planes) = variant(i);
-        dev.function(name)?
-            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(bt, planes) as i32)?;
+        let v = variant(i);
+        dev.function(name)?.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem_bytes(v.bt, v.num, v.mt * v.wgs / 2, v.stages) as i32,
+        )?;
     }
     Ok(())
 }
@@ -134,17 +195,18 @@ pub(crate) struct Call {
 }
 
 /// Bytes of staged x for `x_rows` rows of `cols` (a multiple of 64) in `planes` planes: the planes
-/// (each rounded to 256 bytes) and the f32 sums per group.
+/// (each rounded to 256 bytes) and the f32 sums per group (the half numerics' per-row scales fit in
+/// the one-plane size).
 pub(crate) fn stage_bytes(x_rows: usize, cols: usize, planes: usize) -> usize {
     planes * (x_rows * cols * 2).next_multiple_of(256) + x_rows * (cols / GROUP) * 4
 }
 
-/// The device's staging buffer and the x it holds: (x address, rows, columns, planes) of the last
+/// The device's staging buffer and the x it holds: (x address, rows, columns, numerics) of the last
 /// staging, `None` when the buffer is new.
 #[derive(Default)]
 pub(crate) struct Stage {
     buf: Option<cudarc::driver::CudaSlice<u8>>,
-    holds: Option<(u64, usize, usize, usize)>,
+    holds: Option<(u64, usize, usize, Num)>,
 }
 
 /// Makes the device's staging buffer at least `bytes` (grown in 16 MiB steps; the old one is freed in
@@ -170,14 +232,18 @@ pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
     Ok(())
 }
 
-/// Runs `c` with `bt` (64 or 128) tokens a block and x as `planes` (1: bf16x, 2: exact) bf16 planes.
-/// `reuse_x`: the caller promises x has not been written since the previous call that staged it;
-/// when the buffer still holds that staging (same x, shape and planes), it is not staged again.
-pub(crate) fn run(dev: &Device, c: &Call, bt: usize, planes: usize, reuse_x: bool) -> Result<()> {
-    debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && matches!(planes, 1 | 2));
+/// Runs `c` with `bt` (64 or 128) tokens and 128·`mt` weight rows a block (`mt` = 2 in `Num::Half`
+/// only) in numerics `num`; `mixed` (grouped calls, bt = 128, mt = 1): each expert in 128-token tiles
+/// but for a tail of at most 64 slots, which a second launch takes in 64-token tiles (grouped.cuh).
+/// `reuse_x`: the caller promises x has not been written since the previous call that staged it; when
+/// the buffer still holds that staging (same x, shape and numerics), it is not staged again.
+pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, mt: usize, mixed: bool, reuse_x: bool) -> Result<()> {
+    debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && (mt == 1 || (mt == 2 && num == Num::Half)));
+    debug_assert!(!mixed || (c.grouped.is_some() && bt == 128 && mt == 1));
     let groups = c.cols / GROUP;
+    let planes = num.planes();
     let plane_bytes = (c.x_rows * c.cols * 2).next_multiple_of(256);
-    let key = (c.x, c.x_rows, c.cols, planes);
+    let key = (c.x, c.x_rows, c.cols, num);
     let (base, staged) = {
         let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
         let base = reserve_in(dev, &mut stage, stage_bytes(c.x_rows, c.cols, planes))?;
@@ -191,10 +257,11 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, planes: usize, reuse_x: boo
 
     if !staged {
         let sp = StageParams { x: c.x, hi, lo, sums, rows: c.x_rows as i64, cols: c.cols as i32 };
-        let warps = c.x_rows * groups;
+        // One warp per (row, group), or per row (half).
+        let (kernel, warps) = if num == Num::Half { (STAGE_HALF_KERNEL, c.x_rows) } else { (STAGE_KERNEL, c.x_rows * groups) };
         let cfg =
             LaunchConfig { grid_dim: (warps.div_ceil(THREADS / 32) as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
-        launch(dev, STAGE_KERNEL, cfg, &sp)?;
+        launch(dev, kernel, cfg, &sp)?;
         dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?.holds = Some(key);
     }
 
@@ -205,35 +272,46 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, planes: usize, reuse_x: boo
         (false, true) => 2,
         (true, true) => 3,
     };
-    let idx = form * 4 + if bt == 128 { 0 } else { 2 } + planes - 1;
-    debug_assert_eq!(variant(idx), (bt, planes));
-    let out_per_block = if swiglu { BW / 2 } else { BW };
     let (offsets, gather, experts) = c.grouped.unwrap_or((0, 0, 0));
-    let m_tiles = c.t.div_ceil(bt) + experts;
-    let p = WgParams {
-        w: c.w.0,
-        scales: c.w.1,
-        biases: c.w.2,
-        w2: c.w2.0,
-        scales2: c.w2.1,
-        biases2: c.w2.2,
-        xh: hi,
-        xl: lo,
-        xsum: sums,
-        y: c.y,
-        offsets,
-        gather,
-        x_rows: c.x_rows as i64,
-        t: c.t as i32,
-        rows: c.rows as i32,
-        cols: c.cols as i32,
-        count: experts as i32,
-        matrix: c.matrix as i32,
+    let parts: &[(usize, usize, i32)] = if mixed {
+        // (tokens a block, token tiles, split): the 128-token part, then the tails (one an expert at most).
+        &[(128, c.t.div_ceil(128) + experts, 1), (64, experts, 2)]
+    } else {
+        &[(bt, c.t.div_ceil(bt) + experts, 0)]
     };
-    let cfg = LaunchConfig {
-        grid_dim: (m_tiles as u32, c.rows.div_ceil(out_per_block) as u32, 1),
-        block_dim: (THREADS as u32, 1, 1),
-        shared_mem_bytes: smem_bytes(bt, planes) as u32,
-    };
-    launch(dev, NAMES[idx], cfg, &p)
+    for &(bt, m_tiles, split) in parts {
+        let vi = variant_index(bt, num, 128 * mt);
+        let v = variant(vi);
+        debug_assert_eq!((v.bt, v.num, v.mt * v.wgs), (bt, num, 2 * mt));
+        let idx = form * VARIANTS + vi;
+        let out_per_block = if swiglu { BW * mt / 2 } else { BW * mt };
+        let p = WgParams {
+            w: c.w.0,
+            scales: c.w.1,
+            biases: c.w.2,
+            w2: c.w2.0,
+            scales2: c.w2.1,
+            biases2: c.w2.2,
+            xh: hi,
+            xl: lo,
+            xsum: sums,
+            y: c.y,
+            offsets,
+            gather,
+            x_rows: c.x_rows as i64,
+            t: c.t as i32,
+            rows: c.rows as i32,
+            cols: c.cols as i32,
+            count: experts as i32,
+            matrix: c.matrix as i32,
+            split,
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (m_tiles as u32, c.rows.div_ceil(out_per_block) as u32, 1),
+            block_dim: (128 * v.wgs as u32, 1, 1),
+            shared_mem_bytes: smem_bytes(bt, num, mt, v.stages) as u32,
+        };
+        launch(dev, NAMES[idx], cfg, &p)?;
+    }
+    Ok(())
 }
