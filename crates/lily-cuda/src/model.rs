@@ -662,7 +662,9 @@ impl CudaModel {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let x = self.act.normed.slice(r0 * h..r1 * h);
         mark_linear(&self.dev, "lm_head", head, r1 - r0)?;
-        linear(&self.dev, head, &x, r1 - r0, &mut self.act.logits)
+        // Exact whatever the prefill precision: several rows of logits are a score's (every position's
+        // log-probabilities, off the serving path), and they match what one row's GEMV gives.
+        linear_with(&self.dev, head, &x, r1 - r0, &mut self.act.logits, gemm::Opts::default())
     }
 
     fn forward_impl(&mut self, state: &mut CudaState, tokens: &[u32], want: Logits) -> Result<Vec<f32>> {
@@ -1112,14 +1114,17 @@ fn moe_decode(
     moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, shared_terms, 1, k, h, &mut a.x, true) // x += [H]
 }
 
-/// The prefill GEMMs' options: `Precision::Exact` (x as two bf16 planes), or with
-/// `LILY_PREFILL_PRECISION=bf16x` x rounded to bf16 once (read once; for A/B runs of speed and
-/// parity: the default stays Exact until `lily score` shows bf16x inside the numerics bar).
+/// The prefill GEMMs' options: `Precision::Half` (x and each dequantised weight in f16, f32 sums; the
+/// 4-bit group-64 weights on the wgmma kernels, every other format Exact), or with
+/// `LILY_PREFILL_PRECISION=exact` x as two bf16 planes with the exact codes (the reference runs),
+/// `=bf16x` x rounded to bf16 once (read once; A/B runs of speed and parity: PERF.md, 2026-12-03
+/// fourth session, has the scores that chose Half).
 fn prefill_opts() -> gemm::Opts {
     static P: std::sync::OnceLock<gemm::Precision> = std::sync::OnceLock::new();
     let precision = *P.get_or_init(|| match std::env::var("LILY_PREFILL_PRECISION").as_deref() {
         Ok("bf16x") => gemm::Precision::Bf16x,
-        _ => gemm::Precision::Exact,
+        Ok("exact") => gemm::Precision::Exact,
+        _ => gemm::Precision::Half,
     });
     gemm::Opts { precision, ..Default::default() }
 }
