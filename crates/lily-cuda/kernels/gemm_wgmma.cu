@@ -67,8 +67,6 @@ struct WgParams {
     int cols;                  // K, a multiple of 64
     int count;                 // grouped: experts
     int matrix;                // plain: which matrix of the stack
-    int split;                 // grouped: 0 every expert in tiles of BT; 1 / 2 the big / small part of a
-                               // mixed split (grouped.cuh)
 };
 
 constexpr int THREADS = 256;  // two warpgroups (the wide half variants: four)
@@ -182,7 +180,7 @@ extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_stage_half(const Wg
 // The block's tile: which matrix and slots (tokens) it takes, or none.
 template <int BT, int NT, bool GROUPED>
 __device__ __forceinline__ bool tile_slots(const WgParams& p, int& matrix, int& m_begin, int& m_end) {
-    if (GROUPED) return find_group_tile<NT>(p.offsets, p.t, p.count, BT, matrix, m_begin, m_end, p.split);
+    if (GROUPED) return find_group_tile<NT>(p.offsets, p.t, p.count, BT, matrix, m_begin, m_end);
     matrix = p.matrix;
     m_begin = blockIdx.x * BT;
     m_end = min(m_begin + BT, p.t);

@@ -5,30 +5,10 @@
 #pragma once
 #include <stdint.h>
 
-// A mixed split (split != 0) covers each expert with tiles of two sizes in two launches, so that no
-// expert leaves most of a big tile empty: with big = 2·bm_small, expert e of c slots takes
-// n_big = c / big + (c % big > big / 2) tiles of `big` slots (split 1, bm = big: slots [first,
-// first + min(c, n_big·big))), and what is left, at most big / 2 slots, one tile of bm = big / 2
-// (split 2). split 0: every expert in tiles of bm.
-// The slots of expert e under split `split`: (first slot, count) from its (first, c), tiles of bm.
-__device__ __forceinline__ void split_range(int split, int bm, int& first, int& cnt) {
-    if (split == 0) return;
-    const int big = split == 1 ? bm : 2 * bm;
-    const int n_big = cnt / big + (cnt % big > big / 2 ? 1 : 0);
-    const int covered = min(cnt, n_big * big);
-    if (split == 1) {
-        cnt = covered;
-    } else {
-        first += covered;
-        cnt -= covered;
-    }
-}
-
 // Which (expert, first slot, end slot) block blockIdx.x handles; false if none. THREADS threads (the
-// block), E <= 2 * THREADS. All threads must call it (it synchronises). `split`: see split_range.
+// block), E <= 2 * THREADS. All threads must call it (it synchronises).
 template <int THREADS>
-__device__ __forceinline__ bool find_group_tile(const uint32_t* offsets, int n_slots, int E, int bm, int& expert, int& m_begin, int& m_end,
-                                                int split = 0) {
+__device__ __forceinline__ bool find_group_tile(const uint32_t* offsets, int n_slots, int E, int bm, int& expert, int& m_begin, int& m_end) {
     __shared__ int warp_tot[THREADS / 32];
     __shared__ int found[3];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -45,7 +25,6 @@ __device__ __forceinline__ bool find_group_tile(const uint32_t* offsets, int n_s
             const unsigned b = min(offsets[e + 1], n);
             first[k] = (int)a;
             cnt[k] = b > a ? (int)(b - a) : 0;
-            split_range(split, bm, first[k], cnt[k]);
         }
         tiles[k] = (cnt[k] + bm - 1) / bm;
     }

@@ -70,7 +70,7 @@ const CPU_TOL_HALF: f64 = 1e-3;
 const SPARE: usize = 37;
 
 const PRECISIONS: [Precision; 4] = [Precision::Exact, Precision::Bf16x, Precision::Fast, Precision::Half];
-const TILES: [Tile; 8] = [Tile::Auto, Tile::M64, Tile::M32, Tile::Wg64, Tile::Wg128, Tile::Wg64x256, Tile::Wg128x256, Tile::WgMixed];
+const TILES: [Tile; 7] = [Tile::Auto, Tile::M64, Tile::M32, Tile::Wg64, Tile::Wg128, Tile::Wg64x256, Tile::Wg128x256];
 
 fn is_q4g64(w: &Matrix) -> bool {
     matches!(&w.storage, Storage::Affine { params, .. } if params.bits == 4 && params.group_size == 64)
@@ -80,7 +80,7 @@ fn is_q4g64(w: &Matrix) -> bool {
 /// 256-row ones Half only). The others must be refused.
 fn tile_takes(tile: Tile, w: &Matrix, p: Precision) -> bool {
     match tile {
-        Tile::Wg64 | Tile::Wg128 | Tile::WgMixed => is_q4g64(w) && p != Precision::Fast,
+        Tile::Wg64 | Tile::Wg128 => is_q4g64(w) && p != Precision::Fast,
         Tile::Wg64x256 | Tile::Wg128x256 => is_q4g64(w) && p == Precision::Half,
         _ => true,
     }

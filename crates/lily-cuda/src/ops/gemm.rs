@@ -78,8 +78,8 @@ unsafe impl DeviceRepr for GemmParams {}
 pub enum Tile {
     /// 4-bit group-64 weights in `Exact` or `Bf16x`: the wgmma kernels, 64 tokens a block, or 128 in
     /// `Bf16x` when that still gives a block per SM (grouped: when experts average 256 slots); in `Half`
-    /// 128 tokens when that gives a block per SM, else 64 (grouped: `WgMixed` from 96 slots an expert
-    /// on average, else 64). Otherwise
+    /// 128 tokens when that gives a block per SM, else 64 (grouped: 128 from 96 slots an expert on
+    /// average, else 64). Otherwise
     /// 64 tokens per block when there are enough blocks to fill the GPU, else 32 (grouped: 32 when
     /// experts average fewer than 48 slots).
     #[default]
@@ -97,15 +97,11 @@ pub enum Tile {
     Wg64x256,
     /// Hopper wgmma, `Half` only: 128 tokens × 256 weight rows per block.
     Wg128x256,
-    /// Hopper wgmma, grouped calls: each expert in 128-token tiles but for a tail of at most 64 slots,
-    /// in 64-token tiles (a second launch), so no expert leaves most of a 128 tile empty. Plain calls:
-    /// `Wg128`.
-    WgMixed,
 }
 
 impl Tile {
     fn is_wgmma(self) -> bool {
-        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::WgMixed)
+        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256)
     }
 
     /// (tokens, m64 tiles a warpgroup) of a wgmma tile.
@@ -416,10 +412,12 @@ fn describe(w: &DeviceMatrix) -> String {
 /// The wgmma tile `Tile::Auto` takes in `Half` (`wg_tiles`: the call's 128-row tiles). Measured
 /// (PERF.md, 2026-12-03 fourth session): 128 tokens × 128 rows at two blocks an SM is the fastest on
 /// every large shape, the 256-row tiles slower; 64 tokens where 128 would not give each SM a block;
-/// grouped, the mixed tiles from 96 slots an expert on average, else 64 tokens.
+/// grouped, 128 tokens from 96 slots an expert on average, else 64 (a mixed split, 128-token tiles
+/// with each expert's tail in 64-token ones, measured no faster: a tile costs its expert's weight
+/// reads whatever it holds).
 fn half_tile(dev: &Device, grouped: bool, t: usize, experts: usize, wg_tiles: usize) -> Tile {
     if grouped {
-        return if t / experts >= 96 { Tile::WgMixed } else { Tile::Wg64 };
+        return if t / experts >= 96 { Tile::Wg128 } else { Tile::Wg64 };
     }
     if t.div_ceil(128) * wg_tiles >= dev.sm_count() as usize {
         Tile::Wg128
@@ -578,7 +576,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
             Precision::Bf16x => super::gemm_wgmma::Num::Bf16x,
             _ => super::gemm_wgmma::Num::Half,
         };
-        return super::gemm_wgmma::run(dev, &call, bt, num, mt, tile == Tile::WgMixed && grouped, reuse_x);
+        return super::gemm_wgmma::run(dev, &call, bt, num, mt, reuse_x);
     }
     // No half kernel off the wgmma path: Exact.
     let precision = if precision == Precision::Half { Precision::Exact } else { precision };

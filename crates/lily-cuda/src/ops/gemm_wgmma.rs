@@ -47,7 +47,6 @@ struct WgParams {
     cols: i32,
     count: i32,
     matrix: i32,
-    split: i32,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for WgParams {}
@@ -233,13 +232,10 @@ pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
 }
 
 /// Runs `c` with `bt` (64 or 128) tokens and 128·`mt` weight rows a block (`mt` = 2 in `Num::Half`
-/// only) in numerics `num`; `mixed` (grouped calls, bt = 128, mt = 1): each expert in 128-token tiles
-/// but for a tail of at most 64 slots, which a second launch takes in 64-token tiles (grouped.cuh).
-/// `reuse_x`: the caller promises x has not been written since the previous call that staged it; when
+/// only) in numerics `num`. `reuse_x`: the caller promises x has not been written since the previous call that staged it; when
 /// the buffer still holds that staging (same x, shape and numerics), it is not staged again.
-pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, mt: usize, mixed: bool, reuse_x: bool) -> Result<()> {
+pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, mt: usize, reuse_x: bool) -> Result<()> {
     debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && (mt == 1 || (mt == 2 && num == Num::Half)));
-    debug_assert!(!mixed || (c.grouped.is_some() && bt == 128 && mt == 1));
     let groups = c.cols / GROUP;
     let planes = num.planes();
     let plane_bytes = (c.x_rows * c.cols * 2).next_multiple_of(256);
@@ -273,45 +269,36 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, mt: usize, mixed:
         (true, true) => 3,
     };
     let (offsets, gather, experts) = c.grouped.unwrap_or((0, 0, 0));
-    let parts: &[(usize, usize, i32)] = if mixed {
-        // (tokens a block, token tiles, split): the 128-token part, then the tails (one an expert at most).
-        &[(128, c.t.div_ceil(128) + experts, 1), (64, experts, 2)]
-    } else {
-        &[(bt, c.t.div_ceil(bt) + experts, 0)]
+    let m_tiles = c.t.div_ceil(bt) + experts;
+    let vi = variant_index(bt, num, 128 * mt);
+    let v = variant(vi);
+    debug_assert_eq!((v.bt, v.num, v.mt * v.wgs), (bt, num, 2 * mt));
+    let idx = form * VARIANTS + vi;
+    let out_per_block = if swiglu { BW * mt / 2 } else { BW * mt };
+    let p = WgParams {
+        w: c.w.0,
+        scales: c.w.1,
+        biases: c.w.2,
+        w2: c.w2.0,
+        scales2: c.w2.1,
+        biases2: c.w2.2,
+        xh: hi,
+        xl: lo,
+        xsum: sums,
+        y: c.y,
+        offsets,
+        gather,
+        x_rows: c.x_rows as i64,
+        t: c.t as i32,
+        rows: c.rows as i32,
+        cols: c.cols as i32,
+        count: experts as i32,
+        matrix: c.matrix as i32,
     };
-    for &(bt, m_tiles, split) in parts {
-        let vi = variant_index(bt, num, 128 * mt);
-        let v = variant(vi);
-        debug_assert_eq!((v.bt, v.num, v.mt * v.wgs), (bt, num, 2 * mt));
-        let idx = form * VARIANTS + vi;
-        let out_per_block = if swiglu { BW * mt / 2 } else { BW * mt };
-        let p = WgParams {
-            w: c.w.0,
-            scales: c.w.1,
-            biases: c.w.2,
-            w2: c.w2.0,
-            scales2: c.w2.1,
-            biases2: c.w2.2,
-            xh: hi,
-            xl: lo,
-            xsum: sums,
-            y: c.y,
-            offsets,
-            gather,
-            x_rows: c.x_rows as i64,
-            t: c.t as i32,
-            rows: c.rows as i32,
-            cols: c.cols as i32,
-            count: experts as i32,
-            matrix: c.matrix as i32,
-            split,
-        };
-        let cfg = LaunchConfig {
-            grid_dim: (m_tiles as u32, c.rows.div_ceil(out_per_block) as u32, 1),
-            block_dim: (128 * v.wgs as u32, 1, 1),
-            shared_mem_bytes: smem_bytes(bt, num, mt, v.stages) as u32,
-        };
-        launch(dev, NAMES[idx], cfg, &p)?;
-    }
-    Ok(())
+    let cfg = LaunchConfig {
+        grid_dim: (m_tiles as u32, c.rows.div_ceil(out_per_block) as u32, 1),
+        block_dim: (128 * v.wgs as u32, 1, 1),
+        shared_mem_bytes: smem_bytes(bt, num, mt, v.stages) as u32,
+    };
+    launch(dev, NAMES[idx], cfg, &p)
 }
