@@ -84,7 +84,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool o
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
 }
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -322,19 +321,6 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     }
     const uint16_t* sc1p = SWIGLU ? p.scales2 : p.scales;
     const uint16_t* bi1p = SWIGLU ? p.biases2 : p.biases;
-    if constexpr (HALF) {
-        // Those scales and biases into L2 now (a 128-byte line holds 64 groups' worth): the loop loads
-        // them one group ahead, too late to hide a miss to DRAM when a group step is short.
-        for (int k = 0; k < groups; k += 64) {
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                prefetch_l2(p.scales + gi0[m] + k);
-                prefetch_l2(p.biases + gi0[m] + k);
-                prefetch_l2(sc1p + gi1[m] + k);
-                prefetch_l2(bi1p + gi1[m] + k);
-            }
-        }
-    }
 
     // The X tile descriptor of stage 0 (a stage or k-step further: its byte offset / 16 added to the
     // start-address field, which cannot carry: shared addresses are below 2^18).
