@@ -746,6 +746,50 @@ fn grouped_swiglu_gemm_matches_reference() {
     grouped_suite(true);
 }
 
+/// Half scales each x row by its own power of two: rows of wildly different magnitude (1e-9 to 1e9,
+/// far outside f16's range of 6e-5 to 65504) each come out as close to their reference as an
+/// ordinary row (relative to the row's own largest output), and a row holding an infinity gives a
+/// non-finite output row without touching its neighbours.
+#[test]
+fn half_scales_each_row_into_f16_range() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(207);
+    let (rows, cols) = (200, 512);
+    let mags = [1e-9f32, 1e-3, 1.0, 700.0, 1e5, 3e9, 1.0];
+    let t = mags.len();
+    let w = matrix(&mut rng, Fmt { bits: 4, gs: 64 }, 1, rows, cols);
+    let dw = upload_matrix(&dev, &w).unwrap();
+    let mut x = rng.normals(t * cols, 1.0);
+    for (r, m) in mags.iter().enumerate() {
+        x[r * cols..(r + 1) * cols].iter_mut().for_each(|v| *v *= m);
+    }
+    let rm = RefMat::new(&w, 0);
+    for tile in [Tile::Wg64, Tile::Wg128, Tile::Wg128x256] {
+        let o = Opts { tile, precision: Precision::Half, ..Default::default() };
+        let xd = dev.upload(&x).unwrap();
+        let mut y = poisoned(&dev, t * rows);
+        gemm::gemm_with(&dev, &dw, 0, &xd, t, &mut y, o).unwrap();
+        let got = dev.download(&y).unwrap();
+        for r in 0..t {
+            let xr = &x[r * cols..(r + 1) * cols];
+            let what = format!("half {tile:?}: row {r} (|x| ~ {:e})", mags[r]);
+            check(&got[r * rows..(r + 1) * rows], &rm.apply(Precision::Half, xr), TOL, &what);
+            check(&got[r * rows..(r + 1) * rows], &rm.apply(Precision::Exact, xr), CPU_TOL_HALF, &format!("{what} vs the unrounded product"));
+        }
+        // An infinity in row 2: that row is not finite, the others unchanged.
+        let mut xi = x.clone();
+        xi[2 * cols + 7] = f32::INFINITY;
+        let xd = dev.upload(&xi).unwrap();
+        let mut yi = poisoned(&dev, t * rows);
+        gemm::gemm_with(&dev, &dw, 0, &xd, t, &mut yi, o).unwrap();
+        let gi = dev.download(&yi).unwrap();
+        assert!(gi[2 * rows..3 * rows].iter().any(|v| !v.is_finite()), "half {tile:?}: an infinite x gave a finite row");
+        for r in (0..t).filter(|&r| r != 2) {
+            assert_eq!(gi[r * rows..(r + 1) * rows], got[r * rows..(r + 1) * rows], "half {tile:?}: row {r} changed with row 2's infinity");
+        }
+    }
+}
+
 #[test]
 fn grouped_gather_past_x_gives_nan_rows_only() {
     let Some(dev) = device() else { return };
