@@ -1,36 +1,46 @@
 // Prefill GEMM on Hopper's warpgroup MMA (wgmma) for MLX affine 4-bit weights in groups of 64, the
 // model's format: Y[t, rows] = X[t, cols] · W[m]ᵀ, the fused SwiGLU form Y = silu(X·Gᵀ) ⊙ (X·Uᵀ), and the
-// grouped (MoE) forms of gemm.cu, with gemm.cu's exact and bf16x numerics: the codes go to the tensor
-// cores exactly (centred, q - 8), each group's scale and bias apply in f32 (y = Σ_g s·Σ c·x + b'·Σ x,
-// b' = b + 8s, the X sums of the unrounded x), and x goes in as one bf16 plane (bf16x) or two (exact:
-// hi = bf16(x), lo = bf16(x - hi)); products exact, sums in f32.
+// grouped (MoE) forms of gemm.cu, in three numerics:
+//   half (the model's default): x one f16 plane, each row scaled by its power of two 2^-e (the stager
+//     picks e so the row's largest |x| lands in [2^14, 2^15)); each weight formed in f16 as
+//     f16(s)·q + f16(b) by one fused multiply-add; the MMAs sum in f32 across all of K (no per-group
+//     fold) and the epilogue multiplies by 2^e.
+//   exact / bf16x (gemm.cu's): the codes go to the tensor cores exactly (centred, q - 8), each group's
+//     scale and bias apply in f32 (y = Σ_g s·Σ c·x + b'·Σ x, b' = b + 8s, the X sums of the unrounded x),
+//     x as one bf16 plane (bf16x) or two (exact: hi = bf16(x), lo = bf16(x - hi)).
 //
 // Roles: the weights are wgmma's A (64 weight rows a warpgroup, from registers: each thread turns its own
-// packed codes into bf16 pairs), the tokens its B (BT = 64 or 128 tokens, K-major in shared memory, the
+// packed codes into 16-bit pairs), the tokens its B (BT = 64 or 128 tokens, K-major in shared memory, the
 // 128-byte swizzle), D[weight row, token] in f32 registers (wgmma.cuh has the fragments).
 //
-// x is staged first by gemm_wgmma_stage, one pass over X: bf16 planes [x_rows, cols] whose columns are
-// permuted within each group of 64 into the order in which a thread's A registers hold the codes, and the
-// f32 sums of the unrounded x per group, [x_rows, cols / 64]. The permutation: a thread of quad index
-// q = lane % 4 holds, for each of its two rows, words 2q and 2q+1 of the row's group (codes 16q .. 16q+15,
-// eight a word, LSB first); one LOP3 makes nibbles j and j+4 of a word a bf16 pair 128 + code, one HSUB2
-// centres it. At k-step s (0..3) of the group, a0 (k 2q, 2q+1 of the step) is nibbles (s, s+4) of word
-// 2q and a2 (k 2q+8, 2q+9) nibbles (s, s+4) of word 2q+1, so position kk of step s is code
+// x is staged first, one pass over X (gemm_wgmma_stage: a warp per (row, group), the bf16 planes and the
+// f32 sums of the unrounded x per group, [x_rows, cols / 64]; gemm_wgmma_stage_half: a warp per row, the
+// f16 plane and the row's 2^e, [x_rows]): planes [x_rows, cols] whose columns are permuted within each
+// group of 64 into the order in which a thread's A registers hold the codes. The permutation: a thread
+// of quad index q = lane % 4 holds, for each of its two rows, words 2q and 2q+1 of the row's group
+// (codes 16q .. 16q+15, eight a word, LSB first); one LOP3 makes nibbles j and j+4 of a word a 16-bit
+// pair (bf16 128 + code, or f16 1024 + code), one HSUB2 centres it (exact). At k-step s (0..3) of the
+// group, a0 (k 2q, 2q+1 of the step) is nibbles (s, s+4) of word 2q and a2 (k 2q+8, 2q+9) nibbles
+// (s, s+4) of word 2q+1, so position kk of step s is code
 //   kk = 2q + e      ->  m = 16q + s + 4e
 //   kk = 8 + 2q + e  ->  m = 16q + 8 + s + 4e      (e = 0, 1)
-// and the stager writes x[m] at column 16s + kk of the group (stage_column below).
+// and the stagers write x[m] at column 16s + kk of the group (stage_column below).
 //
-// Block: 256 threads, two warpgroups, 128 weight rows × BT tokens (SwiGLU: 64 outputs, gate rows 16i..16i+7
-// and up rows 16i+8..16i+15 of output rows 8i..8i+7, so one thread holds gate and up of the same output).
-// K advances one group a step through a STAGES-deep ring filled by cp.async from every thread (the X
-// planes with the swizzle, the codes, the X sums). Each step a warpgroup issues 4·PLANES wgmmas into a
-// per-group accumulator (the first overwrites it), waits, and folds it: acc += s·accg + b'·xsum.
+// Block: WGS warpgroups (2, or 4 for the 256-row half tiles) of 64 weight rows each × BT tokens (SwiGLU:
+// half the rows as outputs, gate rows 16i..16i+7 and up rows 16i+8..16i+15 of output rows 8i..8i+7, so
+// one thread holds gate and up of the same output). K advances one group a step through a ring filled
+// by cp.async from every thread (the X planes with the swizzle, the codes, the X sums when folded).
+// Folded numerics (STAGES deep): each step a warpgroup issues 4·PLANES wgmmas into a per-group
+// accumulator (the first overwrites it), waits, and folds it: acc += s·accg + b'·xsum. Half (NS deep):
+// each step issues its 4 wgmmas into the accumulators and leaves them in flight (wgmma_wait<1>) while
+// the next group is refilled and dequantised into a second register set.
 // Grouped: the expert tiles of grouped.cuh; with a gather, slot i reads staged row rows[i] (a row >= x_rows
 // gives a NaN output row).
 //
-// Entry points: gemm_wgmma_{plain, swiglu, grouped, grouped_swiglu}_n{64, 128}_p{1, 2}; dynamic shared
-// memory STAGES · stage bytes + 1024 (alignment): see smem_bytes in ops/gemm_wgmma.rs. Launch bounds:
-// n128 one block an SM (up to 255 registers: 2 × 64 accumulators), n64 two.
+// Entry points: gemm_wgmma_{plain, swiglu, grouped, grouped_swiglu}_n{64, 128}_{p1, p2, h128, h256}
+// (p: folded with 1 or 2 planes; h: half, 128 or 256 weight rows); dynamic shared memory: see
+// smem_bytes in ops/gemm_wgmma.rs. Launch bounds: n128_p* one block an SM (up to 255 registers),
+// n64_p* two, n128_h128 two, n64_h128 three, *_h256 (512 threads) one.
 
 #include <stdint.h>
 #include <cuda_bf16.h>
@@ -69,8 +79,6 @@ struct WgParams {
     int matrix;                // plain: which matrix of the stack
 };
 
-constexpr int THREADS = 256;  // two warpgroups (the wide half variants: four)
-constexpr int BW = 128;      // weight rows a block
 constexpr int GROUP = 64;    // K a step
 constexpr int STAGES = 4;    // the folded numerics' ring (the half numerics' depth is a variant's NS)
 enum : int { NUM_BF16X = 1, NUM_EXACT = 2, NUM_HALF = 3 };
