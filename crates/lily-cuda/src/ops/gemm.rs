@@ -89,13 +89,13 @@ pub enum Tile {
     /// 32 tokens × 128 weight rows per block (1 × 8 warps of 32 × 16).
     M32,
     /// Hopper wgmma (`gemm_wgmma`): 64 tokens × 128 weight rows per block, two warpgroups. 4-bit
-    /// group-64 weights in the `Exact` and `Bf16x` precisions only.
+    /// group-64 weights in the `Exact`, `Bf16x` and `Half` precisions only.
     Wg64,
     /// Hopper wgmma: 128 tokens × 128 weight rows per block.
     Wg128,
-    /// Hopper wgmma, `Half` only: 64 tokens × 256 weight rows per block (two m64 tiles a warpgroup).
+    /// Hopper wgmma, `Half` only: 64 tokens × 256 weight rows per block (four warpgroups).
     Wg64x256,
-    /// Hopper wgmma, `Half` only: 128 tokens × 256 weight rows per block.
+    /// Hopper wgmma, `Half` only: 128 tokens × 256 weight rows per block (four warpgroups).
     Wg128x256,
 }
 
