@@ -63,30 +63,22 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t saddr) {
 #define WG_RS_ASM(shape, type, rlist, A, DESC, ACC)                                                             \
     "{\n.reg .pred p;\nsetp.ne.b32 p, " ACC ", 0;\n"                                                               \
     "wgmma.mma_async.sync.aligned." shape ".f32." type "." type " {" rlist "}, {" A "}, " DESC ", p, 1, 1, 0;\n}\n"
+#define WG_RS_STMT(shape, type, dlist, rlist, A, DESC, ACC)                                                     \
+    asm volatile(WG_RS_ASM(shape, type, rlist, A, DESC, ACC)                                                   \
+                 : dlist(d)                                                                                    \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate))
+// D[64 x N] (+)= A[64 x 16] · B[16 x N] with nd = N / 2 accumulators a thread: A from registers (the
+// m16n8k16 A layout per warp), B by descriptor (K-major), D in f32; accumulate = 0 overwrites D. A and B
+// in bf16, or in f16 (F16). A, DESC, ACC: the operand numbers after the nd accumulators.
+#define WG_RS_FN(name, shape, nd, dlist, rlist, A, DESC, ACC)                                                   \
+    template <bool F16 = false>                                                                                \
+    __device__ __forceinline__ void name(float(&d)[nd], const uint32_t(&a)[4], uint64_t b_desc, int accumulate) { \
+        if constexpr (F16)                                                                                     \
+            WG_RS_STMT(shape, "f16", dlist, rlist, A, DESC, ACC);                                              \
+        else                                                                                                   \
+            WG_RS_STMT(shape, "bf16", dlist, rlist, A, DESC, ACC);                                             \
+    }
 
-// D[64 x 64] (+)= A[64 x 16] · B[16 x 64]: A from registers (the m16n8k16 A layout per warp), B by
-// descriptor (K-major), D in f32; accumulate = 0 overwrites D. A and B in bf16, or in f16 (F16).
-template <bool F16 = false>
-__device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
-    if constexpr (F16)
-        asm volatile(WG_RS_ASM("m64n64k16", "f16", WG_R32, "%32, %33, %34, %35", "%36", "%37")
-                     : WG_D32(d)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
-    else
-        asm volatile(WG_RS_ASM("m64n64k16", "bf16", WG_R32, "%32, %33, %34, %35", "%36", "%37")
-                     : WG_D32(d)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
-}
-
-// D[64 x 128] (+)= A[64 x 16] · B[16 x 128], as above.
-template <bool F16 = false>
-__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
-    if constexpr (F16)
-        asm volatile(WG_RS_ASM("m64n128k16", "f16", WG_R64, "%64, %65, %66, %67", "%68", "%69")
-                     : WG_D64(d)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
-    else
-        asm volatile(WG_RS_ASM("m64n128k16", "bf16", WG_R64, "%64, %65, %66, %67", "%68", "%69")
-                     : WG_D64(d)
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));
-}
+// wgmma_m64n64k16_rs<F16>(d[32], a, b_desc, accumulate) and wgmma_m64n128k16_rs<F16>(d[64], ...).
+WG_RS_FN(wgmma_m64n64k16_rs, "m64n64k16", 32, WG_D32, WG_R32, "%32, %33, %34, %35", "%36", "%37")
+WG_RS_FN(wgmma_m64n128k16_rs, "m64n128k16", 64, WG_D64, WG_R64, "%64, %65, %66, %67", "%68", "%69")

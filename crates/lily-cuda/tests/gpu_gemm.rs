@@ -1062,7 +1062,8 @@ fn wgmma_gemm_reuses_staged_x_only_when_it_holds_that_x() {
 }
 
 /// One launch each of the large shapes in the Half tiles, for `ncu` (run with `--ignored ncu_gemm`):
-/// [8192×2048] t=4096 in Wg128 and Wg128x256, and the grouped down projection of a 4K chunk in Wg64.
+/// [8192×2048] t=4096 in Wg128 and Wg128x256, and the grouped down projection of a 4K chunk in Wg128
+/// (what `Tile::Auto` takes for it).
 #[test]
 #[ignore = "for profiling with ncu on the GPU machine"]
 fn ncu_gemm_shapes() {
@@ -1080,7 +1081,7 @@ fn ncu_gemm_shapes() {
     let n = 8 * t;
     let counts: Vec<usize> = (0..256).map(|e| n / 256 + usize::from(e < n % 256)).collect();
     let off = dev.upload(&offsets_of(&counts)).unwrap();
-    let o = Opts { tile: Tile::Wg64, precision: Precision::Half, ..Default::default() };
+    let o = Opts { tile: Tile::Wg128, precision: Precision::Half, ..Default::default() };
     gemm::grouped_gemm_with(&dev, &d, &off, None, &x, n, &mut y, o).unwrap();
     dev.synchronize().unwrap();
 }

@@ -104,13 +104,13 @@ impl Tile {
         matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256)
     }
 
-    /// (tokens, m64 tiles a warpgroup) of a wgmma tile.
+    /// (tokens, weight rows) a block of a wgmma tile.
     fn wgmma_shape(self) -> (usize, usize) {
         match self {
-            Tile::Wg64 => (64, 1),
-            Tile::Wg64x256 => (64, 2),
-            Tile::Wg128x256 => (128, 2),
-            _ => (128, 1),
+            Tile::Wg64 => (64, 128),
+            Tile::Wg64x256 => (64, 256),
+            Tile::Wg128x256 => (128, 256),
+            _ => (128, 128),
         }
     }
 }
@@ -570,16 +570,14 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
             matrix,
             grouped: if grouped { Some((offsets, gather, experts)) } else { None },
         };
-        let (bt, mt) = tile.wgmma_shape();
+        let (bt, wrows) = tile.wgmma_shape();
         let num = match precision {
             Precision::Exact => super::gemm_wgmma::Num::Exact,
             Precision::Bf16x => super::gemm_wgmma::Num::Bf16x,
             _ => super::gemm_wgmma::Num::Half,
         };
-        return super::gemm_wgmma::run(dev, &call, bt, num, mt, reuse_x);
+        return super::gemm_wgmma::run(dev, &call, bt, num, wrows, reuse_x);
     }
-    // No half kernel off the wgmma path: Exact.
-    let precision = if precision == Precision::Half { Precision::Exact } else { precision };
     // This call stages nothing: a later `reuse_x` call must not take an older staging for its x.
     if !reuse_x {
         super::gemm_wgmma::forget_staged(dev)?;
@@ -591,10 +589,11 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         (false, true) => &GROUPED,
         (true, true) => &GROUPED_SWIGLU,
     };
-    let prec = match precision {
-        Precision::Exact => 0,
-        Precision::Bf16x => 1,
-        _ => 2,
+    // No half kernel off the wgmma path: Half runs Exact (closer).
+    let (precision, prec) = match precision {
+        Precision::Exact | Precision::Half => (Precision::Exact, 0),
+        Precision::Bf16x => (Precision::Bf16x, 1),
+        Precision::Fast => (Precision::Fast, 2),
     };
     let name = fam[prec * 6 + fmt * 2 + if bm == 64 { 0 } else { 1 }];
     // Worst case of the grouped forms: sum over experts of ceil(count_e / bm) <= ceil(n / bm) + E.

@@ -69,8 +69,8 @@ pub(crate) enum Num {
 
 impl Num {
     /// The 16-bit planes of staged x.
-    fn planes(self) -> usize {
-        if self == Num::Exact { 2 } else { 1 }
+    const fn planes(self) -> usize {
+        if matches!(self, Num::Exact) { 2 } else { 1 }
     }
 }
 
@@ -108,31 +108,37 @@ const fn all_kernels() -> [&'static str; 4 * VARIANTS + 2] {
 const ALL: [&str; 4 * VARIANTS + 2] = all_kernels();
 pub(crate) const KERNELS: &[&str] = &ALL;
 
-/// A kernel variant: tokens a block, numerics, m64 tiles a warpgroup, ring stages, warpgroups.
+/// A kernel variant: tokens a block, numerics, ring stages, warpgroups (of 64 weight rows each).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Variant {
     bt: usize,
     num: Num,
-    mt: usize,
     stages: usize,
     wgs: usize,
+}
+
+impl Variant {
+    /// Weight rows a block.
+    const fn rows(self) -> usize {
+        64 * self.wgs
+    }
 }
 
 /// Variant `i` of a form. The half kernels of 128 weight rows run 2 (128 tokens) or 3 (64 tokens) blocks
 /// an SM on shallower rings; those of 256 rows, four warpgroups of one m64 tile each (measured in
 /// PERF.md, 2026-12-03 fourth session: two warpgroups of two tiles ran slower, at the register limit).
 const fn variant(i: usize) -> Variant {
-    let (bt, num, mt, stages, wgs) = match i % VARIANTS {
-        0 => (128, Num::Bf16x, 1, STAGES, 2),
-        1 => (128, Num::Exact, 1, STAGES, 2),
-        2 => (64, Num::Bf16x, 1, STAGES, 2),
-        3 => (64, Num::Exact, 1, STAGES, 2),
-        4 => (128, Num::Half, 1, 5, 2),
-        5 => (64, Num::Half, 1, 4, 2),
-        6 => (128, Num::Half, 1, 6, 4),
-        _ => (64, Num::Half, 1, 6, 4),
+    let (bt, num, stages, wgs) = match i % VARIANTS {
+        0 => (128, Num::Bf16x, STAGES, 2),
+        1 => (128, Num::Exact, STAGES, 2),
+        2 => (64, Num::Bf16x, STAGES, 2),
+        3 => (64, Num::Exact, STAGES, 2),
+        4 => (128, Num::Half, 5, 2),
+        5 => (64, Num::Half, 4, 2),
+        6 => (128, Num::Half, 6, 4),
+        _ => (64, Num::Half, 6, 4),
     };
-    Variant { bt, num, mt, stages, wgs }
+    Variant { bt, num, stages, wgs }
 }
 
 /// The variant index for `bt` tokens and `rows` weight rows a block (128, or 256 in `Num::Half`).
@@ -149,26 +155,19 @@ fn variant_index(bt: usize, num: Num, rows: usize) -> usize {
     }
 }
 
-/// Dynamic shared memory: the ring's `stages`, each rounded to 1024 bytes (planes × bt rows of 128
-/// bytes, the codes of 128·mt weight rows × 32 bytes, and in the folded numerics bt X sums), plus 1024 for
-/// aligning the ring.
-const fn smem_bytes(bt: usize, num: Num, mt: usize, stages: usize) -> usize {
-    let (planes, sums) = match num {
-        Num::Bf16x => (1, bt * 4),
-        Num::Exact => (2, bt * 4),
-        Num::Half => (1, 0),
-    };
-    let stage = (planes * bt * 128 + BW * mt * 32 + sums).div_ceil(1024) * 1024;
-    stages * stage + 1024
+/// Dynamic shared memory of a variant: its ring's stages, each rounded to 1024 bytes (planes × bt rows
+/// of 128 bytes, the codes of its weight rows × 32 bytes, and in the folded numerics bt X sums), plus
+/// 1024 for aligning the ring.
+const fn smem_bytes(v: Variant) -> usize {
+    let sums = if matches!(v.num, Num::Half) { 0 } else { v.bt * 4 };
+    let stage = (v.num.planes() * v.bt * 128 + v.rows() * 32 + sums).div_ceil(1024) * 1024;
+    v.stages * stage + 1024
 }
 
 pub(crate) fn configure(dev: &Device) -> Result<()> {
     for (i, name) in NAMES.iter().enumerate() {
-        let v = variant(i);
-        dev.function(name)?.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem_bytes(v.bt, v.num, v.mt * v.wgs / 2, v.stages) as i32,
-        )?;
+        dev.function(name)?
+            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(i)) as i32)?;
     }
     Ok(())
 }
@@ -231,11 +230,11 @@ pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
     Ok(())
 }
 
-/// Runs `c` with `bt` (64 or 128) tokens and 128·`mt` weight rows a block (`mt` = 2 in `Num::Half`
-/// only) in numerics `num`. `reuse_x`: the caller promises x has not been written since the previous call that staged it; when
+/// Runs `c` with `bt` (64 or 128) tokens and `wrows` (128, or 256 in `Num::Half` only) weight rows a
+/// block in numerics `num`. `reuse_x`: the caller promises x has not been written since the previous call that staged it; when
 /// the buffer still holds that staging (same x, shape and numerics), it is not staged again.
-pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, mt: usize, reuse_x: bool) -> Result<()> {
-    debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && (mt == 1 || (mt == 2 && num == Num::Half)));
+pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reuse_x: bool) -> Result<()> {
+    debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
     let groups = c.cols / GROUP;
     let planes = num.planes();
     let plane_bytes = (c.x_rows * c.cols * 2).next_multiple_of(256);
@@ -270,11 +269,11 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, mt: usize, reuse_
     };
     let (offsets, gather, experts) = c.grouped.unwrap_or((0, 0, 0));
     let m_tiles = c.t.div_ceil(bt) + experts;
-    let vi = variant_index(bt, num, 128 * mt);
+    let vi = variant_index(bt, num, wrows);
     let v = variant(vi);
-    debug_assert_eq!((v.bt, v.num, v.mt * v.wgs), (bt, num, 2 * mt));
+    debug_assert_eq!((v.bt, v.num, v.rows()), (bt, num, wrows));
     let idx = form * VARIANTS + vi;
-    let out_per_block = if swiglu { BW * mt / 2 } else { BW * mt };
+    let out_per_block = if swiglu { wrows / 2 } else { wrows };
     let p = WgParams {
         w: c.w.0,
         scales: c.w.1,
@@ -298,7 +297,27 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, mt: usize, reuse_
     let cfg = LaunchConfig {
         grid_dim: (m_tiles as u32, c.rows.div_ceil(out_per_block) as u32, 1),
         block_dim: (128 * v.wgs as u32, 1, 1),
-        shared_mem_bytes: smem_bytes(bt, num, mt, v.stages) as u32,
+        shared_mem_bytes: smem_bytes(v) as u32,
     };
     launch(dev, NAMES[idx], cfg, &p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each variant's ring as laid out in the `.cu` (stages of X planes, codes and X sums, each rounded
+    /// to 1024 bytes, plus 1024 for alignment), and the blocks an SM its launch bounds ask for fit in
+    /// the 227 KiB an SM offers (n128_p*: 1, n64_p*: 2, n128_h128: 2, n64_h128: 3, *_h256: 1).
+    #[test]
+    fn variants_shared_memory_matches_the_kernels_and_fits() {
+        let want = [87_040, 152_576, 54_272, 87_040, 103_424, 50_176, 148_480, 99_328];
+        let blocks = [1, 1, 2, 2, 2, 3, 1, 1];
+        for i in 0..VARIANTS {
+            let v = variant(i);
+            assert_eq!(smem_bytes(v), want[i], "variant {i} ({})", NAMES[i]);
+            assert!(blocks[i] * smem_bytes(v) <= 227 * 1024, "variant {i}: {} blocks do not fit", blocks[i]);
+            assert_eq!(variant_index(v.bt, v.num, v.rows()), i, "variant {i} is not the one its shape selects");
+        }
+    }
 }
