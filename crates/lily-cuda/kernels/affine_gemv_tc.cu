@@ -330,6 +330,125 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
     }
 }
 
+// The MoE down projection with the combine fused, on the tensor cores ("mix"): one token, ns = mix_k
+// (+1 with mix_shared) slots, slot s using matrix idx[s] and its own input x[s·cols ..]:
+//   y[r] (+)= Σ_s c_s (W[idx[s]] x_s)[r],  c_s = mix_w[s] (s < mix_k), sigmoid(*gate_logit) (s = mix_k).
+// One block per 16-row tile: the slots' inputs are staged as one vector of ns·cols (slot s's round r
+// is round s·nr + r of it), the ns·nr (slot, round) units are dealt to the 8 warps (unit u to warp
+// u % 8), and each warp loads all of its units at once (UMAX at most) before computing any, so a
+// warp waits for one round trip, not one per unit (the down projection's rows are short: 4 rounds).
+// Each unit's part is scaled by c_s as it is added; the warps' sums are added in warp order in shared
+// memory (deterministic). A bad index makes the rows NaN. Replaces the down GEMV and the combine
+// kernel (two dependent launches) with one.
+template <int UMAX>
+__device__ __forceinline__ void mix_tc(const GemvParams& p) {
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    __shared__ uint32_t mats[32];
+    __shared__ float coef[32];
+    __shared__ float red[TC_WARPS][16];
+    const int rows = p.rows, cols = p.cols;
+    const int nch = cols >> 5, groups = cols >> 6, nr = cols >> 7;
+    const int ns = p.mix_k + (p.mix_shared ? 1 : 0);
+    const int units = ns * nr;
+    unsigned char* xs = tc_smem;
+    float* Xs = reinterpret_cast<float*>(tc_smem + units * TC_ROUND);
+
+    pdl_wait();  // the indices and weights come from the router, the inputs from the gate/up GEMV
+    pdl_launch_dependents();
+    if (threadIdx.x < ns) {
+        const int k = threadIdx.x;
+        mats[k] = __ldcg(p.idx + k);  // L2: see affine_gemv.cu
+        coef[k] = k < p.mix_k ? __ldcg(p.mix_w + k) : 1.0f / (1.0f + expf(-__ldcg(p.gate_logit)));
+    }
+    __syncthreads();
+    bool bad = false;
+    for (int k = 0; k < ns; ++k) bad |= mats[k] >= (uint32_t)p.count;
+
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const bool breal = (g & 3) < 3 && (t >> 1) == (g >> 2);
+    const uint4* xlane = reinterpret_cast<const uint4*>(xs + ((g & 3) * 4 + t) * TC_PLANE);
+    const int tiles = (rows + 15) >> 4;
+    const uint32_t k16 = opaque(0x41804180u);
+
+    auto load_units = [&](TcLoad (&L)[UMAX], int tile) {
+        const int row = tile * 16 + g;
+#pragma unroll
+        for (int i = 0; i < UMAX; ++i) {
+            const int u = warp + TC_WARPS * i;
+            if (u < units) {
+                const int sl = u / nr, r = u - sl * nr;
+                const uint32_t m = mats[sl];
+                const bool ok = m < (uint32_t)p.count;
+                const long long mrow = (long long)(ok ? m : 0) * rows + row;
+                TcRows R;
+                R.w0 = p.w + mrow * nch + t;
+                R.s0 = p.scales + mrow * groups + (t >> 1);
+                R.b0 = p.biases + mrow * groups + (t >> 1);
+                R.wstep = 8ll * nch;
+                R.gstep = 8ll * groups;
+                R.v0 = ok && row < rows;
+                R.v1 = ok && row + 8 < rows;
+                R.load(L[i], r);
+            }
+        }
+    };
+
+    TcLoad L[UMAX];
+    bool staged = false;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        load_units(L, tile);
+        if (!staged) tc_stage(p, p.x, xs, Xs, ns * cols);  // no norm: ends synchronised
+        staged = true;
+        float acc0 = 0.0f, acc1 = 0.0f;
+#pragma unroll
+        for (int i = 0; i < UMAX; ++i) {
+            const int u = warp + TC_WARPS * i;
+            if (u < units) {
+                uint4 xb[4];
+#pragma unroll
+                for (int m = 0; m < 4; ++m) xb[m] = breal ? xlane[u * (TC_ROUND / 16) + m] : make_uint4(0, 0, 0, 0);
+                const float X = (t & 1) ? 0.0f : Xs[2 * u + (t >> 1)];
+                float c[4];
+                tc_mmas(c, L[i], xb, k16);
+                float a0 = 0.0f, a1 = 0.0f;
+                tc_affine(a0, a1, c, L[i], X);
+                const float cs = coef[u / nr];
+                acc0 = fmaf(cs, a0, acc0);
+                acc1 = fmaf(cs, a1, acc1);
+            }
+        }
+#pragma unroll
+        for (int o = 1; o <= 2; o <<= 1) {
+            acc0 += __shfl_xor_sync(0xffffffffu, acc0, o);
+            acc1 += __shfl_xor_sync(0xffffffffu, acc1, o);
+        }
+        if (t == 0) {
+            red[warp][g] = acc0;
+            red[warp][g + 8] = acc1;
+        }
+        __syncthreads();
+        if (warp == 0 && lane < 16) {
+            float sum = 0.0f;
+#pragma unroll
+            for (int w = 0; w < TC_WARPS; ++w) sum += red[w][lane];
+            const int row = tile * 16 + lane;
+            if (row < rows) {
+                if (p.accumulate) sum = __ldcg(p.y + row) + sum;  // from L2: see put_row
+                p.y[row] = bad ? __int_as_float(0x7fc00000) : sum;
+            }
+        }
+        __syncthreads();
+    }
+}
+
+#define MIX_TC_ENTRY(name, UMAX) \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { mix_tc<UMAX>(p); }
+
+MIX_TC_ENTRY(affine_mix_tc_q4_u2, 2)
+MIX_TC_ENTRY(affine_mix_tc_q4_u5, 5)
+MIX_TC_ENTRY(affine_mix_tc_q4_u8, 8)
+
 #define GEMV_TC_ENTRY(name, KS, SW) \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, SW>(p); }
 

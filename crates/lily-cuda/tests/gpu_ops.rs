@@ -631,7 +631,18 @@ fn down_with_fused_combine_matches_reference() {
     let mut worst = 0.0f64;
     // (bits, gs, count, rows, cols, k): the full-size down projection (512 -> 2048, 8 + shared), and
     // rows of 4..64 chunks.
-    for (bits, gs, count, rows, cols, k) in [(4, 64, 12, 2048, 512, 8), (8, 32, 6, 100, 256, 3), (4, 32, 5, 37, 96, 2), (16, 0, 4, 50, 264, 2), (4, 64, 20, 64, 2048, 15), (4, 64, 9, 33, 128, 1)] {
+    // The tensor-core kernel takes the 4-bit, group-64 shapes here of up to 64 (slot, round) units
+    // (36, 32, 2, 1, 64, 56, 15, 12); the one of 256 and 240 units takes the FFMA kernel.
+    for (bits, gs, count, rows, cols, k) in [
+        (4, 64, 12, 2048, 512, 8),
+        (8, 32, 6, 100, 256, 3),
+        (4, 32, 5, 37, 96, 2),
+        (16, 0, 4, 50, 264, 2),
+        (4, 64, 20, 64, 2048, 15),
+        (4, 64, 9, 33, 128, 1),
+        (4, 64, 7, 300, 1024, 7),
+        (4, 64, 5, 21, 384, 4),
+    ] {
         let w = any_matrix(&mut rng, count, rows, cols, bits, gs);
         let dw = upload_matrix(&dev, &w).unwrap();
         for shared in [true, false] {
@@ -650,13 +661,20 @@ fn down_with_fused_combine_matches_reference() {
                 }
             }
             let g = if shared { Some(&gd) } else { None };
-            let mut y = poisoned(&dev, rows);
-            affine_gemv::down_mix(&dev, &dw, &idx, &xd, &rwd, g, k, false, &mut y).unwrap();
-            worst = worst.max(check(&dev.download(&y).unwrap(), &want, GEMV_TOL, &format!("mix q{bits} [{count}x{rows}x{cols}] k{k} shared={shared}")));
-            let mut y = dev.upload(&y0).unwrap();
-            affine_gemv::down_mix(&dev, &dw, &idx, &xd, &rwd, g, k, true, &mut y).unwrap();
-            let want_acc: Vec<f64> = want.iter().zip(&y0).map(|(a, b)| a + *b as f64).collect();
-            worst = worst.max(check(&dev.download(&y).unwrap(), &want_acc, GEMV_TOL, &format!("mix + residual q{bits} k{k} shared={shared}")));
+            // Both kernels: the tensor-core one takes the 4-bit, group-64 shapes of few enough units
+            // (its f32 sums are the tensor cores', hence TC_TOL), the FFMA one the rest and, forced, those.
+            let tc = bits == 4 && gs == 64 && cols % 128 == 0 && (ns * cols / 128).div_ceil(8) <= 8;
+            for use_tc in [true, false] {
+                let tol = if use_tc && tc { TC_TOL } else { GEMV_TOL };
+                let label = format!("mix q{bits} [{count}x{rows}x{cols}] k{k} shared={shared} {}", if use_tc && tc { "tc" } else { "ffma" });
+                let mut y = poisoned(&dev, rows);
+                affine_gemv::down_mix_with(&dev, &dw, &idx, &xd, &rwd, g, k, false, &mut y, use_tc).unwrap();
+                worst = worst.max(check(&dev.download(&y).unwrap(), &want, tol, &label));
+                let mut y = dev.upload(&y0).unwrap();
+                affine_gemv::down_mix_with(&dev, &dw, &idx, &xd, &rwd, g, k, true, &mut y, use_tc).unwrap();
+                let want_acc: Vec<f64> = want.iter().zip(&y0).map(|(a, b)| a + *b as f64).collect();
+                worst = worst.max(check(&dev.download(&y).unwrap(), &want_acc, tol, &format!("{label} + residual")));
+            }
         }
     }
     // An index past the stack poisons the output; too many slots are refused.
@@ -667,8 +685,11 @@ fn down_with_fused_combine_matches_reference() {
     let rwd = dev.upload(&[0.5f32, 0.25, 0.25]).unwrap();
     let mut y = poisoned(&dev, 40);
     util::fill(&dev, &mut y, 0.5).unwrap();
-    affine_gemv::down_mix(&dev, &dw, &idx, &xd, &rwd, None::<&CudaSlice<f32>>, 3, false, &mut y).unwrap();
-    assert!(dev.download(&y).unwrap().iter().all(|v| v.is_nan()), "a bad index must poison the rows");
+    for use_tc in [true, false] {
+        util::fill(&dev, &mut y, 0.5).unwrap();
+        affine_gemv::down_mix_with(&dev, &dw, &idx, &xd, &rwd, None::<&CudaSlice<f32>>, 3, false, &mut y, use_tc).unwrap();
+        assert!(dev.download(&y).unwrap().iter().all(|v| v.is_nan()), "a bad index must poison the rows (tc {use_tc})");
+    }
     let idx17 = dev.upload(&[0u32; 17]).unwrap();
     let x17 = dev.upload(&rng.vec(17 * 256)).unwrap();
     let rw17 = dev.upload(&[0.1f32; 17]).unwrap();
@@ -799,6 +820,36 @@ fn bench_affine(up: &mut Uploader, rng: &mut Rng, count: usize, rows: usize, col
         },
     })
     .unwrap()
+}
+
+/// What a decode GEMV costs with its weights in HBM and in L2: per shape, µs a launch with the
+/// weights cold (rotated past L2) and hot (the same matrix each time), and the smallest dependent
+/// kernel's (the router's selection of one token). The answer (docs/PERF.md, 2026-12-03 fifth
+/// session): they are latency-bound, not bandwidth-bound — hot weights save under a microsecond, and
+/// a GEMV of 0.6 MB costs about what a GEMV of 0.02 MB does.
+#[test]
+#[ignore = "timing; run on the GPU machine"]
+fn bench_gemv_cold_hot() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(43);
+    let mut up = Uploader::new(&dev).unwrap();
+    println!("| GEMV | MB | cold µs | hot µs | cold GB/s |");
+    println!("|---|---:|---:|---:|---:|");
+    for (rows, cols) in [(8192usize, 2048usize), (2048, 4096), (2048, 512), (512, 2048), (256, 2048), (16, 2048)] {
+        let per = rows * cols / 2 + 4 * rows * cols / 64;
+        let count = (320usize << 20).div_ceil(per);
+        let w = bench_affine(&mut up, &mut rng, count, rows, cols, 4, 64);
+        let x = dev.upload(&rng.vec(cols)).unwrap();
+        let mut y = dev.zeros::<f32>(rows).unwrap();
+        let mut run = |m: usize| affine_gemv::gemv(&dev, &w, Select::matrix(m), &x, false, &mut y).unwrap();
+        let (cold, _) = time_op(&dev, 15, 50, |i| run(i % count));
+        let (hot, _) = time_op(&dev, 15, 50, |_| run(0));
+        println!("| [{rows}x{cols}] | {:.2} | {:.2} | {:.2} | {:.0} |", per as f64 / 1e6, cold * 1e6, hot * 1e6, per as f64 / cold / 1e9);
+    }
+    let logits = dev.upload(&rng.vec(256)).unwrap();
+    let (mut idx, mut wts) = (dev.zeros::<u32>(8).unwrap(), dev.zeros::<f32>(8).unwrap());
+    let (t, _) = time_op(&dev, 15, 50, |_| lily_cuda::ops::moe_route::route(&dev, &logits, 1, 256, 8, true, &mut idx, &mut wts).unwrap());
+    println!("moe_route, one token (one block): {:.2} µs a launch back to back", t * 1e6);
 }
 
 struct Row {

@@ -444,6 +444,33 @@ where
     G: DevicePtr<f32>,
     Y: DevicePtrMut<f32>,
 {
+    down_mix_with(dev, w, idx, x, route_w, gate_logit, k, accumulate, y, true)
+}
+
+/// [`down_mix`], with `tensor_cores = false` keeping the FFMA kernel where the tensor-core one
+/// (`affine_mix_tc_q4_*`: 4-bit, group 64, rows of whole 128-column rounds, at most 64 (slot, round)
+/// units) would be taken (tests and A/B runs; `LILY_GEMV=ffma` does the same).
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn down_mix_with<I, X, R, G, Y>(
+    dev: &Device,
+    w: &DeviceMatrix,
+    idx: &I,
+    x: &X,
+    route_w: &R,
+    gate_logit: Option<&G>,
+    k: usize,
+    accumulate: bool,
+    y: &mut Y,
+    tensor_cores: bool,
+) -> Result<()>
+where
+    I: DevicePtr<u32>,
+    X: DevicePtr<f32>,
+    R: DevicePtr<f32>,
+    G: DevicePtr<f32>,
+    Y: DevicePtrMut<f32>,
+{
     let ns = k + gate_logit.is_some() as usize;
     if k == 0 || ns > MIX_SLOTS {
         return Err(CudaError::Shape(format!("down_mix: {ns} slots (1..={MIX_SLOTS}, k ≥ 1)")));
@@ -497,6 +524,11 @@ where
     if let Some(g) = gate_logit {
         params.gate_logit = addr(dev, g, 1, "down_mix gate logit")?;
         params.mix_shared = 1;
+    }
+    let tc = tensor_cores && affine_gemv_tc::enabled() && affine_gemv_tc::fits(w.bits(), w.group_size().unwrap_or(0), cols) && params.x % 16 == 0;
+    if let Some((name, grid, smem)) = if tc { affine_gemv_tc::plan_mix(dev, rows, cols, ns)? } else { None } {
+        let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (affine_gemv_tc::THREADS, 1, 1), shared_mem_bytes: smem };
+        return launch(dev, name, cfg, &params);
     }
     let name = fam[t_i];
     let rows_per_block = (THREADS as usize / 32) * (32 / tpr);

@@ -12,7 +12,10 @@ use crate::{CudaError, Device, Result};
 /// By K split 1, 2, 4, 8.
 const GEMV: [&str; 4] = ["affine_gemv_tc_q4_k1", "affine_gemv_tc_q4_k2", "affine_gemv_tc_q4_k4", "affine_gemv_tc_q4_k8"];
 const SWIGLU: [&str; 4] = ["affine_swiglu_tc_q4_k1", "affine_swiglu_tc_q4_k2", "affine_swiglu_tc_q4_k4", "affine_swiglu_tc_q4_k8"];
-pub(crate) const KERNELS: &[&str] = &[GEMV[0], GEMV[1], GEMV[2], GEMV[3], SWIGLU[0], SWIGLU[1], SWIGLU[2], SWIGLU[3]];
+/// The down projection with the combine, by most (slot, round) units a warp loads at once.
+const MIX: [(&str, usize); 3] = [("affine_mix_tc_q4_u2", 2), ("affine_mix_tc_q4_u5", 5), ("affine_mix_tc_q4_u8", 8)];
+pub(crate) const KERNELS: &[&str] =
+    &[GEMV[0], GEMV[1], GEMV[2], GEMV[3], SWIGLU[0], SWIGLU[1], SWIGLU[2], SWIGLU[3], MIX[0].0, MIX[1].0, MIX[2].0];
 
 /// Threads per block (8 warps), as `TC_WARPS` in the .cu.
 pub(crate) const THREADS: u32 = 256;
@@ -50,6 +53,21 @@ pub(crate) fn fits(bits: u32, group: usize, cols: usize) -> bool {
 /// output projections (the K split's reduction across 8 warps of 4 rounds each).
 pub(crate) fn preferred(rows: usize, cols: usize, slots: usize) -> bool {
     cols <= 2048 || rows * slots >= 16384
+}
+
+/// The launch of the down projection with the combine over `ns` slots of `rows × cols` (a shape that
+/// [`fits`]): (kernel, grid x, dynamic shared memory bytes), or None when a warp would hold more than
+/// 8 (slot, round) units (many slots of long rows: the FFMA mix kernel takes those).
+pub(crate) fn plan_mix(dev: &Device, rows: usize, cols: usize, ns: usize) -> Result<Option<(&'static str, u32, u32)>> {
+    let units = ns * (cols / ROUND_COLS);
+    let per_warp = units.div_ceil(8);
+    let Some(&(name, _)) = MIX.iter().find(|&&(_, u)| u >= per_warp) else { return Ok(None) };
+    let smem = units * ROUND_BYTES + 4 * ns * (cols / 64);
+    if smem > dev.max_smem_optin() as usize - 1024 {
+        return Ok(None);
+    }
+    let cap = dev.resident_blocks(name, THREADS, smem as u32)? as usize;
+    Ok(Some((name, rows.div_ceil(16).min(cap.max(1)) as u32, smem as u32)))
 }
 
 /// The launch for `rows × cols` over `slots`: (kernel, grid x, dynamic shared memory bytes).
