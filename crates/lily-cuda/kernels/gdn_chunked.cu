@@ -489,7 +489,8 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_t32(const G
 #define GDC_XS 72   // X row stride
 #define GDC_PREP_SMEM (8 * GDC_CH + 4 * (2 * GDC_CH * GDC_RS + GDC_CH * GDC_AS + GDC_CH * GDC_XS + 3 * GDC_CH))
 
-extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const GdnChunkPrepParams p) { pdl_enter();
+template <int NT>
+__device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     extern __shared__ __align__(16) float sm[];
     double* const gam = reinterpret_cast<double*>(sm);           // Γ_i (f64)
     float* const sK = sm + 2 * GDC_CH;                            // K [64][RS]
@@ -579,7 +580,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const Gdn
                     if (x < nt) {
                         const int col = 8 * (h + 2 * x) + g;
                         const float2 y = *reinterpret_cast<const float2*>(&sK[col * GDC_RS + k + 2 * t4]);
-                        mma_3xtf32(big[x], small[x], af, split_tf32(y.x), split_tf32(y.y));
+                        mma_xtf32<NT>(big[x], small[x], af, split_tf32(y.x), split_tf32(y.y));
                     }
                 }
             }
@@ -680,7 +681,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const Gdn
                     for (int x = 0; x < 4; ++x) {
                         if (x < ntw) {
                             const float* rb = R + (k + t4) * GDC_RS + 8 * (nb + x) + g;
-                            mma_3xtf32(big[x], small[x], af, split_tf32(rb[0]), split_tf32(rb[4 * GDC_RS]));
+                            mma_xtf32<NT>(big[x], small[x], af, split_tf32(rb[0]), split_tf32(rb[4 * GDC_RS]));
                         }
                     }
                 }
@@ -698,6 +699,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const Gdn
     }
 }
 
+// The entry points: the products in 3xTF32 (to f32 rounding), or in 1xTF32 ("_tc1": each operand
+// rounded to tf32, a third of the MMAs; chosen only with LILY_GDN_CHUNK=tf32, see ops/gdn_chunked.rs).
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<3>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1>(p); }
+
 // ---------------------------------------------------------------------------------------------------
 // gdn_chunk_state_tc: the sequential pass on the tensor cores. grid (⌈Dv/32⌉, Hv), 512 threads (16
 // warps), 1 block per SM, GDC_TC_SMEM bytes of dynamic shared memory (223 KB). One block per (value
@@ -713,7 +719,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const Gdn
 #define GDC_S2 36  // row stride of S and V' in (hi, lo) pairs
 #define GDC_TC_SMEM (4 * (2 * GDC_CH * GDC_WS + 2 * GDC_CH * GDC_KS + 2 * GDC_CH * GDC_PS + 4 * GDC_CH) + 8 * (GDC_MAXD + GDC_CH) * GDC_S2)
 
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter();
+template <int NT>
+__device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
     extern __shared__ __align__(16) float sm[];
     float* const sW = sm;                            // [64][WS]
     float* const sQ = sW + GDC_CH * GDC_WS;          // [64][WS]
@@ -842,7 +849,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const Gd
                 const Tf32A af = split_a(a[k], a[k + 8 * GDC_WS], a[k + 4], a[k + 8 * GDC_WS + 4]);
 #pragma unroll
                 for (int x = 0; x < 2; ++x)
-                    mma_3xtf32(big[x], small[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
+                    mma_xtf32<NT>(big[x], small[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
             }
         }
         float o[2][4];
@@ -882,7 +889,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const Gd
             for (int k = 0; k < 16 * (mi + 1); k += 8) {
                 const Tf32A af = split_a(P[k], P[k + 8 * GDC_PS], P[k + 4], P[k + 8 * GDC_PS + 4]);
 #pragma unroll
-                for (int x = 0; x < 2; ++x) mma_3xtf32(o[x], os[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
+                for (int x = 0; x < 2; ++x) mma_xtf32<NT>(o[x], os[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
             }
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
@@ -913,7 +920,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const Gd
                 const float* ka = K + k * GDC_KS;
                 const Tf32A af = split_a(ka[0] * e0, ka[8] * e0, ka[4 * GDC_KS] * e1, ka[4 * GDC_KS + 8] * e1);
 #pragma unroll
-                for (int x = 0; x < 4; ++x) mma_3xtf32(ds[x], ds[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
+                for (int x = 0; x < 4; ++x) mma_xtf32<NT>(ds[x], ds[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
             }
 #pragma unroll
             for (int x = 0; x < 4; ++x) {
@@ -937,3 +944,6 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const Gd
         }
     }
 }
+
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<3>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1>(p); }

@@ -78,6 +78,17 @@ __device__ __forceinline__ void mma_3xtf32(float (&big)[4], float (&small)[4], c
     mma_tf32(small, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b0.y, b1.y);
     mma_tf32(big, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b0.x, b1.x);
 }
+// NT = 3: mma_3xtf32; NT = 1: the large term alone (1xTF32: both operands rounded to tf32's 10
+// mantissa bits, the product accumulated in f32; a third of the MMAs, and `small` untouched).
+template <int NT>
+__device__ __forceinline__ void mma_xtf32(float (&big)[4], float (&small)[4], const Tf32A& a, uint2 b0, uint2 b1) {
+    static_assert(NT == 1 || NT == 3, "3xTF32 or 1xTF32");
+    if constexpr (NT == 3) {
+        mma_3xtf32(big, small, a, b0, b1);
+    } else {
+        mma_tf32(big, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b0.x, b1.x);
+    }
+}
 // Two f32 as their (hi, lo) tf32 pairs, for a 16-byte shared store.
 __device__ __forceinline__ uint4 split_pair(float a, float b) {
     const uint2 x = split_tf32(a), y = split_tf32(b);

@@ -70,7 +70,7 @@ struct GdnChunkStateParams {
 unsafe impl DeviceRepr for GdnChunkStateParams {}
 
 pub(crate) const KERNELS: &[&str] =
-    &["gdn_chunk_prep", "gdn_chunk_prep_tc", "gdn_chunk_state_t16", "gdn_chunk_state_t32", "gdn_chunk_state_tc"];
+    &["gdn_chunk_prep", "gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_state_t16", "gdn_chunk_state_t32", "gdn_chunk_state_tc", "gdn_chunk_state_tc1"];
 
 /// `GDC_PREP_SMEM` in `kernels/gdn_chunked.cu`: Γ [64] f64, then K, Q/V [64, 136], A [64, 65], X [64, 72]
 /// and three vectors [64], f32.
@@ -81,10 +81,12 @@ const PREP_TC_SMEM: usize = 8 * 64 + 4 * (2 * 64 * 136 + 64 * 65 + 64 * 72 + 3 *
 const TC_SMEM: usize = 4 * (2 * 64 * 132 + 2 * 64 * 136 + 2 * 64 * 68 + 4 * 64) + 8 * (128 + 64) * 36;
 
 pub(crate) fn configure(dev: &Device) -> Result<()> {
-    dev.function("gdn_chunk_state_tc")?
-        .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, TC_SMEM as i32)?;
-    dev.function("gdn_chunk_prep_tc")?
-        .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, PREP_TC_SMEM as i32)?;
+    for name in ["gdn_chunk_state_tc", "gdn_chunk_state_tc1"] {
+        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, TC_SMEM as i32)?;
+    }
+    for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1"] {
+        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, PREP_TC_SMEM as i32)?;
+    }
     Ok(())
 }
 
@@ -95,6 +97,8 @@ pub enum PrepKernel {
     Ffma,
     /// K Kᵀ, Q Kᵀ and the W, U products on the tensor cores in 3xTF32; Dk a multiple of 16, Dv of 8.
     Tensor,
+    /// The same in 1xTF32 (operands rounded to tf32, f32 sums; a third of the MMAs).
+    Tensor1,
 }
 
 impl PrepKernel {
@@ -102,7 +106,7 @@ impl PrepKernel {
     pub fn supports(self, dims: &GdnDims) -> bool {
         match self {
             PrepKernel::Ffma => true,
-            PrepKernel::Tensor => tensor_shape(dims),
+            PrepKernel::Tensor | PrepKernel::Tensor1 => tensor_shape(dims),
         }
     }
 }
@@ -121,6 +125,8 @@ pub enum StateKernel {
     /// The tensor cores in 3xTF32, 32 state columns a block (the state update and the output by
     /// different warps at once); Dk a multiple of 16, Dv of 8.
     Tensor,
+    /// The same in 1xTF32.
+    Tensor1,
 }
 
 impl StateKernel {
@@ -128,21 +134,24 @@ impl StateKernel {
     pub fn supports(self, dims: &GdnDims) -> bool {
         match self {
             StateKernel::Ffma16 | StateKernel::Ffma32 => true,
-            StateKernel::Tensor => tensor_shape(dims),
+            StateKernel::Tensor | StateKernel::Tensor1 => tensor_shape(dims),
         }
     }
 }
 
-/// Whether the default may choose the tensor-core kernels (`LILY_GDN_CHUNK=ffma` keeps the FFMA ones;
-/// read once, for A/B runs).
-fn tensor_allowed() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_GDN_CHUNK").map(|v| v != "ffma").unwrap_or(true))
+/// `LILY_GDN_CHUNK` (read once, for A/B runs): `ffma` keeps the FFMA kernels, `tf32` takes the
+/// 1xTF32 tensor-core ones; otherwise the 3xTF32 ones where the shape allows.
+fn chunk_env() -> &'static str {
+    static V: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    V.get_or_init(|| std::env::var("LILY_GDN_CHUNK").unwrap_or_default())
 }
 
 /// The kernels [`delta_rule_chunked`] runs for this shape on this device.
 pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel) {
-    if tensor_allowed() && tensor_shape(dims) {
+    if chunk_env() != "ffma" && tensor_shape(dims) {
+        if chunk_env() == "tf32" {
+            return (PrepKernel::Tensor1, StateKernel::Tensor1);
+        }
         return (PrepKernel::Tensor, StateKernel::Tensor);
     }
     // 32-column tiles read each chunk's W, Q, K and P from L2 half as often as 16-column ones; 16 only
@@ -230,6 +239,7 @@ where
         StateKernel::Ffma16 => ("gdn_chunk_state_t16", 16, 256, 0),
         StateKernel::Ffma32 => ("gdn_chunk_state_t32", 32, 512, 0),
         StateKernel::Tensor => ("gdn_chunk_state_tc", 32, 512, TC_SMEM as u32),
+        StateKernel::Tensor1 => ("gdn_chunk_state_tc1", 32, 512, TC_SMEM as u32),
     };
     if t_len == 0 {
         return Ok(());
@@ -255,6 +265,7 @@ where
     let (prep_name, prep_smem) = match prep_kernel {
         PrepKernel::Ffma => ("gdn_chunk_prep", 0),
         PrepKernel::Tensor => ("gdn_chunk_prep_tc", PREP_TC_SMEM as u32),
+        PrepKernel::Tensor1 => ("gdn_chunk_prep_tc1", PREP_TC_SMEM as u32),
     };
     let cfg = LaunchConfig {
         grid_dim: (t_len.div_ceil(CHUNK) as u32, hv as u32, 1),
