@@ -88,6 +88,21 @@ struct TcRows {
     long long gstep;      // groups from row g to row g+8
     bool v0, v1;          // rows g, g+8 exist
 
+    // Lane (g, t)'s pointers for row `row` (and row + 8) of a matrix whose row 0 is `mrow` rows into
+    // w, scales and biases; rows at or past `live_rows`, or all with `live` false, load zeros.
+    __device__ __forceinline__ static TcRows at(const uint4* w, const uint16_t* sc, const uint16_t* bi, long long mrow, int row,
+                                                bool live, int live_rows, int nch, int groups, int t) {
+        TcRows R;
+        R.w0 = w + (mrow + row) * nch + t;
+        R.s0 = sc + (mrow + row) * groups + (t >> 1);
+        R.b0 = bi + (mrow + row) * groups + (t >> 1);
+        R.wstep = 8ll * nch;
+        R.gstep = 8ll * groups;
+        R.v0 = live && row < live_rows;
+        R.v1 = live && row + 8 < live_rows;
+        return R;
+    }
+
     __device__ __forceinline__ void load(TcLoad& L, int r) const {
         const uint4 z = make_uint4(0, 0, 0, 0);
         L.w0 = v0 ? ld_stream(w0 + 4 * r) : z;
@@ -218,19 +233,10 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
     const uint4* xlane = reinterpret_cast<const uint4*>(xs + ((g & 3) * 4 + t) * TC_PLANE);
 
     auto rows_of = [&](int tile, int mm) {
-        TcRows R;
-        const int row = tile * 16 + g;
         const uint4* w = mm == 0 ? p.w : p.w2;
         const uint16_t* sc = mm == 0 ? p.scales : p.scales2;
         const uint16_t* bi = mm == 0 ? p.biases : p.biases2;
-        R.w0 = w + (mrow + row) * nch + t;
-        R.s0 = sc + (mrow + row) * groups + (t >> 1);
-        R.b0 = bi + (mrow + row) * groups + (t >> 1);
-        R.wstep = 8ll * nch;
-        R.gstep = 8ll * groups;
-        R.v0 = row < live_rows;
-        R.v1 = row + 8 < live_rows;
-        return R;
+        return TcRows::at(w, sc, bi, mrow, tile * 16 + g, true, live_rows, nch, groups, t);
     };
 
     const int tiles = (rows + 15) >> 4;
@@ -379,16 +385,8 @@ __device__ __forceinline__ void mix_tc(const GemvParams& p) {
             if (u < units) {
                 const int sl = u / nr, r = u - sl * nr;
                 const uint32_t m = mats[sl];
-                const bool ok = m < (uint32_t)p.count;
-                const long long mrow = (long long)(ok ? m : 0) * rows + row;
-                TcRows R;
-                R.w0 = p.w + mrow * nch + t;
-                R.s0 = p.scales + mrow * groups + (t >> 1);
-                R.b0 = p.biases + mrow * groups + (t >> 1);
-                R.wstep = 8ll * nch;
-                R.gstep = 8ll * groups;
-                R.v0 = ok && row < rows;
-                R.v1 = ok && row + 8 < rows;
+                const bool ok = m < (uint32_t)p.count;  // a bad index loads nothing
+                const TcRows R = TcRows::at(p.w, p.scales, p.biases, (long long)(ok ? m : 0) * rows, row, ok, rows, nch, groups, t);
                 R.load(L[i], r);
             }
         }

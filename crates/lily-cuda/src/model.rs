@@ -1142,10 +1142,11 @@ fn gdn_step_on() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_GDN_STEP").map(|v| v != "0").unwrap_or(true))
 }
 
-/// Two decode fusions are built and tested but off by default, because they measured slower
-/// (docs/PERF.md, 2026-12-02: 380 vs 412 tok/s at 4K on the H200): `route`, the router's top-k in
-/// its GEMV's last block (`affine_gemv::router_route`), and `mix`, the down projections with the
-/// combine (`affine_gemv::down_mix`). `LILY_FUSE=route,mix` turns them on (benchmarks); without it
+/// Two decode fusions are built and tested but off by default, because they measured slower in the
+/// 4K graph (docs/PERF.md, 2026-12-03 fifth session: 2,038 µs without; `route` 2,189, `mix` 2,092 on
+/// the tensor cores): `route`, the router's top-k in its GEMV's last block
+/// (`affine_gemv::router_route`), and `mix`, the down projections with the combine
+/// (`affine_gemv::down_mix`). `LILY_FUSE=route,mix` turns them on (benchmarks); without it
 /// the router's selection and the combine run as kernels of their own.
 const UNFUSE_ROUTE: u32 = 1;
 const UNFUSE_MIX: u32 = 2;

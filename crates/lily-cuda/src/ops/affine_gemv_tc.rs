@@ -60,7 +60,7 @@ pub(crate) fn preferred(rows: usize, cols: usize, slots: usize) -> bool {
 /// 8 (slot, round) units (many slots of long rows: the FFMA mix kernel takes those).
 pub(crate) fn plan_mix(dev: &Device, rows: usize, cols: usize, ns: usize) -> Result<Option<(&'static str, u32, u32)>> {
     let units = ns * (cols / ROUND_COLS);
-    let per_warp = units.div_ceil(8);
+    let per_warp = units.div_ceil(THREADS as usize / 32);
     let Some(&(name, _)) = MIX.iter().find(|&&(_, u)| u >= per_warp) else { return Ok(None) };
     let smem = units * ROUND_BYTES + 4 * ns * (cols / 64);
     if smem > dev.max_smem_optin() as usize - 1024 {
