@@ -10,17 +10,12 @@
 // sequentially in index order, IEEE division (no fast math).
 // Lane l holds the logits l + 32j (j < NPER) in registers; the sum is read back in order from `s`
 // (e floats of shared memory owned by this warp), so every lane adds the same sequence. Top-k: k rounds
-// of (in-lane best, xor-butterfly warp argmax on (p desc, index asc)); the winner's slot is marked taken
+// of (in-lane best, warp argmax on (p desc, index asc) by redux.sync); the winner's slot is marked taken
 // (-1; p is never negative) and lane r keeps the round-r pick. Requires 1 <= k <= min(e, 32), e <= 32*NPER.
 // The logits are read with ld.global.cg (L2, not L1): in the fused GEMV other blocks of the same grid
 // wrote them.
 #pragma once
 #include <stdint.h>
-
-// a better than b: larger p, then lower index.
-__device__ __forceinline__ bool route_better(float pa, int ia, float pb, int ib) {
-    return pa > pb || (pa == pb && ia < ib);
-}
 
 template <int NPER>
 __device__ __forceinline__ void route_row(const float* row, int e, int k, int renorm, float* s, uint32_t* idx_out, float* w_out) {
@@ -76,15 +71,13 @@ __device__ __forceinline__ void route_row(const float* row, int e, int k, int re
                 bi = lane + 32 * j;
             }
         }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const float op = __shfl_xor_sync(0xffffffffu, bp, o);
-            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-            if (route_better(op, oi, bp, bi)) {
-                bp = op;
-                bi = oi;
-            }
-        }
+        // The warp's best: the largest p (a non-negative float's bits order as its value; taken and
+        // absent slots, -1, map below every p), then the lowest index among the lanes holding it —
+        // two redux.sync where a butterfly took five rounds of two shuffles.
+        const uint32_t key = bp >= 0.0f ? __float_as_uint(bp) + 1u : 0u;
+        const uint32_t best = __reduce_max_sync(0xffffffffu, key);
+        bi = (int)__reduce_min_sync(0xffffffffu, key == best ? (uint32_t)bi : 0x7fffffffu);
+        bp = best == 0u ? -1.0f : __uint_as_float(best - 1u);
         if ((bi & 31) == lane) {
             const int slot = bi >> 5;
 #pragma unroll
