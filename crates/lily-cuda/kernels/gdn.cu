@@ -15,6 +15,9 @@
 //     (the K taps in registers, the tile's K-1+16 inputs in a sliding window, the q/k norms of the 16
 //     tokens reduced together); it reads the old conv state and leaves it. gdn_conv_finish then writes
 //     the new conv state (the last K-1 rows of x: T ≥ K-1) and the gates, grid-stride.
+//   gdn_conv_qk_warp_k{4,8}: gdn_conv_qk_tiled's work with one warp per (head, 16 tokens), 4 channels
+//     a lane, for heads of ≤ 128 channels in multiples of 4 (the prompt path's stream of x; then
+//     gdn_conv_finish as above). x, a and b may be column ranges of one wider row (x_stride, ab_stride).
 //   gdn_recurrent_r{NR}: the delta rule. Per value head j and token: S *= exp(g); kv = Sᵀk;
 //     δ = β(v − kv); S += k⊗δ; o = Sᵀq. Block = (slice of Dv columns, value head); each warp owns 8
 //     consecutive columns (32-byte sectors of a state row) and spreads Dk over 4 row groups, lane =
@@ -36,12 +39,12 @@
 #include "pdl.cuh"
 
 struct GdnConvQkParams {
-    const float* x;        // [T, C] pre-conv projections
+    const float* x;        // [T, C] pre-conv projections, rows x_stride apart
     const float* conv_w;   // [C, K] (tap K-1 multiplies the current token)
     float* conv_state;     // [K-1, C], in place
     float* out;            // [T, C]
-    const float* a;        // [T, Hv]
-    const float* b;        // [T, Hv]
+    const float* a;        // [T, Hv], rows ab_stride apart
+    const float* b;        // [T, Hv], rows ab_stride apart
     const float* a_log;    // [Hv]
     const float* dt_bias;  // [Hv]
     float* g;              // [T, Hv]
@@ -52,6 +55,8 @@ struct GdnConvQkParams {
     int dk;
     int dv;
     int k;
+    long long x_stride;    // floats between rows of x (C when x is its own buffer)
+    long long ab_stride;   // floats between rows of a and of b (Hv when they are their own)
 };
 
 struct GdnRecurrentParams {
@@ -91,14 +96,15 @@ struct GdnStepParams {
 };
 
 struct GdnGatedNormParams {
-    const float* x;  // [rows, Dv]
-    const float* z;  // [rows, Dv]
+    const float* x;  // [rows, Dv], rows = T·Hv
+    const float* z;  // [T, Hv·Dv], token rows z_stride apart
     const float* w;  // [Dv]
     float* y;        // [rows, Dv]
     int rows;
     int dv;
     float eps;
-    int pad_;
+    int hv;
+    long long z_stride;  // floats between tokens of z (Hv·Dv when z is its own buffer)
 };
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
@@ -145,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_conv_qk(const GdnConvQkPa
             float acc = 0.0f;
             for (int j = 0; j < K; ++j) {
                 const int r = t + j;  // row of xin = concat(conv_state, x)
-                const float xv = r < hist ? p.conv_state[r * C + ch] : p.x[(long long)(r - hist) * C + ch];
+                const float xv = r < hist ? p.conv_state[r * C + ch] : p.x[(long long)(r - hist) * p.x_stride + ch];
                 acc += p.conv_w[ch * K + j] * xv;
             }
             const float y = silu_f(acc);
@@ -165,7 +171,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_conv_qk(const GdnConvQkPa
         const long long ch = base + c;
         for (int r = 0; r < hist; ++r) {
             const int src = p.t_len + r;
-            const float v = src < hist ? p.conv_state[src * C + ch] : p.x[(long long)(src - hist) * C + ch];
+            const float v = src < hist ? p.conv_state[src * C + ch] : p.x[(long long)(src - hist) * p.x_stride + ch];
             p.conv_state[r * C + ch] = v;
         }
     }
@@ -175,11 +181,11 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_conv_qk(const GdnConvQkPa
         const float neg_a = -expf(p.a_log[j]);
         const float bias = p.dt_bias[j];
         for (int t = threadIdx.x; t < p.t_len; t += blockDim.x) {
-            const long long i = (long long)t * p.hv + j;
-            const float x = p.a[i] + bias;
+            const long long i = (long long)t * p.hv + j, in = (long long)t * p.ab_stride + j;
+            const float x = p.a[in] + bias;
             const float sp = x > 20.0f ? x : log1pf(expf(x));
             p.g[i] = neg_a * sp;
-            p.beta[i] = 1.0f / (1.0f + expf(-p.b[i]));
+            p.beta[i] = 1.0f / (1.0f + expf(-p.b[in]));
         }
     }
 }
@@ -220,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_conv_qk_tiled(const GdnCon
     for (int i = 0; i < CONV_TT + CONV_MAXK - 1; ++i) {
         const int r = t0 + i;
         float v = 0.0f;
-        if (live && i < nt + K - 1) v = r < hist ? p.conv_state[(long long)r * C + ch] : p.x[(long long)(r - hist) * C + ch];
+        if (live && i < nt + K - 1) v = r < hist ? p.conv_state[(long long)r * C + ch] : p.x[(long long)(r - hist) * p.x_stride + ch];
         xw[i] = v;
     }
     float y[CONV_TT];
@@ -256,6 +262,88 @@ extern "C" __global__ void __launch_bounds__(256) gdn_conv_qk_tiled(const GdnCon
     }
 }
 
+// gdn_conv_qk_tiled's job with one warp per (head, tile of CW_TT tokens): lane l owns channels
+// 4l..4l+3 of the head (16-byte loads and stores; the head's width ≤ 128 and a multiple of 4, x's rows
+// and C multiples of 4 floats), the tile's K-1+CW_TT input rows all loaded before any is used (the
+// loads of a warp in flight at once: the kernel is a stream of x in and out), and each token's q/k norm
+// summed over the warp by shuffles (no block barrier). Warps w, w+1, .. of a block take the heads of one
+// token tile in order, so a block reads whole runs of a row. KM: the most taps (K ≤ KM).
+#define CW_TT 16
+template <int KM>
+__device__ __forceinline__ void conv_qk_warp(const GdnConvQkParams& p) {
+    const int kd = p.hk * p.dk;
+    const long long C = 2LL * kd + (long long)p.hv * p.dv;
+    const int K = p.k, hist = p.k - 1;
+    const int heads = 2 * p.hk + p.hv;
+    const int lane = threadIdx.x & 31;
+    const long long w_id = (long long)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int head = (int)(w_id % heads);
+    const int t0 = (int)(w_id / heads) * CW_TT;
+    if (t0 >= p.t_len) return;  // whole warps; no block barrier in this kernel
+    int base, width;
+    bool norm = false;
+    float qscale = 1.0f;
+    if (head < 2 * p.hk) {
+        base = head * p.dk;
+        width = p.dk;
+        norm = true;
+        if (head < p.hk) qscale = 1.0f / sqrtf((float)p.dk);
+    } else {
+        base = 2 * kd + (head - 2 * p.hk) * p.dv;
+        width = p.dv;
+    }
+    const int nt = min(CW_TT, p.t_len - t0);
+    const bool live = 4 * lane < width;
+    const long long ch = base + (live ? 4 * lane : 0);
+
+    // xin rows t0 .. t0 + nt + K - 2 (xin = concat(conv_state, x)), 4 channels each.
+    float4 xw[CW_TT + KM - 1];
+#pragma unroll
+    for (int i = 0; i < CW_TT + KM - 1; ++i) {
+        const int r = t0 + i;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (live && i < nt + K - 1)
+            v = r < hist ? __ldcg(reinterpret_cast<const float4*>(p.conv_state + (long long)r * C + ch))
+                         : __ldcg(reinterpret_cast<const float4*>(p.x + (long long)(r - hist) * p.x_stride + ch));
+        xw[i] = v;
+    }
+    // The taps of the lane's 4 channels (conv_w is [C, K]: each channel's taps contiguous).
+    float w[4][KM];
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int j = 0; j < KM; ++j) w[c][j] = (live && j < K) ? p.conv_w[(ch + c) * K + j] : 0.0f;
+
+#pragma unroll
+    for (int i = 0; i < CW_TT; ++i) {
+        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+        for (int j = 0; j < KM; ++j) {
+            if (j < K) {
+                acc.x += w[0][j] * xw[i + j].x;
+                acc.y += w[1][j] * xw[i + j].y;
+                acc.z += w[2][j] * xw[i + j].z;
+                acc.w += w[3][j] * xw[i + j].w;
+            }
+        }
+        float4 y = live ? make_float4(silu_f(acc.x), silu_f(acc.y), silu_f(acc.z), silu_f(acc.w)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (norm) {  // warp-uniform
+            float ss = y.x * y.x + y.y * y.y + y.z * y.z + y.w * y.w;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            const float s = (1.0f / sqrtf(ss + 1e-6f)) * qscale;
+            y.x *= s;
+            y.y *= s;
+            y.z *= s;
+            y.w *= s;
+        }
+        if (live && i < nt) *reinterpret_cast<float4*>(p.out + (long long)(t0 + i) * C + ch) = y;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) gdn_conv_qk_warp_k4(const GdnConvQkParams p) { pdl_enter(); conv_qk_warp<4>(p); }
+extern "C" __global__ void __launch_bounds__(128) gdn_conv_qk_warp_k8(const GdnConvQkParams p) { pdl_enter(); conv_qk_warp<8>(p); }
+
 extern "C" __global__ void __launch_bounds__(256) gdn_conv_finish(const GdnConvQkParams p) { pdl_enter();
     const int kd = p.hk * p.dk;
     const long long C = 2LL * kd + (long long)p.hv * p.dv;
@@ -265,15 +353,16 @@ extern "C" __global__ void __launch_bounds__(256) gdn_conv_finish(const GdnConvQ
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         if (i < n_state) {  // new state row r = xin[T + r] = x[T - hist + r] (T ≥ hist)
             const long long r = i / C, ch = i - r * C;
-            p.conv_state[i] = p.x[(p.t_len - hist + r) * C + ch];
+            p.conv_state[i] = p.x[(p.t_len - hist + r) * p.x_stride + ch];
         }
         if (i < n_gate) {
             const int j = (int)(i % p.hv);
+            const long long in = (i / p.hv) * p.ab_stride + j;
             const float neg_a = -expf(p.a_log[j]);
-            const float x = p.a[i] + p.dt_bias[j];
+            const float x = p.a[in] + p.dt_bias[j];
             const float sp = x > 20.0f ? x : log1pf(expf(x));
             p.g[i] = neg_a * sp;
-            p.beta[i] = 1.0f / (1.0f + expf(-p.b[i]));
+            p.beta[i] = 1.0f / (1.0f + expf(-p.b[in]));
         }
     }
 }
@@ -350,7 +439,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_gated_norm(const GdnGated
     const long long r = (long long)blockIdx.x * (blockDim.x >> 5) + warp;
     if (r >= p.rows) return;  // whole warps only; no block barrier below
     const float* x = p.x + r * p.dv;
-    const float* z = p.z + r * p.dv;
+    const float* z = p.z + (r / p.hv) * p.z_stride + (r % p.hv) * p.dv;
     float* y = p.y + r * p.dv;
     float ss = 0.0f;
     for (int i = lane; i < p.dv; i += 32) ss += x[i] * x[i];

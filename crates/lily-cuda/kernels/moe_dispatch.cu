@@ -145,14 +145,14 @@ struct MoeCombineParams {
     const uint32_t* slot_of;  // [t, k] or null (identity: slot t*k + j)
     const float* w;           // [t, k]
     const float* shared;      // [t, h] or null
-    const float* gate_logit;  // [t] (with shared)
+    const float* gate_logit;  // [t] (with shared), gate_stride floats apart
     float* out;               // [t, h]
     int t;
     int k;
     int h;
     int n;  // t * k
     int accumulate;  // out += the sum (out is the residual stream), else out = the sum
-    int pad_;
+    int gate_stride; // between tokens' gate logits (1, or E + 1 in the rows of a router fused with the gate)
 };
 
 // glibc's expf (sysdeps/ieee754/flt-32/e_expf.c, the FMA build), every double op rounded as there.
@@ -244,7 +244,7 @@ __device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
         ord_slot[rank] = p.slot_of ? p.slot_of[base + j] : (uint32_t)(base + j);
         ord_w[rank] = p.w[base + j];
     }
-    if (threadIdx.x == 0 && p.shared) gate = cpu_sigmoid(p.gate_logit[tok]);
+    if (threadIdx.x == 0 && p.shared) gate = cpu_sigmoid(p.gate_logit[(long long)tok * p.gate_stride]);
     __syncthreads();
 
     const int nv = p.h / V;

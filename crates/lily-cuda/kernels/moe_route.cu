@@ -6,13 +6,15 @@
 #include "route.cuh"
 
 struct MoeRouteParams {
-    const float* logits;  // [T, E]
+    const float* logits;  // [T, E], rows `stride` floats apart
     uint32_t* idx;        // [T, k]
     float* w;             // [T, k]
     int t;
     int e;
     int k;
     int renorm;
+    int stride;           // ≥ E (E + 1: the router's rows carry the shared expert's gate logit last)
+    int pad_;
 };
 
 constexpr int WARPS = 4;
@@ -23,7 +25,7 @@ __device__ __forceinline__ void moe_route(const MoeRouteParams& p) {
     const int warp = threadIdx.x >> 5;
     const int tok = blockIdx.x * WARPS + warp;
     if (tok >= p.t) return;  // whole warp
-    route_row<NPER>(p.logits + (long long)tok * p.e, p.e, p.k, p.renorm, sm[warp], p.idx + (long long)tok * p.k, p.w + (long long)tok * p.k);
+    route_row<NPER>(p.logits + (long long)tok * p.stride, p.e, p.k, p.renorm, sm[warp], p.idx + (long long)tok * p.k, p.w + (long long)tok * p.k);
 }
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS) moe_route_e32(const MoeRouteParams p) { pdl_enter(); moe_route<1>(p); }

@@ -164,16 +164,13 @@ struct Activations {
     mix: CudaSlice<f32>,    // [T, H] mixer output
     mlp: CudaSlice<f32>,    // [T, H] MLP output
     // Gated DeltaNet
-    qkv_raw: CudaSlice<f32>, // [T, C]
-    qkv: CudaSlice<f32>,     // [T, C]
-    z: CudaSlice<f32>,       // [T, Hv·Dv]
-    a: CudaSlice<f32>,       // [T, Hv]
-    b: CudaSlice<f32>,       // [T, Hv]
+    in_proj: CudaSlice<f32>, // [T, C + Hv·Dv + 2·Hv]: qkv, z, b, a (see gdn_mixer for the layout)
+    qkv: CudaSlice<f32>,     // [T, C] after the conv
     g: CudaSlice<f32>,       // [T, Hv]
     beta: CudaSlice<f32>,    // [T, Hv]
     rule: CudaSlice<f32>,    // [T, Hv·Dv]
     normed_rule: CudaSlice<f32>, // [T, Hv·Dv]
-    proj1: CudaSlice<f32>,       // decode: [C + Hv·Dv + 2·Hv] or [nh·hd·(1+gate) + 2·kvh·hd]
+    proj1: CudaSlice<f32>,       // attention decode: [nh·hd·(1+gate) + 2·kvh·hd]
     gdn_scratch: CudaSlice<f32>, // the chunked rule's per-chunk matrices
     // Attention
     qg: CudaSlice<f32>,     // [T, nh·hd·(1+gate)]
@@ -184,7 +181,7 @@ struct Activations {
     att: CudaSlice<f32>,    // [T, nh, hd]
     att_scratch: CudaSlice<f32>,
     // MoE
-    router: CudaSlice<f32>,  // [T, E]
+    router: CudaSlice<f32>,  // [T, E] or [T, E + 1] (the shared expert's gate logit last)
     idx: CudaSlice<u32>,     // [T, k]
     idx1: CudaSlice<u32>,    // decode: [k + 1], the router's k then E (the shared expert in the stack)
     route_w: CudaSlice<f32>, // [T, k]
@@ -638,7 +635,7 @@ impl CudaModel {
             dev.mark("norm", 16 * tt * h, 0)?;
             rmsnorm::add_rms_norm(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed)?;
             match &l.mlp {
-                DevMlp::Moe { router, experts, shared, .. } => moe(dev, cfg, router, experts, shared, a, t)?,
+                DevMlp::Moe { router, router_plus, experts, shared } => moe(dev, cfg, router, router_plus.as_ref(), experts, shared, a, t)?,
                 DevMlp::Dense(m) => {
                     mark_swiglu(dev, "mlp.gate_up", &m.gate, 1, t)?;
                     swiglu_linear(dev, &m.gate, &m.up, &a.normed, t, &mut a.act)?;
@@ -802,35 +799,41 @@ fn gdn_mixer(
 ) -> Result<()> {
     let d = GdnDims::from_config(cfg);
     let (c, vd, hv) = (d.conv_dim(), d.value_dim(), d.num_v_heads);
-    // The projections qkv [T, C] (= q | k | v), z [T, Hv·Dv], b and a [T, Hv]: one token takes them
-    // from one fused GEMV when the layer has it.
-    let (x, z, b, av) = match (dec, &g.in_fused) {
-        (Some(f), Some(fused)) => {
-            mark_linear(dev, "gdn.in_proj", fused, 1)?;
-            affine_gemv::gemv_fused(dev, fused, Select::matrix(0), &a.x, false, &mut a.proj1, f)?; // [qkv | z | b | a]
-            let p = &a.proj1;
-            (p.slice(0..c), p.slice(c..c + vd), p.slice(c + vd..c + vd + hv), p.slice(c + vd + hv..c + vd + 2 * hv))
+    // The projections qkv [T, C] (= q | k | v), z [T, Hv·Dv], b and a [T, Hv], all in a.in_proj: one
+    // product over the layer's fused weights (a GEMM, or one token's GEMV) writes them as column
+    // ranges of rows of W = C + Hv·Dv + 2·Hv floats; without fused weights four products write four
+    // blocks of T rows each. `off`: where qkv, z, b and a start; `xs`, `zs`, `abs`: their row strides.
+    let fused = g.in_fused.as_ref();
+    let (off, xs, zs, abs) = match fused {
+        Some(_) => ([0, c, c + vd, c + vd + hv], c + vd + 2 * hv, c + vd + 2 * hv, c + vd + 2 * hv),
+        None => ([0, t * c, t * (c + vd), t * (c + vd + hv)], c, vd, hv),
+    };
+    match (dec, fused) {
+        (Some(f), Some(fw)) => {
+            mark_linear(dev, "gdn.in_proj", fw, 1)?;
+            affine_gemv::gemv_fused(dev, fw, Select::matrix(0), &a.x, false, &mut a.in_proj, f)?; // [qkv | z | b | a]
         }
         (Some(f), None) => {
-            for (w, y) in [(&g.qkv, &mut a.qkv_raw), (&g.z, &mut a.z), (&g.b, &mut a.b), (&g.a, &mut a.a)] {
+            for (w, o) in [(&g.qkv, off[0]), (&g.z, off[1]), (&g.b, off[2]), (&g.a, off[3])] {
                 mark_linear(dev, "gdn.in_proj", w, 1)?;
-                affine_gemv::gemv_fused(dev, w, Select::matrix(0), &a.x, false, y, f)?;
+                affine_gemv::gemv_fused(dev, w, Select::matrix(0), &a.x, false, &mut a.in_proj.slice_mut(o..), f)?;
             }
-            (a.qkv_raw.slice(0..c), a.z.slice(0..vd), a.b.slice(0..hv), a.a.slice(0..hv))
         }
-        _ => {
-            mark_linear(dev, "gdn.in_proj", &g.qkv, t)?;
-            linear(dev, &g.qkv, &a.normed, t, &mut a.qkv_raw)?;
-            mark_linear(dev, "gdn.in_proj", &g.z, t)?;
-            // The other three read the same a.normed: its staged copy is reused.
-            linear_reuse(dev, &g.z, &a.normed, t, &mut a.z)?;
-            mark_linear(dev, "gdn.in_proj", &g.b, t)?;
-            linear_reuse(dev, &g.b, &a.normed, t, &mut a.b)?;
-            mark_linear(dev, "gdn.in_proj", &g.a, t)?;
-            linear_reuse(dev, &g.a, &a.normed, t, &mut a.a)?;
-            (a.qkv_raw.slice(0..t * c), a.z.slice(0..t * vd), a.b.slice(0..t * hv), a.a.slice(0..t * hv))
+        (None, Some(fw)) => {
+            mark_linear(dev, "gdn.in_proj", fw, t)?;
+            linear(dev, fw, &a.normed, t, &mut a.in_proj)?; // [T, qkv | z | b | a]
         }
-    };
+        (None, None) => {
+            for (i, w) in [&g.qkv, &g.z, &g.b, &g.a].into_iter().enumerate() {
+                mark_linear(dev, "gdn.in_proj", w, t)?;
+                // The last three read the same a.normed: its staged copy is reused.
+                let o = if i == 0 { prefill_opts() } else { reuse_x() };
+                linear_with(dev, w, &a.normed, t, &mut a.in_proj.slice_mut(off[i]..), o)?;
+            }
+        }
+    }
+    let p = &a.in_proj;
+    let (x, z, b, av) = (p.slice(off[0]..), p.slice(off[1]..), p.slice(off[2]..), p.slice(off[3]..));
     let (tt, c64, vd64, hv64) = (t as u64, c as u64, vd as u64, hv as u64);
     let kk = d.conv_kernel as u64;
     let (dk64, dv64) = (d.head_k_dim as u64, d.head_v_dim as u64);
@@ -844,7 +847,8 @@ fn gdn_mixer(
     }
     // causal conv + SiLU, q/k L2 norm, gates g and beta
     dev.mark("gdn.conv", 4 * (2 * tt * c64 + 2 * (kk - 1) * c64 + kk * c64 + 4 * tt * hv64), 0)?;
-    gdn::conv_qk(dev, &d, t, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta)?;
+    let ins = gdn::ConvInputs { x_stride: xs, ab_stride: abs, kernel: gdn::ConvKernel::Auto };
+    gdn::conv_qk_with(dev, &d, t, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta, ins)?;
     // per token and value head: S·k, the rank-1 update and Sᵀq over [Dk, Dv] (recurrent form)
     dev.mark("gdn.rule", state_bytes + 4 * tt * (c64 + vd64 + 2 * hv64), 6 * tt * hv64 * dk64 * dv64)?;
     if t >= GDN_CHUNKED_MIN_TOKENS {
@@ -853,7 +857,7 @@ fn gdn_mixer(
         gdn::delta_rule_recurrent(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule)?; // [T, Hv, Dv]
     }
     dev.mark("gdn.norm", 12 * tt * vd64, 0)?;
-    gdn::gated_rmsnorm(dev, &d, t, &a.rule, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
+    gdn::gated_rmsnorm_with(dev, &d, t, &a.rule, &z, zs, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
     mark_linear(dev, "gdn.out_proj", &g.out, t)?;
     if dec.is_some() {
         return affine_gemv::gemv_fused(dev, &g.out, Select::matrix(0), &a.normed_rule, false, &mut a.x, affine_gemv::Fuse::none().accumulate()); // x += [H]
@@ -975,21 +979,27 @@ fn attn_dims(cfg: &ModelConfig) -> attn_prep::AttnDims {
 }
 
 /// The sparse MoE block on a.normed [T, H] → a.mlp [T, H] (prompt chunks; one token: [`moe_decode`]).
+/// With `router_plus` (the router with the shared expert's gate as row E) and a shared expert, one GEMM
+/// writes both: a.router holds rows of E + 1, the gate logit last.
 #[allow(clippy::too_many_arguments)]
 fn moe(
     dev: &Device,
     cfg: &ModelConfig,
     router: &DeviceMatrix,
+    router_plus: Option<&DeviceMatrix>,
     ex: &Swiglu,
     shared: &Shared,
     a: &mut Activations,
     t: usize,
 ) -> Result<()> {
     let (h, e, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
-    mark_linear(dev, "moe.router", router, t)?;
-    linear(dev, router, &a.normed, t, &mut a.router)?; // [T, E]
+    let router_plus = router_plus.filter(|_| !matches!(shared, Shared::None));
+    let stride = if router_plus.is_some() { e + 1 } else { e };
+    let rw = router_plus.unwrap_or(router);
+    mark_linear(dev, "moe.router", rw, t)?;
+    linear(dev, rw, &a.normed, t, &mut a.router)?; // [T, E (+1)]
     dev.mark("moe.route", 4 * (t * e + 2 * t * k) as u64, 0)?;
-    moe_route::route(dev, &a.router, t, e, k, cfg.norm_topk_prob, &mut a.idx, &mut a.route_w)?; // [T, k]
+    moe_route::route_strided(dev, &a.router, stride, t, e, k, cfg.norm_topk_prob, &mut a.idx, &mut a.route_w)?; // [T, k]
     // The shared expert: [T, H] and its gate logit [T].
     // (gate, up, down, matrix index, gate row): its own matrices, or matrix E of the expert stacks.
     let shared_mlp = match shared {
@@ -1001,8 +1011,10 @@ fn moe(
     if let Some((sg, su, _, m, gate)) = shared_mlp {
         mark_swiglu(dev, "moe.shared", sg, 1, t)?;
         gemm::swiglu_gemm_with(dev, sg, su, m, &a.normed, t, &mut a.shared_act, reuse_x())?; // [T, Is]
-        mark_linear(dev, "moe.shared", gate, t)?;
-        gemm::gemm_with(dev, gate, 0, &a.normed, t, &mut a.shared_gate, reuse_x())?; // [T, 1]
+        if router_plus.is_none() {
+            mark_linear(dev, "moe.shared", gate, t)?;
+            gemm::gemm_with(dev, gate, 0, &a.normed, t, &mut a.shared_gate, reuse_x())?; // [T, 1]
+        }
     }
     // Sort the T·k slots by expert on the device, run each expert over its slots.
     dev.mark("moe.plan", 4 * 4 * (t * k) as u64, 0)?;
@@ -1018,9 +1030,11 @@ fn moe(
     }
     mark_grouped(dev, "moe.down", &ex.down, 1, used, t * k)?;
     gemm::grouped_gemm_with(dev, &ex.down, &a.offsets, None, &a.act, t * k, &mut a.expert_out, routed)?; // [T·k, H]
-    let shared_terms = shared_mlp.map(|_| (&a.shared_out, &a.shared_gate));
+    // The gate logits: column E of a.router's rows, or a.shared_gate.
+    let (gate_logits, gate_stride) = if router_plus.is_some() { (a.router.slice(e..), e + 1) } else { (a.shared_gate.slice(0..), 1) };
+    let shared_terms = shared_mlp.map(|_| (&a.shared_out, &gate_logits));
     dev.mark("moe.combine", 4 * ((t * k + 2 * t) * h) as u64, 2 * (t * (k + 1) * h) as u64)?;
-    moe_dispatch::combine(dev, &a.expert_out, &a.idx, Some(&a.slot_of), &a.route_w, shared_terms, t, k, h, &mut a.mlp)
+    moe_dispatch::combine_with(dev, &a.expert_out, &a.idx, Some(&a.slot_of), &a.route_w, shared_terms, gate_stride, t, k, h, &mut a.mlp, false)
 }
 
 /// One token: x += MoE(RMSNorm(x)). With the shared expert in the stack and its gate as the router's
@@ -1067,7 +1081,7 @@ fn moe_decode(
         affine_gemv::gemv(dev, &ex.down, Select::indexed(dev, &idx), &a.act, true, &mut a.expert_out)?; // [k+1, H]
         let (y, shared_row) = (a.expert_out.slice(0..k * h), a.expert_out.slice(k * h..(k + 1) * h));
         dev.mark("moe.combine", 4 * ((k + 3) * h) as u64, 2 * ((k + 1) * h) as u64)?;
-        return moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, Some((&shared_row, &gate_logit)), 1, k, h, &mut a.x, true);
+        return moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, Some((&shared_row, &gate_logit)), 1, 1, k, h, &mut a.x, true);
     }
     dev.mark("norm", 12 * h as u64, 0)?;
     rmsnorm::rms_norm(dev, &a.x, post_norm, cfg.rms_norm_eps, 1, &mut a.normed)?;
@@ -1111,7 +1125,7 @@ fn moe_decode(
     };
     let y = a.expert_out.slice(0..k * h);
     dev.mark("moe.combine", 4 * ((k + 3) * h) as u64, 2 * ((k + 1) * h) as u64)?;
-    moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, shared_terms, 1, k, h, &mut a.x, true) // x += [H]
+    moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, shared_terms, 1, 1, k, h, &mut a.x, true) // x += [H]
 }
 
 /// The prefill GEMMs' options: `Precision::Half` (x and each dequantised weight in f16, f32 sums; the
@@ -1245,16 +1259,13 @@ impl Activations {
         let normed = f(t * h)?;
         let mix = f(t * h)?;
         let mlp = f(t * h)?;
-        let qkv_raw = f(t * c)?;
+        let in_proj = f(t * (c + vd + 2 * hv))?;
         let qkv = f(t * c)?;
-        let z = f(t * vd)?;
-        let a = f(t * hv)?;
-        let b = f(t * hv)?;
         let g = f(t * hv)?;
         let beta = f(t * hv)?;
         let rule = f(t * vd)?;
         let normed_rule = f(t * vd)?;
-        let proj1 = f((c + vd + 2 * hv).max(qg + 2 * kv))?;
+        let proj1 = f(qg + 2 * kv)?;
         let gdn_scratch = f(if has_gdn && t >= GDN_CHUNKED_MIN_TOKENS { gdn_chunked::scratch_len(&d, t) } else { 1 })?;
         let qg_b = f(t * qg)?;
         let kb = f(t * kv)?;
@@ -1263,7 +1274,7 @@ impl Activations {
         let gate = f(t * q)?;
         let att = f(t * q)?;
         let att_scratch = f(if has_attn { attention::scratch_len(nh, hd) } else { 1 })?;
-        let router = f((t * e).max(e + 1))?;
+        let router = f(t * (e + 1))?; // [T, E + 1]: the router fused with the shared expert's gate
         let route_w = f(t * k)?;
         let act = f(t * inter)?;
         let expert_out = f((t * k).max(k + 1) * h)?;
@@ -1296,11 +1307,8 @@ impl Activations {
                 normed,
                 mix,
                 mlp,
-                qkv_raw,
+                in_proj,
                 qkv,
-                z,
-                a,
-                b,
                 g,
                 beta,
                 rule,

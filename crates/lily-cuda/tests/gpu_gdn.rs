@@ -166,10 +166,50 @@ fn check_layer(dev: &Device, d: &GdnDims, t: usize, seed: u64) {
     gdn::gated_rmsnorm(dev, d, t, &o2, &z, &nw, EPS, &mut y2).unwrap();
     let e_y2 = check(&dev.download(&y2).unwrap(), &want.y, &format!("{what}: chained gated norm"));
 
+    let e_strided = check_strided(dev, d, t, &inp, &want, &what);
+
     println!(
         "{what}: qkv {e_qkv:.1e} conv_state {e_cs:.1e} g {e_g:.1e} beta {e_b:.1e} | o {e_o:.1e} state {e_s:.1e} \
-         (chained {e_o2:.1e} {e_s2:.1e}) | y {e_y:.1e} (chained {e_y2:.1e})"
+         (chained {e_o2:.1e} {e_s2:.1e}) | y {e_y:.1e} (chained {e_y2:.1e}) | strided, every conv kernel {e_strided:.1e}"
     );
+}
+
+/// Stages 1 and 3 on the layout the model's fused input projection writes: each token's row is
+/// [x (C) | z (Hv·Dv) | b (Hv) | a (Hv)], so x, z, b and a are column ranges `W` floats apart; the conv
+/// through each of its kernels (per warp where the shape allows it, tiled, per token). Returns the worst
+/// error.
+fn check_strided(dev: &Device, d: &GdnDims, t: usize, inp: &Inputs, want: &Outputs, what: &str) -> f64 {
+    let (c, hv, vd) = (d.conv_dim(), d.num_v_heads, d.value_dim());
+    let w = c + vd + 2 * hv;
+    let mut rows = vec![f32::NAN; t * w];
+    for i in 0..t {
+        let r = &mut rows[i * w..(i + 1) * w];
+        r[..c].copy_from_slice(&inp.x[i * c..(i + 1) * c]);
+        r[c..c + vd].copy_from_slice(&inp.z[i * vd..(i + 1) * vd]);
+        r[c + vd..c + vd + hv].copy_from_slice(&inp.b[i * hv..(i + 1) * hv]);
+        r[c + vd + hv..].copy_from_slice(&inp.a[i * hv..(i + 1) * hv]);
+    }
+    let buf = dev.upload(&rows).unwrap();
+    let (x, z, b, a) = (buf.slice(0..), buf.slice(c..), buf.slice(c + vd..), buf.slice(c + vd + hv..));
+    let conv_w = dev.upload(&inp.conv_w).unwrap();
+    let (a_log, dt_bias) = (dev.upload(&inp.a_log).unwrap(), dev.upload(&inp.dt_bias).unwrap());
+    let mut worst = 0.0f64;
+    for kernel in [gdn::ConvKernel::Auto, gdn::ConvKernel::Tiled, gdn::ConvKernel::PerToken] {
+        let mut conv_state = dev.upload(&inp.conv_state).unwrap();
+        let mut qkv = poisoned(dev, t * c);
+        let (mut g, mut beta) = (poisoned(dev, t * hv), poisoned(dev, t * hv));
+        let ins = gdn::ConvInputs { x_stride: w, ab_stride: w, kernel };
+        gdn::conv_qk_with(dev, d, t, &x, &conv_w, &mut conv_state, &a, &b, &a_log, &dt_bias, &mut qkv, &mut g, &mut beta, ins).unwrap();
+        let tag = format!("{what}: strided conv ({kernel:?})");
+        worst = worst.max(check(&dev.download(&qkv).unwrap(), &want.qkv, &format!("{tag} qkv")));
+        worst = worst.max(check(&dev.download(&conv_state).unwrap(), &want.conv_state, &format!("{tag} conv state")));
+        worst = worst.max(check(&dev.download(&g).unwrap(), &want.g, &format!("{tag} g")));
+        worst = worst.max(check(&dev.download(&beta).unwrap(), &want.beta, &format!("{tag} beta")));
+    }
+    let (o_c, nw) = (dev.upload(&want.o).unwrap(), dev.upload(&inp.norm_w).unwrap());
+    let mut y = poisoned(dev, t * vd);
+    gdn::gated_rmsnorm_with(dev, d, t, &o_c, &z, w, &nw, EPS, &mut y).unwrap();
+    worst.max(check(&dev.download(&y).unwrap(), &want.y, &format!("{what}: strided gated norm")))
 }
 
 fn dims(hk: usize, hv: usize, dk: usize, dv: usize, k: usize) -> GdnDims {
@@ -325,6 +365,24 @@ fn gdn_rejects_bad_shapes() {
     assert!(gdn::delta_rule_recurrent(&dev, &bad, t, &qkv, &g, &beta, &mut state, &mut o).is_err());
     let big = dims(1, 1, 512, 16, 4); // Dk > MAX_DK
     assert!(gdn::delta_rule_recurrent(&dev, &big, t, &qkv, &g, &beta, &mut state, &mut o).is_err());
+    // Row strides below a row's width, and strided inputs shorter than T rows span, are refused.
+    let t = 20;
+    let (c, hv) = (d.conv_dim(), d.num_v_heads);
+    let x = dev.zeros::<f32>(t * (c + 8)).unwrap();
+    let ab = dev.zeros::<f32>(t * 8).unwrap();
+    let w = dev.zeros::<f32>(c * d.conv_kernel).unwrap();
+    let hvs = dev.zeros::<f32>(hv).unwrap();
+    let mut cs = dev.zeros::<f32>(d.conv_state_len()).unwrap();
+    let (mut out, mut g, mut beta) = (dev.zeros::<f32>(t * c).unwrap(), dev.zeros::<f32>(t * hv).unwrap(), dev.zeros::<f32>(t * hv).unwrap());
+    for (xs, abs, ok) in [(c - 1, hv, false), (c, hv - 1, false), (c + 9, hv, false), (c + 8, 8, true)] {
+        let ins = gdn::ConvInputs { x_stride: xs, ab_stride: abs, kernel: gdn::ConvKernel::Auto };
+        let r = gdn::conv_qk_with(&dev, &d, t, &x, &w, &mut cs, &ab, &ab, &hvs, &hvs, &mut out, &mut g, &mut beta, ins);
+        assert_eq!(r.is_ok(), ok, "strides {xs}, {abs}: {r:?}");
+    }
+    let mut y = dev.zeros::<f32>(t * d.value_dim()).unwrap();
+    let o = dev.zeros::<f32>(t * d.value_dim()).unwrap();
+    assert!(gdn::gated_rmsnorm_with(&dev, &d, t, &o, &o, d.value_dim() - 1, &hvs, EPS, &mut y).is_err());
+    assert!(gdn::gated_rmsnorm_with(&dev, &d, t, &o, &o, d.value_dim() + 1, &hvs, EPS, &mut y).is_err());
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -388,4 +446,42 @@ fn bench_gdn_decode() {
     });
     println!("  all three        {:7.2} µs/layer (spread {s4:.2}); × 30 layers = {:.1} µs", t4 * 1e6, t4 * 30e6);
     assert!(dev.download(&y).unwrap().iter().all(|v| v.is_finite()));
+}
+
+/// The prompt path's conv at the real shape, T = 4096 (`--ignored bench_gdn_conv_prefill`): the tiled
+/// kernel and the per-warp one, on x as its own buffer and as the column range of the fused input
+/// projection's rows (W = C + Hv·Dv + 2·Hv), against the bytes it must move (x in, out written).
+#[test]
+#[ignore = "timing; run on the GPU machine"]
+fn bench_gdn_conv_prefill() {
+    let Some(dev) = device() else { return };
+    let d = REAL;
+    let t = 4096;
+    let (c, hv, vd) = (d.conv_dim(), d.num_v_heads, d.value_dim());
+    let w = c + vd + 2 * hv;
+    let mut rng = Rng::new(5);
+    let rows = dev.upload(&rng.normals(t * w, 1.0)).unwrap();
+    let conv_w = dev.upload(&rng.normals(c * d.conv_kernel, 0.5)).unwrap();
+    let (a_log, dt_bias) = gate_params(&mut rng, hv);
+    let (a_log, dt_bias) = (dev.upload(&a_log).unwrap(), dev.upload(&dt_bias).unwrap());
+    let mut conv_state = dev.upload(&rng.normals(d.conv_state_len(), 1.0)).unwrap();
+    let mut out = dev.zeros::<f32>(t * c).unwrap();
+    let (mut g, mut beta) = (dev.zeros::<f32>(t * hv).unwrap(), dev.zeros::<f32>(t * hv).unwrap());
+    let bytes = 2.0 * (t * c) as f64 * 4.0;
+    for (stride, name) in [(c, "own buffer"), (w, "fused rows")] {
+        let (x, b, a) = if stride == c {
+            (rows.slice(0..), rows.slice(t * c..), rows.slice(t * c + t * hv..))
+        } else {
+            (rows.slice(0..), rows.slice(c + vd..), rows.slice(c + vd + hv..))
+        };
+        let ab = if stride == c { hv } else { w };
+        for kernel in [gdn::ConvKernel::Tiled, gdn::ConvKernel::Auto] {
+            let ins = gdn::ConvInputs { x_stride: stride, ab_stride: ab, kernel };
+            let (s, sp) = time_op(&dev, 20, 5, |_| {
+                gdn::conv_qk_with(&dev, &d, t, &x, &conv_w, &mut conv_state, &a, &b, &a_log, &dt_bias, &mut out, &mut g, &mut beta, ins).unwrap();
+            });
+            println!("  conv T={t} {name:>10} {kernel:?}: {:7.1} µs ({:.2} TB/s of x in + out, spread {sp:.2})", s * 1e6, bytes / s / 1e12);
+        }
+    }
+    assert!(dev.download(&out).unwrap().iter().all(|v| v.is_finite()));
 }

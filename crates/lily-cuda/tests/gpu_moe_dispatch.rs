@@ -256,6 +256,20 @@ fn check_combine(
             assert_bits(&got, &want, h, &format!("{what} H={h} slot_of={with_slot} shared={with_shared}"));
         }
     }
+    // The gate logits as the last column of rows of E + 1 (the router fused with the shared gate);
+    // the other columns hold logits that would change every output if read instead.
+    let stride = e + 1;
+    let mut rows: Vec<f32> = (0..t * stride).map(|_| rng.normal(3.0)).collect();
+    for (i, gv) in g.iter().enumerate() {
+        rows[i * stride + e] = *gv;
+    }
+    let d_rows = dev.upload(&rows).unwrap();
+    let gate = d_rows.slice(e..);
+    let mut d_out = poisoned_f32(dev, t * h);
+    moe_dispatch::combine_with(dev, &d_y, d_idx, Some(d_slot), &d_w, Some((&d_sh, &gate)), stride, t, k, h, &mut d_out, false).unwrap();
+    let got = dev.download(&d_out).unwrap()[..t * h].to_vec();
+    let want = cpu_combine(&y, idx, Some(slot_of), &w, Some((&sh[..], &g[..])), t, k, h, e);
+    assert_bits(&got, &want, h, &format!("{what} H={h} gate logits {stride} apart"));
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -436,6 +450,9 @@ fn moe_dispatch_rejects_bad_shapes() {
     assert!(moe_dispatch::combine(&dev, &y, &idx, none, &w, nosh, 8, 0, 16, &mut out).is_err()); // k = 0
     assert!(moe_dispatch::combine(&dev, &y, &idx, Some(&slot), &w, Some((&sh, &g)), 8, 8, 16, &mut out).is_ok());
     assert!(moe_dispatch::combine(&dev, &y, &idx, none, &w, nosh, 0, 8, 16, &mut out).is_ok());
+    // gate logits strided past the end of their buffer, or a zero stride
+    assert!(moe_dispatch::combine_with(&dev, &y, &idx, none, &w, Some((&sh, &g)), 2, 8, 8, 16, &mut out, false).is_err());
+    assert!(moe_dispatch::combine_with(&dev, &y, &idx, none, &w, Some((&sh, &g)), 0, 8, 8, 16, &mut out, false).is_err());
     // nothing to do
 }
 

@@ -54,14 +54,32 @@ fn check_case(dev: &Device, t: usize, e: usize, k: usize, renorm: bool, seed: u6
     assert!(logits.iter().all(|v| *v != 0.0 && v.is_finite()));
     let want = cpu::route(&logits, e, k, renorm);
 
-    let d_logits = dev.upload(&logits).unwrap();
-    let mut d_idx = dev.upload(&vec![u32::MAX; t * k]).unwrap();
-    let mut d_w = dev.upload(&vec![f32::NAN; t * k]).unwrap();
-    moe_route::route(dev, &d_logits, t, e, k, renorm, &mut d_idx, &mut d_w).unwrap();
-    let idx = dev.download(&d_idx).unwrap();
-    let w = dev.download(&d_w).unwrap();
+    // Contiguous rows, and rows of E + 1 (the router fused with the shared expert's gate): the extra
+    // column holds a logit far above the others, which a misread row would pick.
+    let mut worst = 0.0f64;
+    for stride in [e, e + 1] {
+        let mut rows = vec![40.0f32; t * stride];
+        for ti in 0..t {
+            rows[ti * stride..ti * stride + e].copy_from_slice(&logits[ti * e..(ti + 1) * e]);
+        }
+        let d_logits = dev.upload(&rows).unwrap();
+        let mut d_idx = dev.upload(&vec![u32::MAX; t * k]).unwrap();
+        let mut d_w = dev.upload(&vec![f32::NAN; t * k]).unwrap();
+        if stride == e {
+            moe_route::route(dev, &d_logits, t, e, k, renorm, &mut d_idx, &mut d_w).unwrap();
+        } else {
+            moe_route::route_strided(dev, &d_logits, stride, t, e, k, renorm, &mut d_idx, &mut d_w).unwrap();
+        }
+        let idx = dev.download(&d_idx).unwrap();
+        let w = dev.download(&d_w).unwrap();
+        let what = format!("T={t} E={e} k={k} renorm={renorm} rows {stride} apart");
+        worst = worst.max(compare(&want, &idx, &w, k, seed, &what));
+    }
+    worst
+}
 
-    let what = format!("T={t} E={e} k={k} renorm={renorm}");
+/// The GPU's picks and weights against the CPU's; returns the worst relative weight error.
+fn compare(want: &[Vec<(usize, f32)>], idx: &[u32], w: &[f32], k: usize, seed: u64, what: &str) -> f64 {
     let mut worst = 0.0f64;
     for (ti, r) in want.iter().enumerate() {
         assert_eq!(r.len(), k);
@@ -130,6 +148,8 @@ fn moe_route_rejects_bad_shapes() {
     assert!(moe_route::route(&dev, &logits, 1, 4, 5, true, &mut idx, &mut w).is_err()); // k > E
     assert!(moe_route::route(&dev, &logits, 1, 256, 0, true, &mut idx, &mut w).is_err()); // k = 0
     assert!(moe_route::route(&dev, &logits, 0, 256, 8, true, &mut idx, &mut w).is_ok()); // nothing to do
+    assert!(moe_route::route_strided(&dev, &logits, 255, 1, 256, 8, true, &mut idx, &mut w).is_err()); // stride < E
+    assert!(moe_route::route_strided(&dev, &logits, 300, 2, 256, 8, true, &mut idx, &mut w).is_err()); // short strided logits
 }
 
 // ---------------------------------------------------------------------------------------------------

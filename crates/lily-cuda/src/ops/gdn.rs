@@ -50,6 +50,8 @@ struct GdnConvQkParams {
     dk: i32,
     dv: i32,
     k: i32,
+    x_stride: i64,
+    ab_stride: i64,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for GdnConvQkParams {}
@@ -121,7 +123,8 @@ struct GdnGatedNormParams {
     rows: i32,
     dv: i32,
     eps: f32,
-    pad: i32,
+    hv: i32,
+    z_stride: i64,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for GdnGatedNormParams {}
@@ -155,6 +158,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "gdn_step_r64",
     "gdn_conv_qk",
     "gdn_conv_qk_tiled",
+    "gdn_conv_qk_warp_k4",
+    "gdn_conv_qk_warp_k8",
     "gdn_conv_finish",
     "gdn_recurrent_r2",
     "gdn_recurrent_r4",
@@ -206,18 +211,81 @@ where
     G: DevicePtrMut<f32>,
     BE: DevicePtrMut<f32>,
 {
+    let ins = ConvInputs { x_stride: dims.conv_dim(), ab_stride: dims.num_v_heads, kernel: ConvKernel::Auto };
+    conv_qk_with(dev, dims, t_len, x, conv_w, conv_state, a, b, a_log, dt_bias, out, g, beta, ins)
+}
+
+/// Which kernel of a prompt chunk's conv [`conv_qk_with`] runs (`Auto` is what [`conv_qk`] does; the
+/// others for tests that hold every kernel to the CPU on one shape).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConvKernel {
+    /// The per-warp kernel where the shape and the alignment allow it (T ≥ 16), else the tiled one
+    /// (T ≥ 16), else the per-token one.
+    Auto,
+    /// The tiled kernel where T ≥ 16, else the per-token one.
+    Tiled,
+    /// The per-token kernel.
+    PerToken,
+}
+
+/// Where [`conv_qk_with`] finds its inputs: x's rows `x_stride` floats apart and a's and b's
+/// `ab_stride` apart (x, z, b and a can be column ranges of one fused projection's output rows, as
+/// one GEMM over the concatenated weights writes them), and the kernel to run.
+#[derive(Clone, Copy, Debug)]
+pub struct ConvInputs {
+    pub x_stride: usize,
+    pub ab_stride: usize,
+    pub kernel: ConvKernel,
+}
+
+/// [`conv_qk`] on strided inputs (see [`ConvInputs`]): x holds T rows of C floats `x_stride` apart
+/// (≥ C), a and b T rows of Hv `ab_stride` apart (≥ Hv); out, g and beta stay contiguous.
+#[allow(clippy::too_many_arguments)]
+pub fn conv_qk_with<X, W, CS, A, B, AL, DB, O, G, BE>(
+    dev: &Device,
+    dims: &GdnDims,
+    t_len: usize,
+    x: &X,
+    conv_w: &W,
+    conv_state: &mut CS,
+    a: &A,
+    b: &B,
+    a_log: &AL,
+    dt_bias: &DB,
+    out: &mut O,
+    g: &mut G,
+    beta: &mut BE,
+    ins: ConvInputs,
+) -> Result<()>
+where
+    X: DevicePtr<f32>,
+    W: DevicePtr<f32>,
+    CS: DevicePtrMut<f32>,
+    A: DevicePtr<f32>,
+    B: DevicePtr<f32>,
+    AL: DevicePtr<f32>,
+    DB: DevicePtr<f32>,
+    O: DevicePtrMut<f32>,
+    G: DevicePtrMut<f32>,
+    BE: DevicePtrMut<f32>,
+{
     check(dims, t_len)?;
+    let (c, hv, k) = (dims.conv_dim(), dims.num_v_heads, dims.conv_kernel);
+    if ins.x_stride < c || ins.ab_stride < hv || ins.x_stride.saturating_mul(t_len.max(1)) > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("gdn conv_qk: row strides {} (x, C = {c}) and {} (a, b, Hv = {hv})", ins.x_stride, ins.ab_stride)));
+    }
     if t_len == 0 {
         return Ok(());
     }
-    let (c, hv, k) = (dims.conv_dim(), dims.num_v_heads, dims.conv_kernel);
+    // Elements a strided operand of T rows spans.
+    let span = |stride: usize, width: usize| (t_len - 1) * stride + width;
     let p = GdnConvQkParams {
-        x: addr(dev, x, t_len * c, "gdn conv_qk x")?,
+        x: addr(dev, x, span(ins.x_stride, c), "gdn conv_qk x")?,
         conv_w: addr(dev, conv_w, c * k, "gdn conv_qk conv_w")?,
         conv_state: addr_mut(dev, conv_state, dims.conv_state_len(), "gdn conv_qk conv_state")?,
         out: addr_mut(dev, out, t_len * c, "gdn conv_qk out")?,
-        a: addr(dev, a, t_len * hv, "gdn conv_qk a")?,
-        b: addr(dev, b, t_len * hv, "gdn conv_qk b")?,
+        a: addr(dev, a, span(ins.ab_stride, hv), "gdn conv_qk a")?,
+        b: addr(dev, b, span(ins.ab_stride, hv), "gdn conv_qk b")?,
         a_log: addr(dev, a_log, hv, "gdn conv_qk a_log")?,
         dt_bias: addr(dev, dt_bias, hv, "gdn conv_qk dt_bias")?,
         g: addr_mut(dev, g, t_len * hv, "gdn conv_qk g")?,
@@ -228,19 +296,32 @@ where
         dk: dims.head_k_dim as i32,
         dv: dims.head_v_dim as i32,
         k: k as i32,
+        x_stride: ins.x_stride as i64,
+        ab_stride: ins.ab_stride as i64,
     };
     let width = dims.head_k_dim.max(dims.head_v_dim);
     let threads = (width.div_ceil(32) * 32).clamp(32, 256) as u32;
-    let heads = (2 * dims.num_k_heads + hv) as u32;
-    if t_len >= CONV_TILE && k <= MAX_CONV_TAPS && width <= 256 {
-        // A prompt chunk: parallel over tokens, then the state and the gates.
-        let cfg = LaunchConfig { grid_dim: (t_len.div_ceil(CONV_TILE) as u32, heads, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-        launch(dev, "gdn_conv_qk_tiled", cfg, &p)?;
+    let heads = 2 * dims.num_k_heads + hv;
+    let tiled = t_len >= CONV_TILE && k <= MAX_CONV_TAPS && width <= 256 && ins.kernel != ConvKernel::PerToken;
+    if tiled {
+        // A prompt chunk: parallel over tokens, then the state and the gates. The per-warp kernel
+        // moves x in 16-byte pieces: every head's first channel and every row 4-float aligned.
+        let aligned = dims.head_k_dim % 4 == 0 && dims.head_v_dim % 4 == 0 && ins.x_stride % 4 == 0 && p.x % 16 == 0 && p.out % 16 == 0 && p.conv_state % 16 == 0;
+        if ins.kernel == ConvKernel::Auto && width <= 128 && aligned {
+            const WARPS: usize = 4;
+            let warps = t_len.div_ceil(CONV_TILE) * heads;
+            let name = if k <= 4 { "gdn_conv_qk_warp_k4" } else { "gdn_conv_qk_warp_k8" };
+            let cfg = LaunchConfig { grid_dim: (warps.div_ceil(WARPS) as u32, 1, 1), block_dim: (32 * WARPS as u32, 1, 1), shared_mem_bytes: 0 };
+            launch(dev, name, cfg, &p)?;
+        } else {
+            let cfg = LaunchConfig { grid_dim: (t_len.div_ceil(CONV_TILE) as u32, heads as u32, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+            launch(dev, "gdn_conv_qk_tiled", cfg, &p)?;
+        }
         let n = ((k - 1) * c).max(t_len * hv);
         let cfg = LaunchConfig { grid_dim: (n.div_ceil(256).min(dev.sm_count() as usize * 8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         return launch(dev, "gdn_conv_finish", cfg, &p);
     }
-    let cfg = LaunchConfig { grid_dim: (heads, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    let cfg = LaunchConfig { grid_dim: (heads as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
     launch(dev, "gdn_conv_qk", cfg, &p)
 }
 
@@ -338,22 +419,47 @@ where
     W: DevicePtr<f32>,
     Y: DevicePtrMut<f32>,
 {
-    let (rows, dv) = (t_len * dims.num_v_heads, dims.head_v_dim);
-    if dv == 0 || rows * dv > i32::MAX as usize {
-        return Err(CudaError::Shape(format!("gdn gated_rmsnorm: {rows} rows of {dv}")));
+    gated_rmsnorm_with(dev, dims, t_len, x, z, dims.value_dim(), w, eps, y)
+}
+
+/// [`gated_rmsnorm`] with z's token rows `z_stride` floats apart (≥ Hv·Dv: z a column range of a
+/// fused projection's output).
+#[allow(clippy::too_many_arguments)]
+pub fn gated_rmsnorm_with<X, Z, W, Y>(
+    dev: &Device,
+    dims: &GdnDims,
+    t_len: usize,
+    x: &X,
+    z: &Z,
+    z_stride: usize,
+    w: &W,
+    eps: f32,
+    y: &mut Y,
+) -> Result<()>
+where
+    X: DevicePtr<f32>,
+    Z: DevicePtr<f32>,
+    W: DevicePtr<f32>,
+    Y: DevicePtrMut<f32>,
+{
+    let (hv, dv, vd) = (dims.num_v_heads, dims.head_v_dim, dims.value_dim());
+    let rows = t_len * hv;
+    if dv == 0 || hv == 0 || rows * dv > i32::MAX as usize || z_stride < vd || z_stride.saturating_mul(t_len) > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("gdn gated_rmsnorm: {rows} rows of {dv}, z rows {z_stride} apart")));
     }
     if rows == 0 {
         return Ok(());
     }
     let p = GdnGatedNormParams {
         x: addr(dev, x, rows * dv, "gdn gated_rmsnorm x")?,
-        z: addr(dev, z, rows * dv, "gdn gated_rmsnorm z")?,
+        z: addr(dev, z, (t_len - 1) * z_stride + vd, "gdn gated_rmsnorm z")?,
         w: addr(dev, w, dv, "gdn gated_rmsnorm w")?,
         y: addr_mut(dev, y, rows * dv, "gdn gated_rmsnorm y")?,
         rows: rows as i32,
         dv: dv as i32,
         eps,
-        pad: 0,
+        hv: hv as i32,
+        z_stride: z_stride as i64,
     };
     let warps = 4usize;
     let cfg = LaunchConfig {

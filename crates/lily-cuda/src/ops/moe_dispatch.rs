@@ -54,7 +54,7 @@ struct MoeCombineParams {
     h: i32,
     n: i32,
     accumulate: i32,
-    pad: i32,
+    gate_stride: i32,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for MoeCombineParams {}
@@ -168,10 +168,12 @@ where
     G: DevicePtr<f32>,
     O: DevicePtrMut<f32>,
 {
-    combine_with(dev, y, idx, slot_of, w, shared, t, k, h, out, false)
+    combine_with(dev, y, idx, slot_of, w, shared, 1, t, k, h, out, false)
 }
 
-/// [`combine`], adding the sum into `out` when `accumulate` (out is the residual stream).
+/// [`combine`], adding the sum into `out` when `accumulate` (out is the residual stream), with the
+/// shared expert's gate logits `gate_stride` floats apart (≥ 1: the last column of a router fused with
+/// the shared gate, rows of E + 1).
 #[allow(clippy::too_many_arguments)]
 pub fn combine_with<Y, I, L, W, S, G, O>(
     dev: &Device,
@@ -180,6 +182,7 @@ pub fn combine_with<Y, I, L, W, S, G, O>(
     slot_of: Option<&L>,
     w: &W,
     shared: Option<(&S, &G)>,
+    gate_stride: usize,
     t: usize,
     k: usize,
     h: usize,
@@ -196,9 +199,9 @@ where
     O: DevicePtrMut<f32>,
 {
     let n = t.saturating_mul(k);
-    if k == 0 || k > MAX_K || n > i32::MAX as usize || h > 65535 * COMBINE_THREADS {
+    if k == 0 || k > MAX_K || n > i32::MAX as usize || h > 65535 * COMBINE_THREADS || gate_stride == 0 || t.saturating_mul(gate_stride) > i32::MAX as usize {
         return Err(CudaError::Shape(format!(
-            "moe combine: T = {t}, k = {k}, H = {h} (1 ≤ k ≤ {MAX_K}, T·k < 2^31, H ≤ {})",
+            "moe combine: T = {t}, k = {k}, H = {h}, gate logits {gate_stride} apart (1 ≤ k ≤ {MAX_K}, T·k < 2^31, H ≤ {}, stride ≥ 1)",
             65535 * COMBINE_THREADS
         )));
     }
@@ -215,6 +218,7 @@ where
         h: h as i32,
         n: n as i32,
         accumulate: accumulate as i32,
+        gate_stride: gate_stride as i32,
         ..Default::default()
     };
     if let Some(s) = slot_of {
@@ -222,7 +226,7 @@ where
     }
     if let Some((s, g)) = shared {
         p.shared = addr(dev, s, t * h, "moe combine shared")?;
-        p.gate_logit = addr(dev, g, t, "moe combine gate_logit")?;
+        p.gate_logit = addr(dev, g, (t - 1) * gate_stride + 1, "moe combine gate_logit")?;
     }
     let aligned = [p.y, p.shared, p.out].iter().all(|a| a.is_multiple_of(16));
     let (name, nv) = if h.is_multiple_of(4) && aligned { ("moe_combine_f32_v4", h / 4) } else { ("moe_combine_f32", h) };

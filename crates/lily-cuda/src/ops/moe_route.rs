@@ -25,6 +25,8 @@ struct MoeRouteParams {
     e: i32,
     k: i32,
     renorm: i32,
+    stride: i32,
+    pad: i32,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for MoeRouteParams {}
@@ -47,20 +49,39 @@ pub fn route<L: DevicePtr<f32>, I: DevicePtrMut<u32>, W: DevicePtrMut<f32>>(
     idx_out: &mut I,
     w_out: &mut W,
 ) -> Result<()> {
-    if e == 0 || e > MAX_E || k == 0 || k > e || k > MAX_K || t.saturating_mul(e) > i32::MAX as usize {
-        return Err(CudaError::Shape(format!("moe route: T = {t}, E = {e}, k = {k} (E ≤ {MAX_E}, 1 ≤ k ≤ min(E, {MAX_K}))")));
+    route_strided(dev, logits, e, t, e, k, renormalise, idx_out, w_out)
+}
+
+/// [`route`] on logit rows `stride` floats apart (≥ e): the first e of each row are the router's (a
+/// router fused with the shared expert's gate writes rows of e + 1).
+#[allow(clippy::too_many_arguments)]
+pub fn route_strided<L: DevicePtr<f32>, I: DevicePtrMut<u32>, W: DevicePtrMut<f32>>(
+    dev: &Device,
+    logits: &L,
+    stride: usize,
+    t: usize,
+    e: usize,
+    k: usize,
+    renormalise: bool,
+    idx_out: &mut I,
+    w_out: &mut W,
+) -> Result<()> {
+    if e == 0 || e > MAX_E || k == 0 || k > e || k > MAX_K || stride < e || t.saturating_mul(stride) > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("moe route: T = {t}, E = {e}, k = {k}, rows {stride} apart (E ≤ {MAX_E}, 1 ≤ k ≤ min(E, {MAX_K}), stride ≥ E)")));
     }
     if t == 0 {
         return Ok(());
     }
     let p = MoeRouteParams {
-        logits: addr(dev, logits, t * e, "moe route logits")?,
+        logits: addr(dev, logits, (t - 1) * stride + e, "moe route logits")?,
         idx: addr_mut(dev, idx_out, t * k, "moe route indices")?,
         w: addr_mut(dev, w_out, t * k, "moe route weights")?,
         t: t as i32,
         e: e as i32,
         k: k as i32,
         renorm: renormalise as i32,
+        stride: stride as i32,
+        pad: 0,
     };
     let name = match e {
         0..=32 => "moe_route_e32",
