@@ -700,7 +700,8 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
 }
 
 // The entry points: the products in 3xTF32 (to f32 rounding), or in 1xTF32 ("_tc1": each operand
-// rounded to tf32, a third of the MMAs; chosen only with LILY_GDN_CHUNK=tf32, see ops/gdn_chunked.rs).
+// rounded to tf32, a third of the MMAs; the default since the sixth session; LILY_GDN_CHUNK=tf32x3
+// keeps 3xTF32, see ops/gdn_chunked.rs).
 extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<3>(p); }
 extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1>(p); }
 

@@ -8,7 +8,8 @@
 //! - prefill path (one call: tensor-core GEMMs, attention with bf16 q and p) vs the CPU: perplexity
 //!   within 0.1% and the same argmax at ≥ 97% of positions (the bar), logits within 5e-2;
 //! - chunked prefill (chunks of 17 and 64 tokens) vs one call on the GPU: within 1e-3 (the same
-//!   per-row arithmetic; only the state carried between chunks differs); then 20 tokens one by one
+//!   per-row arithmetic; only the state carried between chunks differs), 5e-3 where the GDN rule runs
+//!   1xTF32 (see the test); then 20 tokens one by one
 //!   vs the CPU within the prefill's 2e-2;
 //! - the decode graph with and without programmatic dependent launch, and kernel by kernel: identical;
 //! - `forward_pick` greedy == argmax of the same step's logits; a state clone resumes identically.
@@ -173,6 +174,16 @@ fn whole_model_matches_the_cpu() {
             println!("{name}/{sub} chunks of 3 (decode steps) vs the CPU: {e:.2e}");
             check(e <= 1e-4, format!("{name}/{sub}: chunks of 3 differ from the CPU by {e:.2e}"));
         }
+        // The bar: 1e-3 where the one-call prefill's GDN rule rounds no product (3xTF32, FFMA); 5e-3 where
+        // it runs 1xTF32 (the default on the tensor cores), which rounds each operand to 11 significant
+        // bits (2^-11 ≈ 4.9e-4 relative) where the 17-token chunks' recurrent form rounds none, and the
+        // 64-token chunks round the same products with the state entering each call from f32 memory:
+        // measured 1.6e-3–3.0e-3 on these fixtures (docs/PERF.md, 2026-12-03). A chunk-boundary bug (a
+        // state dropped, shifted or applied twice) moves the logits by well over 1e-2.
+        let d = lily_cuda::ops::gdn::GdnDims::from_config(&w.config);
+        let tf32 = w.config.layer_types.contains(&lily_model::LayerKind::LinearAttention)
+            && lily_cuda::ops::gdn_chunked::default_kernels(&dev, &d).1 == lily_cuda::ops::gdn_chunked::StateKernel::Tensor1;
+        let chunk_bar = if tf32 { 5e-3 } else { 1e-3 };
         for chunk in [17usize, 64] {
             let mut gc = gpu(&dev, &w, chunk);
             let mut sc = gc.new_state();
@@ -185,7 +196,7 @@ fn whole_model_matches_the_cpu() {
             let e = row_err(&rows, &one[..split * v], v);
             let et = row_err(&tail, &want[split * v..], v);
             println!("{name}/{sub} chunks of {chunk} vs one call: {e:.2e}; then 20 decode steps vs the CPU: {et:.2e}");
-            check(e <= 1e-3, format!("{name}/{sub}: chunked ({chunk}) differs from one call by {e:.2e}"));
+            check(e <= chunk_bar, format!("{name}/{sub}: chunked ({chunk}) differs from one call by {e:.2e} (bar {chunk_bar:.0e})"));
             check(et <= 2e-2, format!("{name}/{sub}: the decode tail after chunks of {chunk} differs from the CPU by {et:.2e}"));
         }
     }

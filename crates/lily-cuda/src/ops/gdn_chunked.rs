@@ -2,16 +2,18 @@
 //! and output as [`super::gdn::delta_rule_recurrent`] and the same numbers to f32 rounding, computed
 //! with the WY / UT form of `lily_cpu::gdn::delta_rule_chunked` (HF `torch_chunk_gated_delta_rule`,
 //! fla-org's `chunk_gated_delta_rule`) so that T tokens cost two well-parallel launches instead of T
-//! sequential steps. f32 throughout: f32 on CUDA cores, or f32 as 3xTF32 products on the tensor cores.
+//! sequential steps. f32 state and sums throughout: f32 on CUDA cores, or on the tensor cores with
+//! tf32 products (1xTF32: operands rounded to tf32; or 3xTF32, f32 to rounding).
 //!
 //! Two launches: the prep, one block per (chunk of [`CHUNK`] tokens, value head), builds each chunk's
 //! W, U, intra-chunk attention P and decay vectors in `scratch` ([`PrepKernel`]: `gdn_chunk_prep` on
 //! FFMA, or `gdn_chunk_prep_tc` with its products on the tensor cores); then the sequential pass, one
 //! block per (value head, tile of state columns), carries the state tile through the chunks and writes
 //! the output ([`StateKernel`]: `gdn_chunk_state_t{16,32}` on FFMA with 16 or 32 columns, or
-//! `gdn_chunk_state_tc` on the tensor cores with 32). The tensor-core kernels (mma.sync m16n8k8 in
-//! 3xTF32) need Dk a multiple of 16 and Dv of 8, and are the default where the shape allows; the FFMA
-//! ones take any Dk, Dv ≤ [`MAX_D`]. `LILY_GDN_CHUNK=ffma` keeps the FFMA kernels for A/B runs.
+//! `gdn_chunk_state_tc` on the tensor cores with 32; `_tc1` the same in 1xTF32). The tensor-core kernels
+//! (mma.sync m16n8k8) need Dk a multiple of 16 and Dv of 8, and are the default where the shape allows; the FFMA
+//! ones take any Dk, Dv ≤ [`MAX_D`]. The default is the 1xTF32 pair; `LILY_GDN_CHUNK=tf32x3` takes the
+//! 3xTF32 pair and `=ffma` the FFMA kernels, for A/B runs.
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -139,8 +141,10 @@ impl StateKernel {
     }
 }
 
-/// `LILY_GDN_CHUNK` (read once, for A/B runs): `ffma` keeps the FFMA kernels, `tf32` takes the
-/// 1xTF32 tensor-core ones; otherwise the 3xTF32 ones where the shape allows.
+/// `LILY_GDN_CHUNK` (read once, for A/B runs): `ffma` keeps the FFMA kernels, `tf32x3` takes the
+/// 3xTF32 tensor-core ones; otherwise (the default) the 1xTF32 ones where the shape allows (docs/PERF.md,
+/// 2026-12-03 sixth session: 20% faster a layer, 2.8e-4 perplexity from MLX-LM float32 at full size
+/// where MLX-LM's own bf16 run is 1.6e-2).
 fn chunk_env() -> &'static str {
     static V: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     V.get_or_init(|| std::env::var("LILY_GDN_CHUNK").unwrap_or_default())
@@ -149,10 +153,10 @@ fn chunk_env() -> &'static str {
 /// The kernels [`delta_rule_chunked`] runs for this shape on this device.
 pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel) {
     if chunk_env() != "ffma" && tensor_shape(dims) {
-        if chunk_env() == "tf32" {
-            return (PrepKernel::Tensor1, StateKernel::Tensor1);
+        if chunk_env() == "tf32x3" {
+            return (PrepKernel::Tensor, StateKernel::Tensor);
         }
-        return (PrepKernel::Tensor, StateKernel::Tensor);
+        return (PrepKernel::Tensor1, StateKernel::Tensor1);
     }
     // 32-column tiles read each chunk's W, Q, K and P from L2 half as often as 16-column ones; 16 only
     // when 32 would leave more than half of the SMs idle (small models).
