@@ -11,7 +11,10 @@
 // sin are computed in f64 and cast to f32, as the CPU does. Products are rounded separately (no FMA
 // contraction) so each rotated element is computed exactly as lily_cpu::attention::rope does.
 //
-//   attn_prep:     grid (T, nh + kvh), one block per (token, head) row of hd elements, one thread per element.
+//   attn_prep:     grid (T, nh + kvh), one block per (token, head) row of hd elements, one thread per
+//                  element (decode and short chunks: the most blocks at once).
+//   attn_prep_chunk: grid (T, ⌈(nh + kvh) / 8⌉) for prompt chunks: a block per (token, 8 heads), a warp
+//                  per head row, the RoPE table once a block (18× fewer f64 angles than attn_prep).
 //   kv_copy_rows:  dst[r·dst_pitch + i] = src[r·src_pitch + i] for i < len (bf16 elements): growing or
 //                  cutting a transposed V cache to another capacity.
 
@@ -125,6 +128,93 @@ extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPr
         dst[d] = out;
     } else {
         kdst[d] = to_bf16(out);
+    }
+}
+
+// Blocks (token, group of PREP_WARPS heads), a warp per head row of hd elements: (1) the row staged
+// in the warp's shared row (the gate half copied out, V appended to its cache), its RMSNorm summed by
+// shuffles and applied; (2) the token's rot/2 RoPE (cos, sin) pairs, once a block (f64, cast to f32,
+// as the CPU does), after the rows' loads are in flight; one barrier; (3) the rotation from the row.
+#define PREP_WARPS 8
+extern "C" __global__ void __launch_bounds__(PREP_WARPS * 32) attn_prep_chunk(const AttnPrepParams p) { pdl_enter();
+    extern __shared__ float prep_smem[];  // cos [rot/2] | sin [rot/2] | PREP_WARPS rows of hd
+    const int t = blockIdx.x;
+    const int hd = p.hd, half = p.rot / 2;
+    const int pos0 = p.pos_dev ? *p.pos_dev : p.pos0;
+    const int pos = pos0 + t;
+    float* cs = prep_smem;
+    float* sn = prep_smem + half;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float* row = prep_smem + 2 * half + warp * hd;
+    const int head = blockIdx.y * PREP_WARPS + warp;
+    const bool has = head < p.nh + p.kvh;  // warp-uniform; every warp reaches the barrier below
+    const bool is_q = head < p.nh;
+    if (has) {
+        const float* src;
+        const float* w;
+        if (is_q) {
+            const long long per_head = p.gated ? 2LL * hd : (long long)hd;
+            src = p.qg + ((long long)t * p.nh + head) * per_head;
+            w = p.q_norm;
+            if (p.gated) {
+                float* g = p.gate_out + ((long long)t * p.nh + head) * hd;
+                for (int d = lane; d < hd; d += 32) g[d] = src[hd + d];
+            }
+        } else {
+            const int kv = head - p.nh;
+            const long long in_off = ((long long)t * p.kvh + kv) * hd;
+            src = p.k + in_off;
+            w = p.k_norm;
+            for (int d = lane; d < hd; d += 32) p.v_cache[((long long)kv * hd + d) * p.capacity + pos] = to_bf16(p.v[in_off + d]);
+        }
+        // RMSNorm: y = x · (1 / sqrt(mean(x²) + eps)) · w, rounded as (x · inv) · w like the CPU. The sum
+        // of squares in attn_prep's order, bit for bit (a chunk's q and k equal its tokens' decode
+        // steps'): a xor tree over each run of 32 elements, then one over the runs' sums (lane r holds
+        // run r's, the other lanes zero).
+        const int runs = (hd + 31) >> 5;
+        float part = 0.0f;
+        for (int r = 0; r < runs; ++r) {
+            const int d = 32 * r + lane;
+            const float x = d < hd ? src[d] : 0.0f;
+            if (d < hd) row[d] = x;
+            float v = x * x;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+            if (lane == r) part = v;
+        }
+        float ss = part;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        const float inv = 1.0f / sqrtf(ss / (float)hd + p.eps);
+        __syncwarp();
+        for (int d = lane; d < hd; d += 32) row[d] = __fmul_rn(__fmul_rn(row[d], inv), w[d]);
+    }
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        const double inv_freq = pow(p.theta, -(double)(2 * i) / (double)p.rot);
+        const double ang = (double)pos * inv_freq;
+        double sd, cd;
+        sincos(ang, &sd, &cd);
+        cs[i] = (float)cd;
+        sn[i] = (float)sd;
+    }
+    __syncthreads();  // the table, and each warp's row
+    if (!has) return;
+    float* dst = is_q ? p.q_out + ((long long)t * p.nh + head) * hd : nullptr;
+    uint16_t* kdst = is_q ? nullptr : p.k_cache + ((long long)pos * p.kvh + (head - p.nh)) * hd;
+    for (int d = lane; d < hd; d += 32) {
+        float out = row[d];
+        if (d < p.rot) {
+            const int i = d < half ? d : d - half;
+            const float c = cs[i], s = sn[i];
+            const float a = row[i], b = row[i + half];
+            // h[i] = a·cos − b·sin; h[i + half] = b·cos + a·sin
+            out = d < half ? __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)) : __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+        }
+        if (is_q) {
+            dst[d] = out;
+        } else {
+            kdst[d] = to_bf16(out);
+        }
     }
 }
 

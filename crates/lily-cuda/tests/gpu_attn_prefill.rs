@@ -184,7 +184,8 @@ fn prep_matches_cpu() {
         for gated in [true, false] {
             // A position near 128K (large angles) only where the sentinel-filled caches stay small.
             let far: &[(usize, usize)] = if kvh * hd <= 128 { &[(131_000, 3)] } else { &[] };
-            for (i, &(pos0, t)) in [(0, 1), (0, 9), (1000, 1), (1000, 13)].iter().chain(far).enumerate() {
+            // T ≥ attn_prep::CHUNK_MIN_TOKENS (16) takes the per-token kernel, shorter ones the per-head one.
+            for (i, &(pos0, t)) in [(0, 1), (0, 9), (1000, 1), (1000, 13), (0, 16), (1000, 41)].iter().chain(far).enumerate() {
                 let d = dims(nh, kvh, hd, rot, gated);
                 let (eq, share) = check_prep(&dev, d, pos0, t, 100 * j as u64 + 10 * gated as u64 + i as u64);
                 println!("prep nh {nh:2} kvh {kvh} hd {hd:3} rot {rot:2} gated {gated:5} pos0 {pos0:6} t {t:2}: q {eq:.2e}, k off bf16(cpu) {:.3}%", 100.0 * share);

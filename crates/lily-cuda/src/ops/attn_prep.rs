@@ -78,9 +78,14 @@ struct KvCopyParams {
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for KvCopyParams {}
 
-pub(crate) const KERNELS: &[&str] = &["attn_prep", "kv_copy_rows"];
+pub(crate) const KERNELS: &[&str] = &["attn_prep", "attn_prep_chunk", "kv_copy_rows"];
 
-/// Largest head dim of [`prep`] (one thread per element).
+/// Tokens from which [`prep`] runs the per-token kernel (`attn_prep_chunk`: 1.43 against 2.16 ms for a
+/// 4K prompt on an H200) instead of the per-(token, head) one (decode: ~2 µs a launch faster; docs/PERF.md,
+/// 2026-12-03 sixth session).
+pub const CHUNK_MIN_TOKENS: usize = 16;
+
+/// Largest head dim of [`prep`] (8 rows of it in a block's shared memory, within the 48 KB default).
 pub const MAX_HEAD_DIM: usize = 1024;
 
 /// For T tokens at positions `pos0..pos0+t`, from the projections `qg` [T, nh·hd·(1+gated)], `k` and `v`
@@ -184,13 +189,23 @@ where
         capacity: capacity as i32,
         pad: 0,
     };
-    let threads = hd.div_ceil(32) as u32 * 32;
+    if t < CHUNK_MIN_TOKENS {
+        // Decode and short chunks: a block per (token, head), the most blocks at once.
+        let cfg = LaunchConfig {
+            grid_dim: (t as u32, (nh + kvh) as u32, 1),
+            block_dim: (hd.div_ceil(32) as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        return launch(dev, "attn_prep", cfg, &p);
+    }
+    // Prompt chunks: a block per (token, 8 heads) (PREP_WARPS in the kernel), the RoPE table once a block.
+    const WARPS: usize = 8;
     let cfg = LaunchConfig {
-        grid_dim: (t as u32, (nh + kvh) as u32, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: 0,
+        grid_dim: (t as u32, (nh + kvh).div_ceil(WARPS) as u32, 1),
+        block_dim: (32 * WARPS as u32, 1, 1),
+        shared_mem_bytes: (4 * (2 * (rot / 2) + WARPS * hd)) as u32,
     };
-    launch(dev, "attn_prep", cfg, &p)
+    launch(dev, "attn_prep_chunk", cfg, &p)
 }
 
 /// Copies the first `len` elements of each of `rows` rows: `dst[r·dst_pitch + i] = src[r·src_pitch + i]`
