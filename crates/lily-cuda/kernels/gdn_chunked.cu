@@ -1,7 +1,8 @@
 // Gated DeltaNet delta rule for prefill, chunk by chunk (the WY / UT form of HF
-// `torch_chunk_gated_delta_rule` and fla-org's `chunk_gated_delta_rule`), f32 throughout: on CUDA
-// cores, or on the tensor cores as 3xTF32 products. Same inputs, state and output as gdn_recurrent_*
-// in gdn.cu and lily_cpu::gdn, and the same numbers to f32 rounding.
+// `torch_chunk_gated_delta_rule` and fla-org's `chunk_gated_delta_rule`), f32 state and sums: on CUDA
+// cores, or on the tensor cores with tf32 products (1xTF32, the default: operands rounded to tf32; or
+// 3xTF32, f32 to rounding). Same inputs, state and output as gdn_recurrent_* in gdn.cu and
+// lily_cpu::gdn, the same numbers to f32 rounding (1xTF32: to ~5e-4 of the largest output).
 // Layouts: qkv [T, C] after gdn_conv_qk, C = 2·Hk·Dk + Hv·Dv ordered q | k | v (head-major, q already
 // l2-normed and scaled by 1/√Dk, k l2-normed); g, beta [T, Hv]; state [Hv, Dk, Dv] (S[h][i_k][j_v]);
 // out [T, Hv, Dv]; value head j reads key head j / (Hv/Hk). Dk, Dv ≤ 128 (any value: slices are

@@ -6,6 +6,8 @@
 //!
 //! Layouts: qkv [T, C] with C = 2·Hk·Dk + Hv·Dv ordered q | k | v, head-major; conv state [K-1, C];
 //! recurrent state [Hv, Dk, Dv] (HF order S[h][i_k][j_v]); value head j reads key head j / (Hv/Hk).
+//! The projections may be column ranges of one fused projection's rows ([`conv_qk_with`]'s and
+//! [`gated_rmsnorm_with`]'s strides: the prefill's one GEMM over [qkv | z | b | a]).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
