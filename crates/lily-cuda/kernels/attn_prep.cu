@@ -72,6 +72,23 @@ __device__ __forceinline__ float prep_block_sum(float v) {
     return v;  // every thread holds the total
 }
 
+// RoPE pair i's (cos, sin) at position `pos`: the angle pos·theta^(-2i/rot), its cos and sin in f64,
+// cast to f32, as lily_cpu::attention::rope computes them.
+__device__ __forceinline__ void rope_cs(double theta, int rot, int i, int pos, float& c, float& s) {
+    const double inv_freq = pow(theta, -(double)(2 * i) / (double)rot);
+    const double ang = (double)pos * inv_freq;
+    double sd, cd;
+    sincos(ang, &sd, &cd);
+    c = (float)cd;
+    s = (float)sd;
+}
+
+// Element d < rot of a rotated row from the pair (a, b) = (row[i], row[i + rot/2]):
+// h[i] = a·cos − b·sin, h[i + rot/2] = b·cos + a·sin, each product rounded (no contraction).
+__device__ __forceinline__ float rope_rotate(bool first_half, float a, float b, float c, float s) {
+    return first_half ? __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)) : __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
 extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPrepParams p) { pdl_enter();
     __shared__ float row[PREP_MAX_HD];
     const int t = blockIdx.x;
@@ -115,14 +132,9 @@ extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPr
     float out = y;
     if (d < p.rot) {
         const int i = d < half ? d : d - half;
-        const double inv_freq = pow(p.theta, -(double)(2 * i) / (double)p.rot);
-        const double ang = (double)(pos0 + t) * inv_freq;
-        double sd, cd;
-        sincos(ang, &sd, &cd);
-        const float c = (float)cd, s = (float)sd;
-        const float a = row[i], b = row[i + half];
-        // h[i] = a·cos − b·sin; h[i + half] = b·cos + a·sin
-        out = d < half ? __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)) : __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+        float c, s;
+        rope_cs(p.theta, p.rot, i, pos0 + t, c, s);
+        out = rope_rotate(d < half, row[i], row[i + half], c, s);
     }
     if (is_q) {
         dst[d] = out;
@@ -189,14 +201,7 @@ extern "C" __global__ void __launch_bounds__(PREP_WARPS * 32) attn_prep_chunk(co
         __syncwarp();
         for (int d = lane; d < hd; d += 32) row[d] = __fmul_rn(__fmul_rn(row[d], inv), w[d]);
     }
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        const double inv_freq = pow(p.theta, -(double)(2 * i) / (double)p.rot);
-        const double ang = (double)pos * inv_freq;
-        double sd, cd;
-        sincos(ang, &sd, &cd);
-        cs[i] = (float)cd;
-        sn[i] = (float)sd;
-    }
+    for (int i = threadIdx.x; i < half; i += blockDim.x) rope_cs(p.theta, p.rot, i, pos, cs[i], sn[i]);
     __syncthreads();  // the table, and each warp's row
     if (!has) return;
     float* dst = is_q ? p.q_out + ((long long)t * p.nh + head) * hd : nullptr;
@@ -205,10 +210,7 @@ extern "C" __global__ void __launch_bounds__(PREP_WARPS * 32) attn_prep_chunk(co
         float out = row[d];
         if (d < p.rot) {
             const int i = d < half ? d : d - half;
-            const float c = cs[i], s = sn[i];
-            const float a = row[i], b = row[i + half];
-            // h[i] = a·cos − b·sin; h[i + half] = b·cos + a·sin
-            out = d < half ? __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)) : __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+            out = rope_rotate(d < half, row[i], row[i + half], cs[i], sn[i]);
         }
         if (is_q) {
             dst[d] = out;

@@ -124,25 +124,28 @@ __device__ __forceinline__ float gdn_block_sum(float v) {
     return v;
 }
 
+// The channels of conv head `h` (q heads 0..Hk-1, k heads Hk..2Hk-1, then the Hv v heads): its first
+// channel, its width, whether it is L2-normed (q and k) and the q heads' extra 1/√Dk.
+struct ConvHead {
+    int base, width;
+    bool norm;
+    float qscale;
+};
+__device__ __forceinline__ ConvHead conv_head(const GdnConvQkParams& p, int h) {
+    if (h < 2 * p.hk) return {h * p.dk, p.dk, true, h < p.hk ? 1.0f / sqrtf((float)p.dk) : 1.0f};
+    return {2 * p.hk * p.dk + (h - 2 * p.hk) * p.dv, p.dv, false, 1.0f};
+}
+
 extern "C" __global__ void __launch_bounds__(1024) gdn_conv_qk(const GdnConvQkParams p) { pdl_enter();
     const int kd = p.hk * p.dk;
     const long long C = 2LL * kd + (long long)p.hv * p.dv;
     const int K = p.k, hist = p.k - 1;
     const int blk = blockIdx.x;
-    int base, width;
-    bool norm = false;
-    float qscale = 1.0f;
-    int vhead = -1;
-    if (blk < 2 * p.hk) {
-        base = blk * p.dk;
-        width = p.dk;
-        norm = true;
-        if (blk < p.hk) qscale = 1.0f / sqrtf((float)p.dk);
-    } else {
-        vhead = blk - 2 * p.hk;
-        base = 2 * kd + vhead * p.dv;
-        width = p.dv;
-    }
+    const ConvHead hc = conv_head(p, blk);
+    const int base = hc.base, width = hc.width;
+    const bool norm = hc.norm;
+    const float qscale = hc.qscale;
+    const int vhead = blk < 2 * p.hk ? -1 : blk - 2 * p.hk;
 
     for (int t = 0; t < p.t_len; ++t) {
         float ss = 0.0f;
@@ -199,18 +202,10 @@ extern "C" __global__ void __launch_bounds__(256) gdn_conv_qk_tiled(const GdnCon
     const long long C = 2LL * kd + (long long)p.hv * p.dv;
     const int K = p.k, hist = p.k - 1;
     const int blk = blockIdx.y;
-    int base, width;
-    bool norm = false;
-    float qscale = 1.0f;
-    if (blk < 2 * p.hk) {
-        base = blk * p.dk;
-        width = p.dk;
-        norm = true;
-        if (blk < p.hk) qscale = 1.0f / sqrtf((float)p.dk);
-    } else {
-        base = 2 * kd + (blk - 2 * p.hk) * p.dv;
-        width = p.dv;
-    }
+    const ConvHead hc = conv_head(p, blk);
+    const int base = hc.base, width = hc.width;
+    const bool norm = hc.norm;
+    const float qscale = hc.qscale;
     const int t0 = blockIdx.x * CONV_TT;
     const int nt = min(CONV_TT, p.t_len - t0);
     const int c = threadIdx.x;
@@ -280,18 +275,10 @@ __device__ __forceinline__ void conv_qk_warp(const GdnConvQkParams& p) {
     const int head = (int)(w_id % heads);
     const int t0 = (int)(w_id / heads) * CW_TT;
     if (t0 >= p.t_len) return;  // whole warps; no block barrier in this kernel
-    int base, width;
-    bool norm = false;
-    float qscale = 1.0f;
-    if (head < 2 * p.hk) {
-        base = head * p.dk;
-        width = p.dk;
-        norm = true;
-        if (head < p.hk) qscale = 1.0f / sqrtf((float)p.dk);
-    } else {
-        base = 2 * kd + (head - 2 * p.hk) * p.dv;
-        width = p.dv;
-    }
+    const ConvHead hc = conv_head(p, head);
+    const int base = hc.base, width = hc.width;
+    const bool norm = hc.norm;
+    const float qscale = hc.qscale;
     const int nt = min(CW_TT, p.t_len - t0);
     const bool live = 4 * lane < width;
     const long long ch = base + (live ? 4 * lane : 0);
