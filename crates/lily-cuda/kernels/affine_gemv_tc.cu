@@ -40,165 +40,8 @@
 #include <cuda_bf16.h>
 #include "pdl.cuh"
 #include "gemv.cuh"
-
-constexpr int TC_WARPS = 8;
-constexpr int TC_PLANE = 80;          // bytes between planes (64 used)
-constexpr int TC_ROUND = 12 * TC_PLANE; // staged bytes per 128 columns
-
-// Two codes (nibbles pi and pi+4 of w) as the bf16x2 (16 + q_pi, 16 + q_{pi+4}), exactly: a shift and
-// one LOP3 (s & 0x00780078) | k with k = 0x41804180 held in a register (given two immediates, the
-// compiler splits it into two LOP3s). Centring the codes (a bf16x2 subtraction of 24 more) made the
-// sums smaller and the tests' errors 4.3e-6 instead of 2.9e-5, but cost 32 registers a thread, and the
-// GEMVs in the decode graph, latency-bound, lost more to the lower occupancy (docs/PERF.md).
-template <int PI>
-__device__ __forceinline__ uint32_t code_pair(uint32_t w, uint32_t k) {
-    const uint32_t s = PI == 0 ? (w << 3) : (w >> (4 * PI - 3));
-    uint32_t d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(s), "n"(0x00780078), "r"(k));
-    return d;
-}
-// A constant in a register the compiler cannot fold back into an immediate.
-__device__ __forceinline__ uint32_t opaque(uint32_t v) {
-    uint32_t k;
-    asm volatile("mov.b32 %0, %1;" : "=r"(k) : "r"(v));
-    return k;
-}
-
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ uint32_t bf16_bits(float v) { return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-
-// One round's loads of one matrix for one lane: chunk t of rows g and g+8, and the scale and bias of
-// group 2r + t/2 of both rows (bf16 bits).
-struct TcLoad {
-    uint4 w0, w1;
-    uint32_t s0, b0, s1, b1;
-};
-
-// The lane's pointers into one matrix for one row tile.
-struct TcRows {
-    const uint4* w0;      // row g, chunk t of round 0
-    const uint16_t* s0;   // row g, group (t & 1) of round 0
-    const uint16_t* b0;
-    long long wstep;      // uint4s from row g to row g+8
-    long long gstep;      // groups from row g to row g+8
-    bool v0, v1;          // rows g, g+8 exist
-
-    // Lane (g, t)'s pointers for row `row` (and row + 8) of a matrix whose row 0 is `mrow` rows into
-    // w, scales and biases; rows at or past `live_rows`, or all with `live` false, load zeros.
-    __device__ __forceinline__ static TcRows at(const uint4* w, const uint16_t* sc, const uint16_t* bi, long long mrow, int row,
-                                                bool live, int live_rows, int nch, int groups, int t) {
-        TcRows R;
-        R.w0 = w + (mrow + row) * nch + t;
-        R.s0 = sc + (mrow + row) * groups + (t >> 1);
-        R.b0 = bi + (mrow + row) * groups + (t >> 1);
-        R.wstep = 8ll * nch;
-        R.gstep = 8ll * groups;
-        R.v0 = live && row < live_rows;
-        R.v1 = live && row + 8 < live_rows;
-        return R;
-    }
-
-    __device__ __forceinline__ void load(TcLoad& L, int r) const {
-        const uint4 z = make_uint4(0, 0, 0, 0);
-        L.w0 = v0 ? ld_stream(w0 + 4 * r) : z;
-        L.w1 = v1 ? ld_stream(w0 + wstep + 4 * r) : z;
-        L.s0 = v0 ? __ldg(s0 + 2 * r) : 0u;
-        L.b0 = v0 ? __ldg(b0 + 2 * r) : 0u;
-        L.s1 = v1 ? __ldg(s0 + gstep + 2 * r) : 0u;
-        L.b1 = v1 ? __ldg(b0 + gstep + 2 * r) : 0u;
-    }
-};
-
-// The 8 mmas of one round for one matrix: c = sum (16 + q) x per (row, column), from zero.
-__device__ __forceinline__ void tc_mmas(float (&c)[4], const TcLoad& L, const uint4 (&xb)[4], uint32_t k16) {
-    c[0] = c[1] = c[2] = c[3] = 0.0f;
-    const uint32_t a[4] = {L.w0.x, L.w0.y, L.w0.z, L.w0.w};
-    const uint32_t b[4] = {L.w1.x, L.w1.y, L.w1.z, L.w1.w};
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        mma_bf16(c, code_pair<0>(a[m], k16), code_pair<0>(b[m], k16), code_pair<1>(a[m], k16), code_pair<1>(b[m], k16), xb[m].x, xb[m].y);
-        mma_bf16(c, code_pair<2>(a[m], k16), code_pair<2>(b[m], k16), code_pair<3>(a[m], k16), code_pair<3>(b[m], k16), xb[m].z, xb[m].w);
-    }
-}
-
-// acc += the lane's part of its group's contribution (X: the group's sum of x on lanes 0 and 2, else 0).
-__device__ __forceinline__ void tc_affine(float& acc0, float& acc1, const float (&c)[4], const TcLoad& L, float X) {
-    const float s0 = bf16_to_f32((uint16_t)L.s0), b0 = bf16_to_f32((uint16_t)L.b0);
-    const float s1 = bf16_to_f32((uint16_t)L.s1), b1 = bf16_to_f32((uint16_t)L.b1);
-    acc0 = fmaf(s0, c[0] + c[1], fmaf(fmaf(-16.0f, s0, b0), X, acc0));
-    acc1 = fmaf(s1, c[2] + c[3], fmaf(fmaf(-16.0f, s1, b1), X, acc1));
-}
-
-// x (optionally x * norm_w) -> the planes and the group sums Xs; returns 1/rms(x) with the norm, else 1.
-// Ends with the block synchronised.
-__device__ __forceinline__ float tc_stage(const GemvParams& p, const float* x, unsigned char* xs, float* Xs, int cols) {
-    __shared__ float ss_part[TC_WARPS];
-    const bool norm = p.norm_w != nullptr;
-    const int nw = cols >> 3;  // words of 8 values
-    float ss = 0.0f;
-    for (int base = 0; base < nw; base += blockDim.x) {
-        const int j = base + threadIdx.x;
-        const bool act = j < nw;
-        float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        if (act) {
-            const float4 a = __ldcg(reinterpret_cast<const float4*>(x) + 2 * j);
-            const float4 b = __ldcg(reinterpret_cast<const float4*>(x) + 2 * j + 1);
-            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-            if (norm) {
-                const float4 ga = __ldg(reinterpret_cast<const float4*>(p.norm_w) + 2 * j);
-                const float4 gb = __ldg(reinterpret_cast<const float4*>(p.norm_w) + 2 * j + 1);
-                const float g[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
-#pragma unroll
-                for (int i = 0; i < 8; ++i) {
-                    ss = fmaf(v[i], v[i], ss);
-                    v[i] *= g[i];
-                }
-            }
-        }
-        uint32_t hi[8], mid[8], lo[8];
-        float sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            hi[i] = bf16_bits(v[i]);
-            const float h = __uint_as_float(hi[i] << 16);
-            mid[i] = bf16_bits(v[i] - h);
-            const float md = __uint_as_float(mid[i] << 16);
-            lo[i] = bf16_bits((v[i] - h) - md);
-            sum += (h + md) + __uint_as_float(lo[i] << 16);
-        }
-        // The group of 64 values is 8 consecutive words: 8 consecutive threads.
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-        if (act) {
-            const int r = j >> 4, t = (j >> 2) & 3, m = j & 3;
-            // mma order within the word: n0 n4 n1 n5 n2 n6 n3 n7 (low half first)
-            const uint4 H = make_uint4(hi[0] | hi[4] << 16, hi[1] | hi[5] << 16, hi[2] | hi[6] << 16, hi[3] | hi[7] << 16);
-            const uint4 M = make_uint4(mid[0] | mid[4] << 16, mid[1] | mid[5] << 16, mid[2] | mid[6] << 16, mid[3] | mid[7] << 16);
-            const uint4 L = make_uint4(lo[0] | lo[4] << 16, lo[1] | lo[5] << 16, lo[2] | lo[6] << 16, lo[3] | lo[7] << 16);
-            unsigned char* d = xs + r * TC_ROUND + t * TC_PLANE + m * 16;  // plane part * 4 + t
-            *reinterpret_cast<uint4*>(d) = H;
-            *reinterpret_cast<uint4*>(d + 4 * TC_PLANE) = M;
-            *reinterpret_cast<uint4*>(d + 8 * TC_PLANE) = L;
-            if ((j & 7) == 0) Xs[j >> 3] = sum;
-        }
-    }
-    if (norm) {
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if ((threadIdx.x & 31) == 0) ss_part[threadIdx.x >> 5] = ss;
-    }
-    __syncthreads();
-    if (!norm) return 1.0f;
-    float tot = 0.0f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) tot += ss_part[w];
-    return 1.0f / sqrtf(tot / (float)cols + p.norm_eps);
-}
+#include "gemv_tc.cuh"
+#include "bulk.cuh"
 
 template <int KS, bool SWIGLU>
 __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
@@ -458,3 +301,248 @@ GEMV_TC_ENTRY(affine_swiglu_tc_q4_k1, 1, true)
 GEMV_TC_ENTRY(affine_swiglu_tc_q4_k2, 2, true)
 GEMV_TC_ENTRY(affine_swiglu_tc_q4_k4, 4, true)
 GEMV_TC_ENTRY(affine_swiglu_tc_q4_k8, 8, true)
+
+// ---------------------------------------------------------------------------------------------------
+// The bulk-staged form ("bulk"): the same product, K split, roundings and order of sums as gemv_tc
+// (its outputs are bit-identical to gemv_tc<KS>'s for the same KS), but a block first has ALL of its
+// weights — whole 16-row tiles with their scales and biases — copied into shared memory, and issues
+// those copies BEFORE its PDL wait whenever it knows the matrix then: for one matrix (p.idx null), and
+// for indices marked settled (p.idx_settled: written by a kernel at least two launches back, which the
+// predecessor waited for before letting this kernel start, so they are in memory; the MoE down
+// projection after the gate/up GEMV). The block's weights then stream in while its predecessor still
+// runs, and after the wait only x's staging, the products from shared memory and the write remain.
+// Why: every per-round GEMV above is a chain of dependent HBM round trips after its wait (a round's
+// loads are issued one round ahead); docs/PERF.md (2026-12-03) measured 5-11 µs a decode GEMV for
+// 0.6-14 MB, 0.7-1.5 TB/s, with the weights hot in L2 saving only 0.5-1.2 µs.
+// How the copies are made (COPY): 0, every thread's 16-byte cp.async; 1, the copy engine, one
+// cp.async.bulk per row; 2, the copy engine, one per tile's weights, scales and biases (rows unpadded).
+// Work split: the grid's x covers units = slots x row tiles, `per` = ceil(units / gridDim.x) consecutive
+// units a block (the host sizes the grid so every block has at least one, at most BK_MAX_UNITS, and
+// all of them fit on the GPU at once). Warp w takes split ks = w % KS of units rt, rt + RT, ...
+// (rt = w / KS), rounds [ks * nr/KS, (ks+1) * nr/KS) in order, as gemv_tc does; the KS partials of a row
+// are summed in split order through shared memory.
+// Shared memory: per unit and matrix, 16 weight rows of cols/2 (+ BK_WPAD) bytes (the pad puts rows g
+// and g+1, read in one quarter-warp phase, 16 banks apart), then 16 scale rows and 16 bias rows of
+// 2 * groups (+ BK_SPAD) bytes; then the split partials [per][KS][NW][16] floats; then x staged as in
+// gemv_tc, once (shared x) or once per slot the block's units span (per-slot x). Rows past `rows` in a
+// last tile are not copied (their products are computed on stale bytes and never written). Shapes:
+// cols a multiple of 512 (scale rows of whole 16-byte words). A bad index copies matrix 0's rows and
+// writes NaN.
+constexpr int BK_WPAD = 64;
+constexpr int BK_SPAD = 16;
+constexpr int BK_MAX_UNITS = 32;
+
+template <int KS, bool SWIGLU, int COPY>
+__device__ __forceinline__ void gemv_bulk(const GemvParams& p) {
+    constexpr int RT = TC_WARPS / KS;
+    constexpr int NW = SWIGLU ? 2 : 1;
+    constexpr bool PAD = COPY != 2;
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    __shared__ __align__(8) uint64_t bar;
+    __shared__ uint32_t mats[BK_MAX_UNITS];
+    const int rows = p.rows, cols = p.cols;
+    const int nch = cols >> 5, groups = cols >> 6, nr = cols >> 7;
+    const int tiles = (rows + 15) >> 4;
+    const int units = tiles * p.slots;
+    const int per = (units + (int)gridDim.x - 1) / (int)gridDim.x;
+    const int u0 = blockIdx.x * per;
+    const int nu = max(0, min(per, units - u0));
+    const int rs = (cols >> 1) + (PAD ? BK_WPAD : 0);  // bytes per staged weight row
+    const int ss = 2 * groups + (PAD ? BK_SPAD : 0);    // bytes per staged scale (bias) row
+    const int mbytes = 16 * rs + 32 * ss;               // one matrix of one unit
+    float* red = reinterpret_cast<float*>(tc_smem + per * NW * mbytes);
+    const int xbytes = (nr * TC_ROUND + 4 * groups + 15) & ~15;
+    unsigned char* xst = tc_smem + per * NW * mbytes + per * KS * NW * 64;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+
+    if (COPY != 0 && threadIdx.x == 0) mbar_init(&bar, 1);
+    if (p.idx && !p.idx_settled) pdl_wait();  // the indices come from the predecessor
+    if (threadIdx.x < nu) {
+        const int slot = (u0 + threadIdx.x) / tiles;
+        mats[threadIdx.x] = p.idx ? __ldcg(p.idx + slot) : (uint32_t)p.matrix;  // L2: see affine_gemv.cu
+    }
+    __syncthreads();
+    // Unit i, matrix mm: the first valid rows of its tile from the stack.
+    auto src_rows = [&](int i, int mm, int& valid, long long& grow) {
+        const int tile = (u0 + i) % tiles;
+        valid = min(16, rows - tile * 16);
+        const uint32_t m = mats[i] < (uint32_t)p.count ? mats[i] : 0u;
+        grow = (long long)m * rows + tile * 16;
+    };
+    if (COPY == 0) {
+        // Every thread: row r of the weights by warp (r = warp, warp + 8, ...), 16 bytes a lane; then the
+        // scale and bias rows, 16 bytes a thread.
+        const int gq = groups >> 3;  // 16-byte words per scale row
+        for (int i = 0; i < nu; ++i) {
+#pragma unroll
+            for (int mm = 0; mm < NW; ++mm) {
+                int valid;
+                long long grow;
+                src_rows(i, mm, valid, grow);
+                unsigned char* dst = tc_smem + (i * NW + mm) * mbytes;
+                const uint4* w = (mm == 0 ? p.w : p.w2) + grow * nch;
+                for (int r = warp; r < valid; r += TC_WARPS)
+                    for (int j = lane; j < nch; j += 32) cp_async16(dst + r * rs + j * 16, w + (long long)r * nch + j);
+                const uint4* sc = reinterpret_cast<const uint4*>((mm == 0 ? p.scales : p.scales2) + grow * groups);
+                const uint4* bi = reinterpret_cast<const uint4*>((mm == 0 ? p.biases : p.biases2) + grow * groups);
+                for (int e = threadIdx.x; e < 2 * valid * gq; e += TC_WARPS * 32) {
+                    const int which = e / (valid * gq), rem = e - which * valid * gq;
+                    const int r = rem / gq, j = rem - r * gq;
+                    cp_async16(dst + 16 * rs + which * 16 * ss + r * ss + j * 16, (which ? bi : sc) + (long long)r * gq + j);
+                }
+            }
+        }
+        cp_async_commit();
+    } else if (warp == 0) {
+        if (lane == 0) {
+            uint32_t bytes = 0;
+            for (int i = 0; i < nu; ++i) {
+                const int tile = (u0 + i) % tiles;
+                bytes += (uint32_t)(min(16, rows - tile * 16) * NW * ((cols >> 1) + 4 * groups));
+            }
+            mbar_arrive_expect(&bar, bytes);
+        }
+        __syncwarp();
+        if (COPY == 1) {
+            // Copy c: unit c / (NW * 48), matrix (c / 48) % NW, then 16 weight rows, 16 scale rows, 16 bias rows.
+            for (int c = lane; c < nu * NW * 48; c += 32) {
+                const int i = c / (NW * 48), mm = (c / 48) % NW, k = c % 48, kind = k >> 4, r = k & 15;
+                int valid;
+                long long grow;
+                src_rows(i, mm, valid, grow);
+                if (r >= valid) continue;
+                unsigned char* dst = tc_smem + (i * NW + mm) * mbytes;
+                if (kind == 0) {
+                    bulk_to_smem(dst + r * rs, (mm == 0 ? p.w : p.w2) + (grow + r) * nch, (uint32_t)(cols >> 1), &bar);
+                } else {
+                    const uint16_t* src = kind == 1 ? (mm == 0 ? p.scales : p.scales2) : (mm == 0 ? p.biases : p.biases2);
+                    bulk_to_smem(dst + 16 * rs + (kind - 1) * 16 * ss + r * ss, src + (grow + r) * groups, (uint32_t)(2 * groups), &bar);
+                }
+            }
+        } else {
+            // Copy c: unit c / (NW * 3), matrix (c / 3) % NW, then the tile's weights, scales, biases.
+            for (int c = lane; c < nu * NW * 3; c += 32) {
+                const int i = c / (NW * 3), mm = (c / 3) % NW, kind = c % 3;
+                int valid;
+                long long grow;
+                src_rows(i, mm, valid, grow);
+                unsigned char* dst = tc_smem + (i * NW + mm) * mbytes;
+                if (kind == 0) {
+                    bulk_to_smem(dst, (mm == 0 ? p.w : p.w2) + grow * nch, (uint32_t)(valid * (cols >> 1)), &bar);
+                } else {
+                    const uint16_t* src = kind == 1 ? (mm == 0 ? p.scales : p.scales2) : (mm == 0 ? p.biases : p.biases2);
+                    bulk_to_smem(dst + 16 * rs + (kind - 1) * 16 * ss, src + grow * groups, (uint32_t)(valid * 2 * groups), &bar);
+                }
+            }
+        }
+    }
+    pdl_enter();
+
+    // x, once or per spanned slot (the norm only with a shared x: one staging).
+    const int s_first = nu > 0 ? u0 / tiles : 0;
+    const int nx = p.x_stride ? (nu > 0 ? (u0 + nu - 1) / tiles - s_first + 1 : 0) : 1;
+    float inv = 1.0f;
+    for (int s = 0; s < nx; ++s) {
+        unsigned char* xs = xst + s * xbytes;
+        inv = tc_stage(p, p.x + (long long)(s_first + s) * p.x_stride, xs, reinterpret_cast<float*>(xs + nr * TC_ROUND), cols);
+    }
+    if (COPY == 0) {
+        cp_async_wait_all();
+        __syncthreads();
+    } else {
+        mbar_wait(&bar, 0);
+    }
+
+    const int ks = warp % KS, rt = warp / KS;
+    const int nrk = nr / KS;
+    const int r0 = ks * nrk, r1 = r0 + nrk;
+    const bool breal = (g & 3) < 3 && (t >> 1) == (g >> 2);
+    const uint32_t k16 = opaque(0x41804180u);
+    for (int i = rt; i < nu; i += RT) {
+        const int slot = (u0 + i) / tiles, tile = (u0 + i) % tiles;
+        const unsigned char* xs = xst + (p.x_stride ? slot - s_first : 0) * xbytes;
+        const uint4* xlane = reinterpret_cast<const uint4*>(xs + ((g & 3) * 4 + t) * TC_PLANE);
+        const float* Xs = reinterpret_cast<const float*>(xs + nr * TC_ROUND);
+        float acc[NW][2];
+#pragma unroll
+        for (int mm = 0; mm < NW; ++mm) acc[mm][0] = acc[mm][1] = 0.0f;
+        for (int r = r0; r < r1; ++r) {
+            uint4 xb[4];
+#pragma unroll
+            for (int m = 0; m < 4; ++m) xb[m] = breal ? xlane[r * (TC_ROUND / 16) + m] : make_uint4(0, 0, 0, 0);
+            const float X = (t & 1) ? 0.0f : Xs[2 * r + (t >> 1)];
+#pragma unroll
+            for (int mm = 0; mm < NW; ++mm) {
+                const unsigned char* base = tc_smem + (i * NW + mm) * mbytes;
+                const unsigned char* sc = base + 16 * rs + (2 * r + (t >> 1)) * 2;
+                TcLoad L;
+                L.w0 = *reinterpret_cast<const uint4*>(base + g * rs + (4 * r + t) * 16);
+                L.w1 = *reinterpret_cast<const uint4*>(base + (g + 8) * rs + (4 * r + t) * 16);
+                L.s0 = *reinterpret_cast<const uint16_t*>(sc + g * ss);
+                L.s1 = *reinterpret_cast<const uint16_t*>(sc + (g + 8) * ss);
+                L.b0 = *reinterpret_cast<const uint16_t*>(sc + 16 * ss + g * ss);
+                L.b1 = *reinterpret_cast<const uint16_t*>(sc + 16 * ss + (g + 8) * ss);
+                float c[4];
+                tc_mmas(c, L, xb, k16);
+                tc_affine(acc[mm][0], acc[mm][1], c, L, X);
+            }
+        }
+#pragma unroll
+        for (int mm = 0; mm < NW; ++mm) {
+#pragma unroll
+            for (int o = 1; o <= 2; o <<= 1) {
+                acc[mm][0] += __shfl_xor_sync(0xffffffffu, acc[mm][0], o);
+                acc[mm][1] += __shfl_xor_sync(0xffffffffu, acc[mm][1], o);
+            }
+        }
+        if (t == 0) {
+            if (KS == 1) {
+                const bool bad = mats[i] >= (uint32_t)p.count;
+                float* y = p.y + (long long)slot * rows;
+                const int row = tile * 16 + g;
+                if (row < rows) put_row<SWIGLU>(p, y, row, acc[0][0], acc[NW - 1][0], inv, bad);
+                if (row + 8 < rows) put_row<SWIGLU>(p, y, row + 8, acc[0][1], acc[NW - 1][1], inv, bad);
+            } else {
+#pragma unroll
+                for (int mm = 0; mm < NW; ++mm) {
+                    red[((i * KS + ks) * NW + mm) * 16 + g] = acc[mm][0];
+                    red[((i * KS + ks) * NW + mm) * 16 + g + 8] = acc[mm][1];
+                }
+            }
+        }
+    }
+    if (KS > 1) {
+        __syncthreads();
+        for (int e = threadIdx.x; e < nu * 16; e += blockDim.x) {
+            const int i = e >> 4, lr = e & 15;
+            const int slot = (u0 + i) / tiles, tile = (u0 + i) % tiles;
+            const int row = tile * 16 + lr;
+            if (row >= rows) continue;
+            float s[NW];
+#pragma unroll
+            for (int mm = 0; mm < NW; ++mm) {
+                s[mm] = 0.0f;
+#pragma unroll
+                for (int k = 0; k < KS; ++k) s[mm] += red[((i * KS + k) * NW + mm) * 16 + lr];
+            }
+            put_row<SWIGLU>(p, p.y + (long long)slot * rows, row, s[0], s[NW - 1], inv, mats[i] >= (uint32_t)p.count);
+        }
+    }
+}
+
+#define GEMV_BULK_ENTRY(name, KS, SW, C) \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_bulk<KS, SW, C>(p); }
+#define GEMV_BULK_COPIES(C)                                      \
+    GEMV_BULK_ENTRY(affine_gemv_bulk_q4_k1_c##C, 1, false, C)    \
+    GEMV_BULK_ENTRY(affine_gemv_bulk_q4_k2_c##C, 2, false, C)    \
+    GEMV_BULK_ENTRY(affine_gemv_bulk_q4_k4_c##C, 4, false, C)    \
+    GEMV_BULK_ENTRY(affine_gemv_bulk_q4_k8_c##C, 8, false, C)    \
+    GEMV_BULK_ENTRY(affine_swiglu_bulk_q4_k1_c##C, 1, true, C)   \
+    GEMV_BULK_ENTRY(affine_swiglu_bulk_q4_k2_c##C, 2, true, C)   \
+    GEMV_BULK_ENTRY(affine_swiglu_bulk_q4_k4_c##C, 4, true, C)   \
+    GEMV_BULK_ENTRY(affine_swiglu_bulk_q4_k8_c##C, 8, true, C)
+
+GEMV_BULK_COPIES(0)
+GEMV_BULK_COPIES(1)
+GEMV_BULK_COPIES(2)

@@ -38,7 +38,7 @@ use lily_model::weights::{DenseMlpWeights, Mixer, Mlp};
 use lily_model::{Backend, BackendError, DevicePick, GdnDims, LayerKind, Logits, MaskFill, ModelConfig, ModelWeights};
 
 use crate::ops::affine_gemv::{self, Select};
-use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, gemm, gemm_wgmma, moe_dispatch, moe_route, rmsnorm, sample, Scalar};
+use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, gemm, gemm_wgmma, moe_decode, moe_dispatch, moe_route, rmsnorm, sample, Scalar};
 use crate::weights::{DeviceMatrix, Uploader};
 use crate::{CudaError, Device, Result};
 
@@ -200,6 +200,7 @@ struct Activations {
     pick_edits: sample::EditBuffer,
     pick_out: CudaSlice<u32>, // [1]
     route_counter: CudaSlice<u32>, // [1] the fused router's finished blocks (0 between launches)
+    moe_barrier: CudaSlice<u64>,   // [1] the fused MoE decode's grid barrier (grows by its grid each launch)
     pick_mask: CudaSlice<u32>,     // [V/32] constrained decoding: the allowed tokens of this pick
     pick_mask_host: Vec<u32>,      // where the host writes it
 }
@@ -481,6 +482,12 @@ impl CudaModel {
     /// off at load); a change recaptures.
     pub fn set_pdl(&mut self, on: bool) {
         self.pdl = on;
+        self.decode_graph = None;
+    }
+    /// The fused MoE decode kernel (`ops::moe_decode`) where the shapes fit it (off by default;
+    /// `LILY_MOE_DECODE=1` turns it on at load); a change recaptures.
+    pub fn set_fused_moe(&mut self, on: bool) {
+        self.unfused = if on { self.unfused & !UNFUSE_MOE } else { self.unfused | UNFUSE_MOE };
         self.decode_graph = None;
     }
 
@@ -1038,8 +1045,9 @@ fn moe(
 }
 
 /// One token: x += MoE(RMSNorm(x)). With the shared expert in the stack and its gate as the router's
-/// row E (the full-size model's layout): the router GEMV on RMSNorm(x) (normalised as it stages x)
-/// and the top-k selection, the experts' gate+up as one indexed SwiGLU GEMV over the k chosen and the
+/// row E (the full-size model's layout): the router GEMV on RMSNorm(x) (normalised as it stages x),
+/// then, opted in and where the shapes fit it, the rest in one persistent kernel (`ops::moe_decode`:
+/// two launches in all); else the top-k selection, the experts' gate+up as one indexed SwiGLU GEMV over the k chosen and the
 /// shared expert (slot k), the down projections, and the combine adding into x — or, with the opt-in
 /// fusions (`LILY_FUSE`), the selection inside the router's last block and the combine inside the
 /// down projection (three launches). Otherwise the norm runs as its own kernel
@@ -1062,6 +1070,17 @@ fn moe_decode(
     let fused_gate = router_plus.is_some() && !matches!(shared, Shared::None);
     if let (Some(rp), Shared::InStack { .. }, true) = (router_plus, shared, k < affine_gemv::MIX_SLOTS && e <= affine_gemv::ROUTE_MAX_EXPERTS && k <= 32) {
         mark_linear(dev, "moe.router", rp, 1)?;
+        // The router GEMV, then everything after it in one persistent kernel (with `LILY_MOE_DECODE=1`,
+        // where the shapes fit it; else the separate kernels below).
+        let plan = if unfused & UNFUSE_MOE == 0 { moe_decode::plan(dev, &ex.gate, &ex.up, &ex.down, e, k)? } else { None };
+        if let Some(plan) = plan {
+            affine_gemv::gemv_fused(dev, rp, Select::matrix(0), &a.x, false, &mut a.router, post)?; // logits [E + 1]
+            let (i, per) = (ex.gate.rows as u64, (2 * ex.gate.bytes_per_matrix() + ex.down.bytes_per_matrix()) as u64);
+            let ns = (k + 1) as u64;
+            dev.mark("moe.experts", ns * per + 4 * (3 * h as u64 + 2 * ns * i), 6 * ns * i * h as u64)?;
+            let logits = a.router.slice(0..e + 1);
+            return moe_decode::run(dev, &plan, &ex.gate, &ex.up, &ex.down, &logits, post_norm, cfg.rms_norm_eps, e, k, cfg.norm_topk_prob, &mut a.x, &mut a.act, &mut a.moe_barrier, None, None);
+        }
         if unfused & UNFUSE_ROUTE == 0 {
             let mut chosen = a.idx1.slice_mut(0..k);
             affine_gemv::router_route(dev, rp, &a.x, post, &mut a.router, e, k, cfg.norm_topk_prob, &mut a.route_counter, &mut chosen, &mut a.route_w)?; // logits [E + 1], idx1[..k], w [k]
@@ -1078,7 +1097,9 @@ fn moe_decode(
         if unfused & UNFUSE_MIX == 0 {
             return affine_gemv::down_mix(dev, &ex.down, &idx, &a.act, &a.route_w, Some(&gate_logit), k, true, &mut a.x); // x += [H]
         }
-        affine_gemv::gemv(dev, &ex.down, Select::indexed(dev, &idx), &a.act, true, &mut a.expert_out)?; // [k+1, H]
+        // The indices were written two launches back (the gate/up GEMV between): settled, so the
+        // bulk-staged down projection copies its experts while the gate/up GEMV runs.
+        affine_gemv::gemv(dev, &ex.down, Select::indexed(dev, &idx).settled(), &a.act, true, &mut a.expert_out)?; // [k+1, H]
         let (y, shared_row) = (a.expert_out.slice(0..k * h), a.expert_out.slice(k * h..(k + 1) * h));
         dev.mark("moe.combine", 4 * ((k + 3) * h) as u64, 2 * ((k + 1) * h) as u64)?;
         return moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, Some((&shared_row, &gate_logit)), 1, 1, k, h, &mut a.x, true);
@@ -1098,7 +1119,7 @@ fn moe_decode(
     mark_swiglu(dev, "moe.gate_up", &ex.gate, slots, 1)?;
     affine_gemv::swiglu(dev, &ex.gate, &ex.up, sel, &a.normed, false, &mut a.act)?; // [slots, I]
     mark_grouped(dev, "moe.down", &ex.down, 1, slots, slots)?;
-    affine_gemv::gemv(dev, &ex.down, sel, &a.act, true, &mut a.expert_out)?; // [slots, H]
+    affine_gemv::gemv(dev, &ex.down, sel.settled(), &a.act, true, &mut a.expert_out)?; // [slots, H] (indices two launches back)
     match shared {
         Shared::Separate { mlp, .. } => {
             mark_swiglu(dev, "moe.shared", &mlp.gate, 1, 1)?;
@@ -1164,6 +1185,9 @@ fn gdn_step_on() -> bool {
 /// the router's selection and the combine run as kernels of their own.
 const UNFUSE_ROUTE: u32 = 1;
 const UNFUSE_MIX: u32 = 2;
+/// The fused MoE decode kernel (`ops::moe_decode`) is opt-in: `LILY_MOE_DECODE=1` (it measured even
+/// with the separate selection, GEMVs and combine in the 4K graph, docs/PERF.md 2026-12-04).
+const UNFUSE_MOE: u32 = 4;
 
 fn unfused_from_env() -> u32 {
     let v = std::env::var("LILY_FUSE").unwrap_or_default();
@@ -1172,7 +1196,8 @@ fn unfused_from_env() -> u32 {
         "mix" => UNFUSE_MIX,
         _ => 0,
     }).fold(0, |a, b| a | b);
-    (UNFUSE_ROUTE | UNFUSE_MIX) & !on
+    let moe = if std::env::var("LILY_MOE_DECODE").is_ok_and(|v| v == "1") { 0 } else { UNFUSE_MOE };
+    ((UNFUSE_ROUTE | UNFUSE_MIX) & !on) | moe
 }
 
 /// Bytes per element of the KV caches (bf16).
@@ -1295,6 +1320,7 @@ impl Activations {
         let slot_of = u(t * k)?;
         let pick_out = u(1)?;
         let route_counter = u(1)?;
+        let moe_barrier = dev.zeros::<u64>(1)?;
         let pick_mask = u(v.div_ceil(32))?;
         let step_pos = dev.zeros::<i32>(2)?;
         bytes += 4 * (t + 3 * t * k + moe_dispatch::plan_scratch_len(t, k, e) + e + 2);
@@ -1340,6 +1366,7 @@ impl Activations {
                 pick_edits,
                 pick_out,
                 route_counter,
+                moe_barrier,
                 pick_mask,
                 pick_mask_host: vec![0; v.div_ceil(32)],
             },

@@ -12,6 +12,9 @@
 //!   1xTF32 (see the test); then 20 tokens one by one
 //!   vs the CPU within the prefill's 2e-2;
 //! - the decode graph with and without programmatic dependent launch, and kernel by kernel: identical;
+//! - a synthesised model wide enough for the tensor-core GEMVs and the fused MoE decode kernel (hidden
+//!   512: the fixtures' widths take the other kernels): its decode graph, with PDL, vs the CPU within
+//!   the decode bar, with and without the fused MoE kernel;
 //! - `forward_pick` greedy == argmax of the same step's logits; a state clone resumes identically.
 //! - a reserved session decodes without allocating; caches grown inside a decode step and compact
 //!   clones give the same logits.
@@ -201,6 +204,81 @@ fn whole_model_matches_the_cpu() {
         }
     }
     assert!(failures.is_empty(), "{} failures: {failures:#?}", failures.len());
+}
+
+/// A model of the real architecture with every decode GEMV wide enough for the tensor-core kernels
+/// (columns of 512 and 1024: the GDN and attention input projections, the output projections, the
+/// MoE gate/up and down, lm_head) and MoE shapes the fused decode kernel takes, synthesised here with
+/// random weights: its decode (the captured graph, PDL on) against the CPU, 48 tokens, at the
+/// fixtures' decode bar, with the separate MoE kernels and with the fused one; and with the graph off
+/// (kernel by kernel): identical.
+#[test]
+fn wide_model_decode_matches_the_cpu() {
+    let Some(dev) = common::device() else { return };
+    let dev = Arc::new(dev);
+    let mut cfg = lily_model::synth::builtin_config("qwen3.6-tiny").unwrap();
+    let t = cfg["text_config"].as_object_mut().unwrap();
+    for (k, v) in [
+        ("hidden_size", serde_json::json!(512)),
+        ("num_hidden_layers", serde_json::json!(4)),
+        ("layer_types", serde_json::json!(["linear_attention", "linear_attention", "linear_attention", "full_attention"])),
+        ("num_attention_heads", serde_json::json!(4)),
+        ("num_key_value_heads", serde_json::json!(1)),
+        ("linear_num_key_heads", serde_json::json!(2)),
+        ("linear_num_value_heads", serde_json::json!(4)),
+        ("num_experts", serde_json::json!(16)),
+        ("num_experts_per_tok", serde_json::json!(4)),
+        ("moe_intermediate_size", serde_json::json!(512)),
+        ("shared_expert_intermediate_size", serde_json::json!(512)),
+        ("vocab_size", serde_json::json!(2048)),
+    ] {
+        t.insert(k.into(), v);
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut opts = lily_model::synth::SynthOptions::new(cfg, tmp.path().join("m"));
+    opts.seed = 5;
+    lily_model::synth::synthesize(&opts, &indicatif::ProgressBar::hidden()).unwrap();
+    let w = Arc::new(ModelWeights::load(&tmp.path().join("m"), &LoadOptions::default()).unwrap());
+    let v = w.config.vocab_size;
+    let mut rng = common::Rng::new(9);
+    let inputs: Vec<u32> = (0..48).map(|_| rng.below(v) as u32).collect();
+    let mut cpu = CpuModel::new(Arc::clone(&w)).with_bf16_kv(true);
+    let mut cs = cpu.new_state();
+    let want = cpu.forward(&mut cs, &inputs, Logits::All).unwrap();
+    let mut g = gpu(&dev, &w, 2048);
+    let mut s = g.new_state();
+    let mut got = Vec::with_capacity(want.len());
+    for &tok in &inputs {
+        got.extend(g.forward(&mut s, &[tok], Logits::Last).unwrap());
+    }
+    let e = row_err(&got, &want, v);
+    g.set_graphs(false);
+    let mut se = g.new_state();
+    let mut eager = Vec::with_capacity(want.len());
+    for &tok in &inputs[..16] {
+        eager.extend(g.forward(&mut se, &[tok], Logits::Last).unwrap());
+    }
+    g.set_graphs(true);
+    println!("wide model decode: logits rel err {e:.2e} vs the CPU");
+    assert!(eager[..] == got[..eager.len()], "graph decode differs from eager decode");
+    assert!(e <= 1e-4, "wide model: decode logits differ from the CPU by {e:.2e}");
+    // The fused MoE decode kernel (opt-in): the same bar, graph and eager alike.
+    g.set_fused_moe(true);
+    let mut sf = g.new_state();
+    let mut fused = Vec::with_capacity(want.len());
+    for &tok in &inputs {
+        fused.extend(g.forward(&mut sf, &[tok], Logits::Last).unwrap());
+    }
+    let ef = row_err(&fused, &want, v);
+    g.set_graphs(false);
+    let mut sfe = g.new_state();
+    let mut fused_eager = Vec::with_capacity(16 * v);
+    for &tok in &inputs[..16] {
+        fused_eager.extend(g.forward(&mut sfe, &[tok], Logits::Last).unwrap());
+    }
+    println!("wide model decode, fused MoE kernel: logits rel err {ef:.2e} vs the CPU");
+    assert!(fused_eager[..] == fused[..fused_eager.len()], "fused MoE: graph decode differs from eager decode");
+    assert!(ef <= 1e-4, "wide model, fused MoE: decode logits differ from the CPU by {ef:.2e}");
 }
 
 #[test]

@@ -491,6 +491,170 @@ fn gemv_tensor_cores_every_split() {
     println!("gemv tensor cores: worst relative error {worst:.2e} (tolerance {TC_TOL:.0e})");
 }
 
+/// The bulk-staged tensor-core kernels (weights copied into shared memory by the copy engine, before
+/// the PDL wait where the matrix is known) against the per-round ones: bit for bit at each K split
+/// (the same products and order of sums), and against f64; plain, SwiGLU, the fused norm and residual,
+/// indexed slots with a bad index, per-slot x with blocks spanning several slots, partial last tiles,
+/// and the model's own shapes (the GDN input projection's 12352 rows, the MoE's 9 slots).
+#[test]
+fn gemv_bulk_matches_per_round_bit_for_bit() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(41);
+    let mut worst = 0.0f64;
+    let bits_eq = |a: &[f32], b: &[f32], what: &str| {
+        assert_eq!(a.len(), b.len());
+        if let Some(i) = a.iter().zip(b).position(|(x, y)| x.to_bits() != y.to_bits()) {
+            panic!("{what}: bulk and per-round differ at {i}: {} vs {}", a[i], b[i]);
+        }
+    };
+    // (rows, cols, slots): partial tiles, 4 to 32 rounds, units spanning slots, the full-size shapes.
+    // (rows, cols, slots, whether the SwiGLU's two matrices fit one wave too).
+    for (rows, cols, slots, sw) in [
+        (77, 2048, 1, true),
+        (9, 512, 5, true),
+        (33, 1024, 3, true),
+        (17, 4096, 1, true),
+        (1040, 2048, 2, true),
+        (300, 512, 9, true),
+        (2048, 512, 9, true),
+        (12352, 2048, 1, false),
+        (512, 2048, 9, true),
+    ] {
+        let rounds = cols / 128;
+        let count = 4;
+        let w = affine_matrix(&mut rng, count, rows, cols, 4, 64, "bf16");
+        let u = affine_matrix(&mut rng, count, rows, cols, 4, 64, "bf16");
+        let (dw, du) = (upload_matrix(&dev, &w).unwrap(), upload_matrix(&dev, &u).unwrap());
+        let x: Vec<f32> = rng.vec(cols).iter().map(|v| 5.0 * v).collect();
+        let nw: Vec<f32> = rng.vec(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let (xd, nwd) = (dev.upload(&x).unwrap(), dev.upload(&nw).unwrap());
+        let xn = ref_norm(&x, &nw, 1e-6);
+        let fuse = affine_gemv::Fuse::rms_norm(&dev, &nwd, 1e-6);
+        // Slot indices with one past the stack (slot 1 when there are several).
+        let idx_h: Vec<u32> = (0..slots).map(|s| if slots > 1 && s == 1 { count as u32 } else { ((s * 3 + 1) % count) as u32 }).collect();
+        let idx = dev.upload(&idx_h).unwrap();
+        let xs = rng.vec(slots * cols);
+        let xsd = dev.upload(&xs).unwrap();
+        let y0 = rng.vec(rows);
+        for (ks, copy) in [1usize, 2, 4, 8].into_iter().flat_map(|k| (0..3u32).map(move |c| (k, c))) {
+            if rounds % ks != 0 {
+                continue;
+            }
+            let (per_round, bulk) = (9 + ks.trailing_zeros(), 13 + 4 * copy + ks.trailing_zeros());
+            let label = format!("bulk [{rows}x{cols}] x{slots} ks {ks} copy {copy}");
+            // One matrix.
+            let mut ya = poisoned(&dev, rows);
+            let mut yb = poisoned(&dev, rows);
+            affine_gemv::gemv_tuned(&dev, &dw, Select::matrix(2), &xd, false, &mut ya, Q4Decode::Fast, per_round).unwrap();
+            affine_gemv::gemv_tuned(&dev, &dw, Select::matrix(2), &xd, false, &mut yb, Q4Decode::Fast, bulk).unwrap();
+            let (a, b) = (dev.download(&ya).unwrap(), dev.download(&yb).unwrap());
+            bits_eq(&a, &b, &label);
+            worst = worst.max(check(&b, &ref_gemv(&w, 2, &x), TC_TOL, &label));
+            // SwiGLU over indexed slots on a shared x.
+            let mut ya = poisoned(&dev, slots * rows);
+            let mut yb = poisoned(&dev, slots * rows);
+            affine_gemv::swiglu_tuned(&dev, &dw, &du, Select::indexed(&dev, &idx), &xd, false, &mut ya, per_round).unwrap();
+            let r = affine_gemv::swiglu_tuned(&dev, &dw, &du, Select::indexed(&dev, &idx), &xd, false, &mut yb, bulk);
+            assert_eq!(r.is_ok(), sw, "{label}: a bulk SwiGLU plan exactly where two matrices fit one wave");
+            let (a, b) = (dev.download(&ya).unwrap(), dev.download(&yb).unwrap());
+            for (s, &m) in idx_h.iter().enumerate().filter(|_| sw) {
+                let (ga, gb) = (&a[s * rows..(s + 1) * rows], &b[s * rows..(s + 1) * rows]);
+                if m as usize >= count {
+                    assert!(gb.iter().all(|v| v.is_nan()), "{label}: the slot with a bad index must be NaN");
+                    continue;
+                }
+                bits_eq(ga, gb, &format!("{label} swiglu slot {s}"));
+                let want: Vec<f64> = ref_gemv(&w, m as usize, &x).iter().zip(ref_gemv(&u, m as usize, &x)).map(|(g, v)| silu64(*g) * v).collect();
+                worst = worst.max(check(gb, &want, TC_TOL, &format!("{label} swiglu slot {s}")));
+            }
+            // Per-slot x (the down projection), marked settled (no PDL here: read at once either way).
+            let mut ya = poisoned(&dev, slots * rows);
+            let mut yb = poisoned(&dev, slots * rows);
+            affine_gemv::gemv_tuned(&dev, &dw, Select::indexed(&dev, &idx), &xsd, true, &mut ya, Q4Decode::Fast, per_round).unwrap();
+            affine_gemv::gemv_tuned(&dev, &dw, Select::indexed(&dev, &idx).settled(), &xsd, true, &mut yb, Q4Decode::Fast, bulk).unwrap();
+            let (a, b) = (dev.download(&ya).unwrap(), dev.download(&yb).unwrap());
+            for (s, &m) in idx_h.iter().enumerate() {
+                let gb = &b[s * rows..(s + 1) * rows];
+                if m as usize >= count {
+                    assert!(gb.iter().all(|v| v.is_nan()), "{label}: the slot with a bad index must be NaN");
+                    continue;
+                }
+                bits_eq(&a[s * rows..(s + 1) * rows], gb, &format!("{label} per-slot x slot {s}"));
+                worst = worst.max(check(gb, &ref_gemv(&w, m as usize, &xs[s * cols..(s + 1) * cols]), TC_TOL, &format!("{label} per-slot x slot {s}")));
+            }
+        }
+        // The automatic choice (bulk where it has a plan) with the fused norm and the residual add.
+        let mut y = dev.upload(&y0).unwrap();
+        affine_gemv::gemv_fused(&dev, &dw, Select::matrix(1), &xd, false, &mut y, fuse.accumulate()).unwrap();
+        let want: Vec<f64> = ref_gemv(&w, 1, &xn).iter().zip(&y0).map(|(a, b)| a + *b as f64).collect();
+        worst = worst.max(check(&dev.download(&y).unwrap(), &want, TC_TOL, &format!("bulk [{rows}x{cols}] norm + residual")));
+        let mut y = poisoned(&dev, slots * rows);
+        affine_gemv::swiglu_fused(&dev, &dw, &du, Select::indexed(&dev, &idx), &xd, false, &mut y, fuse).unwrap();
+        let got = dev.download(&y).unwrap();
+        for (s, &m) in idx_h.iter().enumerate() {
+            if (m as usize) < count {
+                let want: Vec<f64> = ref_gemv(&w, m as usize, &xn).iter().zip(ref_gemv(&u, m as usize, &xn)).map(|(g, v)| silu64(*g) * v).collect();
+                worst = worst.max(check(&got[s * rows..(s + 1) * rows], &want, TC_TOL, &format!("bulk [{rows}x{cols}] swiglu norm slot {s}")));
+            }
+        }
+    }
+    // No bulk plan: columns not a multiple of 512, or more weights than one wave of blocks stages.
+    let w = upload_matrix(&dev, &affine_matrix(&mut rng, 1, 16, 256, 4, 64, "bf16")).unwrap();
+    let x = dev.upload(&rng.vec(256)).unwrap();
+    let mut y = poisoned(&dev, 16);
+    assert!(affine_gemv::gemv_tuned(&dev, &w, Select::matrix(0), &x, false, &mut y, Q4Decode::Fast, 13).is_err(), "256 columns");
+    let rows = 16 * 33 * dev.sm_count() as usize; // 33 tiles a block: past the most a block takes
+    let w = upload_matrix(&dev, &affine_matrix(&mut rng, 1, rows, 512, 4, 64, "bf16")).unwrap();
+    let x = dev.upload(&rng.vec(512)).unwrap();
+    let mut y = poisoned(&dev, rows);
+    assert!(affine_gemv::gemv_tuned(&dev, &w, Select::matrix(0), &x, false, &mut y, Q4Decode::Fast, 13).is_err(), "too many tiles");
+    println!("gemv bulk: bit-identical to the per-round kernels; worst relative error {worst:.2e} (tolerance {TC_TOL:.0e})");
+}
+
+/// The MoE's decode chain with programmatic dependent launch on, as the decode graph runs it: the
+/// selection writes the indices, the gate/up GEMV (bulk) reads them after its wait, and the down
+/// projection (bulk, indices settled) reads them and starts its copies before its own wait. Fresh
+/// logits every round, so a down projection that read the previous round's indices would use other
+/// experts and miss its reference by far.
+#[test]
+fn settled_indices_under_pdl_are_the_new_ones() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(42);
+    let (e, k, h, inter) = (16usize, 4usize, 512usize, 512usize);
+    let gate = affine_matrix(&mut rng, e, inter, h, 4, 64, "bf16");
+    let up = affine_matrix(&mut rng, e, inter, h, 4, 64, "bf16");
+    let down = affine_matrix(&mut rng, e, h, inter, 4, 64, "bf16");
+    let (dg, du, dd) = (upload_matrix(&dev, &gate).unwrap(), upload_matrix(&dev, &up).unwrap(), upload_matrix(&dev, &down).unwrap());
+    let x: Vec<f32> = rng.vec(h);
+    let xd = dev.upload(&x).unwrap();
+    let mut idx = dev.zeros::<u32>(k).unwrap();
+    let mut wts = dev.zeros::<f32>(k).unwrap();
+    let mut act = poisoned(&dev, k * inter);
+    let mut y = poisoned(&dev, k * h);
+    let mut worst = 0.0f64;
+    let mut seen = std::collections::BTreeSet::new();
+    for round in 0..12 {
+        let logits = dev.upload(&rng.vec(e).iter().map(|v| 4.0 * v).collect::<Vec<f32>>()).unwrap();
+        dev.set_pdl(true);
+        lily_cuda::ops::moe_route::route(&dev, &logits, 1, e, k, true, &mut idx, &mut wts).unwrap();
+        affine_gemv::swiglu(&dev, &dg, &du, Select::indexed(&dev, &idx), &xd, false, &mut act).unwrap();
+        affine_gemv::gemv(&dev, &dd, Select::indexed(&dev, &idx).settled(), &act, true, &mut y).unwrap();
+        dev.set_pdl(false);
+        let chosen = dev.download(&idx).unwrap();
+        seen.insert(chosen.clone());
+        let (a, got) = (dev.download(&act).unwrap(), dev.download(&y).unwrap());
+        for (s, &m) in chosen.iter().enumerate() {
+            let m = m as usize;
+            let want_a: Vec<f64> = ref_gemv(&gate, m, &x).iter().zip(ref_gemv(&up, m, &x)).map(|(g, v)| silu64(*g) * v).collect();
+            worst = worst.max(check(&a[s * inter..(s + 1) * inter], &want_a, TC_TOL, &format!("round {round} gate/up slot {s}")));
+            let want = ref_gemv(&down, m, &a[s * inter..(s + 1) * inter]);
+            worst = worst.max(check(&got[s * h..(s + 1) * h], &want, TC_TOL, &format!("round {round} down slot {s} (expert {m})")));
+        }
+    }
+    assert!(seen.len() >= 8, "the rounds should pick different experts ({} distinct sets)", seen.len());
+    println!("settled indices under PDL: 12 rounds, {} distinct expert sets, worst relative error {worst:.2e}", seen.len());
+}
+
 #[test]
 fn gemv_rejects_bad_lengths() {
     let Some(dev) = device() else { return };
@@ -700,6 +864,63 @@ fn down_with_fused_combine_matches_reference() {
 // ---------------------------------------------------------------------------------------------------
 // RMSNorm
 
+/// The fused MoE decode kernel (selection, SwiGLU of the k chosen and the shared expert, down
+/// projections, weighted sum, residual add; one grid barrier) against f64 from the stored bytes, its
+/// picks against `moe_route::route`'s, over 6 launches with fresh x and logits under PDL (the barrier's
+/// counter carries across launches): the full-size shapes (E = 256, k = 8, H = 2048, I = 512) and
+/// smaller ones taking each kernel variant.
+#[test]
+fn moe_decode_fused_matches_reference() {
+    use lily_cuda::ops::moe_decode;
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(45);
+    let mut worst = 0.0f64;
+    // (h, i, e, k, renorm): variants u2 (3 slots x 4 rounds), u5 (5 x 4; 9 x 4), u8 (7 x 8).
+    for (h, i, e, k, renorm) in [(512usize, 512usize, 8usize, 2usize, true), (512, 512, 16, 4, false), (2048, 512, 256, 8, true), (1024, 1024, 64, 6, true)] {
+        let gate = affine_matrix(&mut rng, e + 1, i, h, 4, 64, "bf16");
+        let up = affine_matrix(&mut rng, e + 1, i, h, 4, 64, "bf16");
+        let down = affine_matrix(&mut rng, e + 1, h, i, 4, 64, "bf16");
+        let (dg, du, dd) = (upload_matrix(&dev, &gate).unwrap(), upload_matrix(&dev, &up).unwrap(), upload_matrix(&dev, &down).unwrap());
+        let plan = moe_decode::plan(&dev, &dg, &du, &dd, e, k).unwrap().expect("the fused MoE decode takes these shapes");
+        let nw: Vec<f32> = rng.vec(h).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let nwd = dev.upload(&nw).unwrap();
+        let mut act = poisoned(&dev, (k + 1) * i);
+        let mut barrier = dev.zeros::<u64>(1).unwrap();
+        let (mut idx, mut w) = (dev.zeros::<u32>(k).unwrap(), dev.zeros::<f32>(k).unwrap());
+        let (mut ridx, mut rw) = (dev.zeros::<u32>(k).unwrap(), dev.zeros::<f32>(k).unwrap());
+        for round in 0..6 {
+            let x: Vec<f32> = rng.vec(h).iter().map(|v| 3.0 * v).collect();
+            let logits: Vec<f32> = rng.vec(e + 1).iter().map(|v| 2.0 * v).collect();
+            let (mut xd, ld) = (dev.upload(&x).unwrap(), dev.upload(&logits).unwrap());
+            dev.set_pdl(true);
+            lily_cuda::ops::moe_route::route(&dev, &ld, 1, e, k, renorm, &mut ridx, &mut rw).unwrap();
+            let chosen = moe_decode::Chosen { idx: &mut idx, w: &mut w };
+            moe_decode::run(&dev, &plan, &dg, &du, &dd, &ld, &nwd, 1e-6, e, k, renorm, &mut xd, &mut act, &mut barrier, Some(chosen), None).unwrap();
+            dev.set_pdl(false);
+            let label = format!("moe decode h {h} i {i} e {e} k {k} round {round}");
+            let (gi, gw) = (dev.download(&idx).unwrap(), dev.download(&w).unwrap());
+            assert_eq!(gi, dev.download(&ridx).unwrap(), "{label}: picks differ from moe_route");
+            assert!(gw.iter().zip(dev.download(&rw).unwrap()).all(|(a, b)| a.to_bits() == b.to_bits()), "{label}: weights differ from moe_route");
+            // f64: the chosen experts and the shared one (matrix e, weight sigmoid(logits[e])).
+            let n = ref_norm(&x, &nw, 1e-6);
+            let mut slots: Vec<(usize, f64)> = gi.iter().zip(&gw).map(|(&m, &c)| (m as usize, c as f64)).collect();
+            slots.push((e, 1.0 / (1.0 + (-(logits[e] as f64)).exp())));
+            let mut y = vec![0.0f64; h];
+            for &(m, c) in &slots {
+                let a: Vec<f64> = ref_gemv(&gate, m, &n).iter().zip(ref_gemv(&up, m, &n)).map(|(g, u)| silu64(*g) * u).collect();
+                let a32: Vec<f32> = a.iter().map(|v| *v as f32).collect();
+                for (yy, d) in y.iter_mut().zip(ref_gemv(&down, m, &a32)) {
+                    *yy += c * d;
+                }
+            }
+            let got: Vec<f32> = dev.download(&xd).unwrap().iter().zip(&x).map(|(a, b)| a - b).collect();
+            worst = worst.max(check(&got, &y, 1e-4, &label));
+        }
+        assert_eq!(dev.download(&barrier).unwrap()[0], 6 * dev.sm_count() as u64, "the barrier counter grows by the grid each launch");
+    }
+    println!("moe decode fused: picks identical to moe_route; worst relative error {worst:.2e} (tolerance 1e-4)");
+}
+
 #[test]
 fn rmsnorm_matches_cpu() {
     let Some(dev) = device() else { return };
@@ -850,6 +1071,132 @@ fn bench_gemv_cold_hot() {
     let (mut idx, mut wts) = (dev.zeros::<u32>(8).unwrap(), dev.zeros::<f32>(8).unwrap());
     let (t, _) = time_op(&dev, 15, 50, |_| lily_cuda::ops::moe_route::route(&dev, &logits, 1, 256, 8, true, &mut idx, &mut wts).unwrap());
     println!("moe_route, one token (one block): {:.2} µs a launch back to back", t * 1e6);
+}
+
+/// The bulk-staged GEMVs against the per-round ones on the decode graph's shapes, weights cold
+/// (rotated past L2): µs a launch back to back without PDL (each kernel alone) and with PDL (a
+/// launch's copies may overlap its predecessor, as in the decode graph). Variants: the per-round
+/// kernels at K splits 2, 4, 8; the bulk ones at their automatic split by each copy mechanism.
+#[test]
+#[ignore = "timing; run on the GPU machine"]
+fn bench_gemv_bulk() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(44);
+    let mut up = Uploader::new(&dev).unwrap();
+    println!("| shape | kernel | µs alone | µs under PDL | GB/s under PDL |");
+    println!("|---|---|---:|---:|---:|");
+    // (label, rows, cols, slots, swiglu, per-slot x)
+    for (label, rows, cols, slots, swiglu, per_slot) in [
+        ("gdn.in_proj [12352x2048]", 12352usize, 2048usize, 1usize, false, false),
+        ("attn.qkv [9216x2048]", 9216, 2048, 1, false, false),
+        ("out_proj [2048x4096]", 2048, 4096, 1, false, false),
+        ("moe.gate_up 9 x [512x2048] x2", 512, 2048, 9, true, false),
+        ("moe.down 9 x [2048x512]", 2048, 512, 9, false, true),
+    ] {
+        let nw = 1 + swiglu as usize;
+        let per = rows * cols / 2 + 4 * rows * cols / 64;
+        let count = (320usize << 20).div_ceil(per * nw).max(2 * slots);
+        let w = bench_affine(&mut up, &mut rng, count, rows, cols, 4, 64);
+        let u = if swiglu { Some(bench_affine(&mut up, &mut rng, count, rows, cols, 4, 64)) } else { None };
+        let x = dev.upload(&rng.vec(if per_slot { slots * cols } else { cols })).unwrap();
+        let mut y = dev.zeros::<f32>(slots * rows).unwrap();
+        // 64 index sets of `slots` distinct matrices.
+        let sets: Vec<CudaSlice<u32>> = (0..64)
+            .map(|_| {
+                let mut v: Vec<u32> = Vec::new();
+                while v.len() < slots {
+                    let m = rng.below(count) as u32;
+                    if !v.contains(&m) {
+                        v.push(m);
+                    }
+                }
+                dev.upload(&v).unwrap()
+            })
+            .collect();
+        let rounds = cols / 128;
+        let bulk_ks = [8usize, 4, 2, 1].into_iter().find(|&k| rounds % k == 0 && rounds / k >= 2).unwrap();
+        let mut variants: Vec<(String, u32)> = [2usize, 4, 8].iter().filter(|&&k| rounds % k == 0).map(|&k| (format!("per-round k{k}"), 9 + k.trailing_zeros())).collect();
+        for c in 0..3u32 {
+            variants.push((format!("bulk k{bulk_ks} copy {c}"), 13 + 4 * c + bulk_ks.trailing_zeros()));
+        }
+        for (name, forced) in variants {
+            let mut run = |i: usize| {
+                // The down projection's indices are settled (as in the model); the gate/up's are not.
+                let sel = match (slots > 1, per_slot) {
+                    (true, true) => Select::indexed(&dev, &sets[i % 64]).settled(),
+                    (true, false) => Select::indexed(&dev, &sets[i % 64]),
+                    _ => Select::matrix(i % count),
+                };
+                let r = match &u {
+                    Some(u) => affine_gemv::swiglu_tuned(&dev, &w, u, sel, &x, false, &mut y, forced),
+                    None => affine_gemv::gemv_tuned(&dev, &w, sel, &x, per_slot, &mut y, Q4Decode::Fast, forced),
+                };
+                r.is_ok()
+            };
+            if !run(0) {
+                println!("| {label} | {name} | — | — | — |");
+                continue;
+            }
+            let (alone, _) = time_op(&dev, 15, 40, |i| {
+                run(i);
+            });
+            dev.set_pdl(true);
+            let (chained, _) = time_op(&dev, 15, 40, |i| {
+                run(i);
+            });
+            dev.set_pdl(false);
+            let bytes = (slots * nw * per) as f64;
+            println!("| {label} | {name} | {:.2} | {:.2} | {:.0} |", alone * 1e6, chained * 1e6, bytes / chained / 1e9);
+        }
+    }
+}
+
+/// The fused MoE decode at the full-size shapes (E = 256, k = 8, H = 2048, I = 512), weights cold:
+/// µs a launch alone and after the selection kernel under PDL, then one launch's phase stamps per
+/// block (µs from the earliest block's start: median and latest block at each phase).
+#[test]
+#[ignore = "timing; run on the GPU machine"]
+fn bench_moe_decode() {
+    use lily_cuda::ops::moe_decode;
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(46);
+    let mut up = Uploader::new(&dev).unwrap();
+    let (h, i, e, k) = (2048usize, 512usize, 256usize, 8usize);
+    // Layers' worth of stacks, rotated past L2.
+    let layers = 3;
+    let stacks: Vec<(DeviceMatrix, DeviceMatrix, DeviceMatrix)> = (0..layers)
+        .map(|_| (bench_affine(&mut up, &mut rng, e + 1, i, h, 4, 64), bench_affine(&mut up, &mut rng, e + 1, i, h, 4, 64), bench_affine(&mut up, &mut rng, e + 1, h, i, 4, 64)))
+        .collect();
+    let plan = moe_decode::plan(&dev, &stacks[0].0, &stacks[0].1, &stacks[0].2, e, k).unwrap().unwrap();
+    let nw = dev.upload(&rng.vec(h).iter().map(|v| 1.0 + 0.5 * v).collect::<Vec<f32>>()).unwrap();
+    let logits: Vec<CudaSlice<f32>> = (0..16).map(|_| dev.upload(&rng.vec(e + 1).iter().map(|v| 2.0 * v).collect::<Vec<f32>>()).unwrap()).collect();
+    let mut x = dev.upload(&rng.vec(h)).unwrap();
+    let mut act = dev.zeros::<f32>((k + 1) * i).unwrap();
+    let mut barrier = dev.zeros::<u64>(1).unwrap();
+    let mut run = |j: usize, trace: Option<&mut CudaSlice<u64>>| {
+        let (g, u, d) = &stacks[j % layers];
+        moe_decode::run(&dev, &plan, g, u, d, &logits[j % 16], &nw, 1e-6, e, k, true, &mut x, &mut act, &mut barrier, None, trace).unwrap();
+    };
+    let (alone, _) = time_op(&dev, 15, 40, |j| run(j, None));
+    dev.set_pdl(true);
+    let (chained, _) = time_op(&dev, 15, 40, |j| run(j, None));
+    dev.set_pdl(false);
+    println!("moe_decode fused (E {e}, k {k}, H {h}, I {i}; grid {}): {:.2} µs alone, {:.2} µs a launch chained under PDL", plan.grid(), alone * 1e6, chained * 1e6);
+    let mut trace = dev.zeros::<u64>(plan.grid() * moe_decode::TRACE_STAMPS).unwrap();
+    for rep in 0..3 {
+        run(rep, Some(&mut trace));
+        let t = dev.download(&trace).unwrap();
+        let n = moe_decode::TRACE_STAMPS;
+        let t0 = (0..plan.grid()).map(|b| t[b * n]).min().unwrap();
+        let names = ["start", "waited", "max", "sum", "picked", "issued", "x staged", "copies in", "swiglu done", "barrier", "act staged", "end"];
+        let mut line = format!("trace {rep}:");
+        for (ph, name) in names.iter().enumerate() {
+            let mut v: Vec<f64> = (0..plan.grid()).map(|b| (t[b * n + ph] - t0) as f64 / 1e3).collect();
+            v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            line += &format!(" | {name} {:.2}/{:.2}", v[v.len() / 2], v[v.len() - 1]);
+        }
+        println!("{line}");
+    }
 }
 
 struct Row {

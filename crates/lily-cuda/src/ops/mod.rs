@@ -19,6 +19,7 @@ pub mod gdn;
 pub mod gdn_chunked;
 pub mod gemm;
 pub mod gemm_wgmma;
+pub mod moe_decode;
 pub mod moe_dispatch;
 pub mod moe_route;
 pub mod rmsnorm;
@@ -37,6 +38,7 @@ pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
     ("gdn_chunked", gdn_chunked::KERNELS),
     ("gemm", gemm::KERNELS),
     ("gemm_wgmma", gemm_wgmma::KERNELS),
+    ("moe_decode", moe_decode::KERNELS),
     ("moe_dispatch", moe_dispatch::KERNELS),
     ("moe_route", moe_route::KERNELS),
     ("rmsnorm", rmsnorm::KERNELS),
@@ -46,12 +48,23 @@ pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
 
 /// One-time function attributes (called by `Device::open`).
 pub(crate) fn configure(dev: &Device) -> Result<()> {
+    // `LILY_CARVEOUT=P` (0..=100): every kernel prefers P% of the SM's unified L1 as shared memory
+    // (100: the most). Kernels of different shared-memory configurations cannot share an SM, which
+    // must drain to switch; one preference for all keeps neighbours co-resident under PDL (A/B runs).
+    if let Some(pct) = std::env::var("LILY_CARVEOUT").ok().and_then(|v| v.parse::<i32>().ok()).filter(|p| (0..=100).contains(p)) {
+        for (_, names) in REGISTRY {
+            for name in names.iter() {
+                dev.function(name)?.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, pct)?;
+            }
+        }
+    }
     affine_gemv::configure(dev)?;
     affine_gemv_tc::configure(dev)?;
     gemm::configure(dev)?;
     gemm_wgmma::configure(dev)?;
     attention::configure(dev)?;
     gdn_chunked::configure(dev)?;
+    moe_decode::configure(dev)?;
     attn_prefill::configure(dev)
 }
 
