@@ -20,7 +20,7 @@ struct GemvParams {
     int count;
     int group_shift;          // log2(group size); unused for dense
     int matrix;
-    int slots;                // the bulk kernels: slots (the grid's x covers slots x row tiles); others: unused
+    int pad_;
     // Fusions (all off when zero/null; see "Fusions" at the top):
     const float* norm_w;      // [cols] or null: the product uses RMSNorm(x) * norm_w (a shared x only)
     float norm_eps;
@@ -31,7 +31,7 @@ struct GemvParams {
     int route_e;              // router entries: the first route_e rows of y are the experts' logits
     int route_k;
     int route_renorm;
-    int idx_settled;          // the bulk kernels: idx was written before the predecessor's wait (read before ours)
+    int pad2_;
     const float* mix_w;       // mix entries: [mix_k] the weights of slots 0..mix_k-1
     const float* gate_logit;  // mix entries: slot mix_k (if mix_shared) is weighted by sigmoid(*gate_logit)
     int mix_k;

@@ -137,6 +137,39 @@ __device__ __forceinline__ void tc_affine(float& acc0, float& acc1, const float 
     acc1 = fmaf(s1, c[2] + c[3], fmaf(fmaf(-16.0f, s1, b1), X, acc1));
 }
 
+// Word j of a staged vector (values 8j..8j+7, v; zeros where !act): its three bf16 parts into the
+// planes, and its group's sum of the staged values into Xs (the 8 words of a group are 8 consecutive
+// lanes, every lane of the warp calling alike).
+__device__ __forceinline__ void tc_stage_word(const float (&v)[8], int j, bool act, unsigned char* xs, float* Xs) {
+    uint32_t hi[8], mid[8], lo[8];
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        hi[i] = bf16_bits(v[i]);
+        const float h = __uint_as_float(hi[i] << 16);
+        mid[i] = bf16_bits(v[i] - h);
+        const float md = __uint_as_float(mid[i] << 16);
+        lo[i] = bf16_bits((v[i] - h) - md);
+        sum += (h + md) + __uint_as_float(lo[i] << 16);
+    }
+    // The group of 64 values is 8 consecutive words: 8 consecutive threads.
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+    if (act) {
+        const int r = j >> 4, t = (j >> 2) & 3, m = j & 3;
+        // mma order within the word: n0 n4 n1 n5 n2 n6 n3 n7 (low half first)
+        const uint4 H = make_uint4(hi[0] | hi[4] << 16, hi[1] | hi[5] << 16, hi[2] | hi[6] << 16, hi[3] | hi[7] << 16);
+        const uint4 M = make_uint4(mid[0] | mid[4] << 16, mid[1] | mid[5] << 16, mid[2] | mid[6] << 16, mid[3] | mid[7] << 16);
+        const uint4 L = make_uint4(lo[0] | lo[4] << 16, lo[1] | lo[5] << 16, lo[2] | lo[6] << 16, lo[3] | lo[7] << 16);
+        unsigned char* d = xs + r * TC_ROUND + t * TC_PLANE + m * 16;  // plane part * 4 + t
+        *reinterpret_cast<uint4*>(d) = H;
+        *reinterpret_cast<uint4*>(d + 4 * TC_PLANE) = M;
+        *reinterpret_cast<uint4*>(d + 8 * TC_PLANE) = L;
+        if ((j & 7) == 0) Xs[j >> 3] = sum;
+    }
+}
+
 // x (optionally x * norm_w) -> the planes and the group sums Xs; returns 1/rms(x) with the norm, else 1.
 // Ends with the block synchronised.
 // MAXW: the most warps of the calling block.
@@ -165,33 +198,7 @@ __device__ __forceinline__ float tc_stage(const float* norm_w, float norm_eps, c
                 }
             }
         }
-        uint32_t hi[8], mid[8], lo[8];
-        float sum = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            hi[i] = bf16_bits(v[i]);
-            const float h = __uint_as_float(hi[i] << 16);
-            mid[i] = bf16_bits(v[i] - h);
-            const float md = __uint_as_float(mid[i] << 16);
-            lo[i] = bf16_bits((v[i] - h) - md);
-            sum += (h + md) + __uint_as_float(lo[i] << 16);
-        }
-        // The group of 64 values is 8 consecutive words: 8 consecutive threads.
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-        if (act) {
-            const int r = j >> 4, t = (j >> 2) & 3, m = j & 3;
-            // mma order within the word: n0 n4 n1 n5 n2 n6 n3 n7 (low half first)
-            const uint4 H = make_uint4(hi[0] | hi[4] << 16, hi[1] | hi[5] << 16, hi[2] | hi[6] << 16, hi[3] | hi[7] << 16);
-            const uint4 M = make_uint4(mid[0] | mid[4] << 16, mid[1] | mid[5] << 16, mid[2] | mid[6] << 16, mid[3] | mid[7] << 16);
-            const uint4 L = make_uint4(lo[0] | lo[4] << 16, lo[1] | lo[5] << 16, lo[2] | lo[6] << 16, lo[3] | lo[7] << 16);
-            unsigned char* d = xs + r * TC_ROUND + t * TC_PLANE + m * 16;  // plane part * 4 + t
-            *reinterpret_cast<uint4*>(d) = H;
-            *reinterpret_cast<uint4*>(d + 4 * TC_PLANE) = M;
-            *reinterpret_cast<uint4*>(d + 8 * TC_PLANE) = L;
-            if ((j & 7) == 0) Xs[j >> 3] = sum;
-        }
+        tc_stage_word(v, j, act, xs, Xs);
     }
     if (norm) {
 #pragma unroll

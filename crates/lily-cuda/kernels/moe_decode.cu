@@ -1,6 +1,6 @@
 // The MoE block of one decode token after its router, as one persistent kernel: what the selection,
 // the gate/up GEMV, the down GEMV and the combine did in four dependent launches,
-//   chosen, w = the top k of softmax(logits[0..E))            (route.cuh: the CPU's picks, bit for bit)
+//   chosen, w = the top k of softmax(logits[0..E))            (route.cuh's values and picks, bit for bit)
 //   n       = RMSNorm(x) * norm_w
 //   act_s   = silu(G_s n) * (U_s n)      for the k chosen experts and the shared expert (matrix E)
 //   x      += sum_{s<k} w_s * (D_s act_s) + sigmoid(logits[E]) * (D_E act_E)
@@ -34,8 +34,7 @@
 #include "pdl.cuh"
 #include "gemv.cuh"
 #include "gemv_tc.cuh"
-#include "bulk.cuh"
-#include "route.cuh"
+#include "async_copy.cuh"
 
 struct MoeDecodeParams {
     const uint4* gw;          // gate [E + 1, I, H/32] 16-byte chunks
@@ -67,7 +66,7 @@ constexpr int MD_WARPS = 16;
 constexpr int MD_KS = 8;     // phase 2 splits each unit's rounds over 8 warps; the warps' halves take alternate units
 constexpr int MD_WPAD = 64;
 constexpr int MD_SPAD = 16;
-constexpr int MD_NPER = 8;  // experts a lane ranks: E <= 256
+constexpr int MD_MAX_E = 256; // experts the selection ranks
 constexpr int MD_TRACE = 13; // phase stamps a block writes when tracing
 
 __device__ __forceinline__ void md_stamp(const unsigned long long* trace_base, int i) {
@@ -97,13 +96,43 @@ __device__ __forceinline__ void grid_barrier(unsigned long long* ctr) {
     __syncthreads();
 }
 
+// act (n values, n a multiple of 64, at most MD_STAGE_WORDS words of 8 a thread) -> the planes and
+// group sums, as tc_stage without a norm, but with every thread's loads issued before any is used (one
+// L2 round trip, not one per pass). Ends synchronised.
+constexpr int MD_STAGE_WORDS = 4;
+__device__ __forceinline__ void md_stage_act(const float* act, int n, unsigned char* xs, float* Xs) {
+    const int nw = n >> 3;
+    float4 va[MD_STAGE_WORDS], vb[MD_STAGE_WORDS];
+#pragma unroll
+    for (int w = 0; w < MD_STAGE_WORDS; ++w) {
+        const int j = w * blockDim.x + threadIdx.x;
+        if (j < nw) {
+            va[w] = __ldcg(reinterpret_cast<const float4*>(act) + 2 * j);
+            vb[w] = __ldcg(reinterpret_cast<const float4*>(act) + 2 * j + 1);
+        }
+    }
+#pragma unroll
+    for (int w = 0; w < MD_STAGE_WORDS; ++w) {
+        const int j = w * blockDim.x + threadIdx.x;
+        if (w * (int)blockDim.x >= nw) break;  // the whole block alike
+        const bool on = j < nw;
+        const float v[8] = {on ? va[w].x : 0.0f, on ? va[w].y : 0.0f, on ? va[w].z : 0.0f, on ? va[w].w : 0.0f,
+                            on ? vb[w].x : 0.0f, on ? vb[w].y : 0.0f, on ? vb[w].z : 0.0f, on ? vb[w].w : 0.0f};
+        tc_stage_word(v, j, on, xs, Xs);
+    }
+    __syncthreads();
+}
+
 // route_row's selection by the whole block (blockDim.x >= e; every thread calls it; ends synchronised
-// with sidx/sw written): one logit and one exp a thread, the sum by warp 0 in the same index order
-// (loads issued 32 values ahead of the adds), then warp 0 picks (route_pick). The same values, picks
-// and weights as route_row. Stamps 2-4 after the max, the sum, the picks.
-template <int NPER>
+// with idx_out/w_out written): one logit, one exp and one p a thread, the sum by warp 0 in route_row's
+// index order (loads issued 32 values ahead of the adds), then each thread its p's rank among all
+// (p descending, ties to the lower index): the ranks below k are the picks, best first. The same
+// values, picks and weights as route_row (renormalised over the picks added in pick order), without
+// its k dependent rounds. `s`: e floats of shared memory (the exps, then the p); `red`: a float per
+// warp and one for the sum. Stamps 2-4 after the max, the sum, the picks.
 __device__ __forceinline__ void md_route(const MoeDecodeParams& p, float* s, float* red, uint32_t* idx_out, float* w_out) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, e = p.e;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, e = p.e, k = p.k;
+    const int nwarps = blockDim.x >> 5;
     const float l = tid < e ? __ldcg(p.logits + tid) : -INFINITY;
     float m = l;
 #pragma unroll
@@ -111,9 +140,10 @@ __device__ __forceinline__ void md_route(const MoeDecodeParams& p, float* s, flo
     if (lane == 0) red[warp] = m;
     __syncthreads();
     m = red[0];
-    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = fmaxf(m, red[w]);
+    for (int w = 1; w < nwarps; ++w) m = fmaxf(m, red[w]);
     md_stamp(p.trace, 2);
-    if (tid < e) s[tid] = (float)exp((double)(l - m));
+    const float ex = tid < e ? (float)exp((double)(l - m)) : 0.0f;
+    if (tid < e) s[tid] = ex;
     __syncthreads();
     if (warp == 0) {
         // sum = s[0] + s[1] + ... in index order (route_row's order), 32 values loaded per step.
@@ -132,14 +162,33 @@ __device__ __forceinline__ void md_route(const MoeDecodeParams& p, float* s, flo
             }
         }
         for (; i < e; i++) sum = sum + s[i];
-        md_stamp(p.trace, 3);
-        float v[NPER];
-#pragma unroll
-        for (int j = 0; j < NPER; j++) {
-            const int i2 = lane + 32 * j;
-            v[j] = i2 < e ? s[i2] / sum : -1.0f;
+        if (lane == 0) red[nwarps] = sum;
+    }
+    __syncthreads();
+    md_stamp(p.trace, 3);
+    const float pv = tid < e ? ex / red[nwarps] : -1.0f;
+    if (tid < e) s[tid] = pv;
+    __syncthreads();
+    if (tid < e) {
+        // Rank: the p above this one, and those equal at a lower index; stop once k are found.
+        int rank = 0;
+        for (int j = 0; j < e && rank < k; ++j) {
+            const float q = s[j];
+            rank += (q > pv || (q == pv && j < tid)) ? 1 : 0;
         }
-        route_pick<NPER>(v, p.k, p.renorm, idx_out, w_out);
+        if (rank < k) {
+            idx_out[rank] = (uint32_t)tid;
+            w_out[rank] = pv;
+        }
+    }
+    __syncthreads();
+    if (p.renorm && warp == 0) {
+        // The picks' sum in pick order, as route_row adds them.
+        float total = 0.0f;
+        for (int r = 0; r < k; r++) total = total + w_out[r];
+        const float mine = lane < k ? w_out[lane] / total : 0.0f;
+        __syncwarp();
+        if (lane < k) w_out[lane] = mine;
     }
     __syncthreads();
     md_stamp(p.trace, 4);
@@ -148,11 +197,11 @@ __device__ __forceinline__ void md_route(const MoeDecodeParams& p, float* s, flo
 template <int UMAX>
 __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
     extern __shared__ __align__(16) unsigned char md_smem[];
-    __shared__ __align__(16) float route_s[32 * MD_NPER];
+    __shared__ __align__(16) float route_s[MD_MAX_E];
     __shared__ uint32_t sidx[33];
     __shared__ float sw[33];
     __shared__ float red3[MD_WARPS][16];
-    __shared__ float route_red[MD_WARPS];
+    __shared__ float route_red[MD_WARPS + 1];
     const int H = p.h, I = p.inter, ns = p.k + 1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
@@ -204,7 +253,7 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
     md_stamp(p.trace, 1);
 
     // 2. The selection (every block alike), then the routed units' copies.
-    md_route<MD_NPER>(p, route_s, route_red, sidx, sw);
+    md_route(p, route_s, route_red, sidx, sw);
     if (threadIdx.x == 0) {
         sidx[p.k] = (uint32_t)p.e;
         sw[p.k] = 1.0f / (1.0f + expf(-__ldcg(p.logits + p.e)));
@@ -240,8 +289,10 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
     __syncthreads();
     md_stamp(p.trace, 7);
     // The down weights now, so that they stream in during the SwiGLU and the barrier, not ahead of
-    // the gate/up copies.
+    // the gate/up copies; and the residual of this block's first output tile (x rows that only this
+    // block writes, after the barrier).
     if (b < tilesH) load_down(b);
+    const float x_res = (warp == 0 && lane < 16 && b < tilesH) ? __ldcg(p.x + b * 16 + lane) : 0.0f;
 
     // The SwiGLU units: warp w takes rounds w % 8, w % 8 + 8, ... of units w / 8, w / 8 + 2, ...; the 8
     // partials of a row are summed in split order.
@@ -310,7 +361,7 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
     // 4. act staged over the unit region, then the down tiles with the combine and the residual.
     unsigned char* ast = md_smem;
     float* As = reinterpret_cast<float*>(md_smem + units3 * TC_ROUND);
-    tc_stage<MD_WARPS>(nullptr, 0.0f, p.act, ast, As, ns * I);  // ends synchronised
+    md_stage_act(p.act, ns * I, ast, As);  // ends synchronised
     md_stamp(p.trace, 10);
     const bool breal = (g & 3) < 3 && (t >> 1) == (g >> 2);
     const uint4* alane = reinterpret_cast<const uint4*>(ast + ((g & 3) * 4 + t) * TC_PLANE);
@@ -350,7 +401,7 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
 #pragma unroll
             for (int w = 0; w < MD_WARPS; ++w) sum += red3[w][lane];
             const int row = tile * 16 + lane;
-            if (row < H) p.x[row] = __ldcg(p.x + row) + sum;
+            if (row < H) p.x[row] = (tile == b ? x_res : __ldcg(p.x + row)) + sum;
         }
         __syncthreads();
     }

@@ -1,6 +1,5 @@
-// The MoE router's selection for one token, by one warp (route_row): shared by moe_route.cu (a warp
-// per token) and the router GEMV of affine_gemv.cu (its last block selects right after the logits are
-// written); its picking step (route_pick) also by moe_decode.cu's block-wide selection.
+// The MoE router's selection for one token, by one warp: shared by moe_route.cu (a warp per token)
+// and the router GEMV of affine_gemv.cu (its last block selects right after the logits are written).
 // The same maths as lily_cpu::moe::route:
 //   m = max(row);  ex_i = exp(row_i - m);  sum = ex_0 + ex_1 + ... (f32, in index order);  p_i = ex_i / sum;
 //   the k largest p, ties to the lower index, sorted best first; weight = p (or p / (sum of the k chosen p,
@@ -17,55 +16,6 @@
 // wrote them.
 #pragma once
 #include <stdint.h>
-
-// The k largest of the warp's p (lane l holds p[l + 32j] in v[j]; -1 where absent), ties to the
-// lower index, best first, into idx_out[0..k) and w_out[0..k) (p, or p over the sum of the k picks
-// added in pick order when renormalising). Consumes v.
-template <int NPER>
-__device__ __forceinline__ void route_pick(float (&v)[NPER], int k, int renorm, uint32_t* idx_out, float* w_out) {
-    const int lane = threadIdx.x & 31;
-    float mine_p = 0.0f;
-    int mine_i = 0;
-    for (int r = 0; r < k; r++) {
-        float bp = -1.0f;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int j = 0; j < NPER; j++) {
-            if (v[j] > bp) {  // slots ascend in index, so '>' keeps the lower index on ties
-                bp = v[j];
-                bi = lane + 32 * j;
-            }
-        }
-        // The warp's best: the largest p (a non-negative float's bits order as its value; taken and
-        // absent slots, -1, map below every p), then the lowest index among the lanes holding it —
-        // two redux.sync where a butterfly took five rounds of two shuffles.
-        const uint32_t key = bp >= 0.0f ? __float_as_uint(bp) + 1u : 0u;
-        const uint32_t best = __reduce_max_sync(0xffffffffu, key);
-        bi = (int)__reduce_min_sync(0xffffffffu, key == best ? (uint32_t)bi : 0x7fffffffu);
-        bp = best == 0u ? -1.0f : __uint_as_float(best - 1u);
-        if ((bi & 31) == lane) {
-            const int slot = bi >> 5;
-#pragma unroll
-            for (int j = 0; j < NPER; j++)
-                if (j == slot) v[j] = -1.0f;
-        }
-        if (lane == r) {
-            mine_p = bp;
-            mine_i = bi;
-        }
-    }
-
-    float out = mine_p;
-    if (renorm) {
-        float total = 0.0f;
-        for (int r = 0; r < k; r++) total = total + __shfl_sync(0xffffffffu, mine_p, r);
-        out = mine_p / total;
-    }
-    if (lane < k) {
-        idx_out[lane] = (uint32_t)mine_i;
-        w_out[lane] = out;
-    }
-}
 
 template <int NPER>
 __device__ __forceinline__ void route_row(const float* row, int e, int k, int renorm, float* s, uint32_t* idx_out, float* w_out) {
@@ -109,5 +59,45 @@ __device__ __forceinline__ void route_row(const float* row, int e, int k, int re
         v[j] = i2 < e ? v[j] / sum : -1.0f;
     }
 
-    route_pick<NPER>(v, k, renorm, idx_out, w_out);
+    float mine_p = 0.0f;
+    int mine_i = 0;
+    for (int r = 0; r < k; r++) {
+        float bp = -1.0f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int j = 0; j < NPER; j++) {
+            if (v[j] > bp) {  // slots ascend in index, so '>' keeps the lower index on ties
+                bp = v[j];
+                bi = lane + 32 * j;
+            }
+        }
+        // The warp's best: the largest p (a non-negative float's bits order as its value; taken and
+        // absent slots, -1, map below every p), then the lowest index among the lanes holding it —
+        // two redux.sync where a butterfly took five rounds of two shuffles.
+        const uint32_t key = bp >= 0.0f ? __float_as_uint(bp) + 1u : 0u;
+        const uint32_t best = __reduce_max_sync(0xffffffffu, key);
+        bi = (int)__reduce_min_sync(0xffffffffu, key == best ? (uint32_t)bi : 0x7fffffffu);
+        bp = best == 0u ? -1.0f : __uint_as_float(best - 1u);
+        if ((bi & 31) == lane) {
+            const int slot = bi >> 5;
+#pragma unroll
+            for (int j = 0; j < NPER; j++)
+                if (j == slot) v[j] = -1.0f;
+        }
+        if (lane == r) {
+            mine_p = bp;
+            mine_i = bi;
+        }
+    }
+
+    float out = mine_p;
+    if (renorm) {
+        float total = 0.0f;
+        for (int r = 0; r < k; r++) total = total + __shfl_sync(0xffffffffu, mine_p, r);
+        out = mine_p / total;
+    }
+    if (lane < k) {
+        idx_out[lane] = (uint32_t)mine_i;
+        w_out[lane] = out;
+    }
 }

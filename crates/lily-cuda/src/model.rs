@@ -1097,9 +1097,7 @@ fn moe_decode(
         if unfused & UNFUSE_MIX == 0 {
             return affine_gemv::down_mix(dev, &ex.down, &idx, &a.act, &a.route_w, Some(&gate_logit), k, true, &mut a.x); // x += [H]
         }
-        // The indices were written two launches back (the gate/up GEMV between): settled, so the
-        // bulk-staged down projection copies its experts while the gate/up GEMV runs.
-        affine_gemv::gemv(dev, &ex.down, Select::indexed(dev, &idx).settled(), &a.act, true, &mut a.expert_out)?; // [k+1, H]
+        affine_gemv::gemv(dev, &ex.down, Select::indexed(dev, &idx), &a.act, true, &mut a.expert_out)?; // [k+1, H]
         let (y, shared_row) = (a.expert_out.slice(0..k * h), a.expert_out.slice(k * h..(k + 1) * h));
         dev.mark("moe.combine", 4 * ((k + 3) * h) as u64, 2 * ((k + 1) * h) as u64)?;
         return moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, Some((&shared_row, &gate_logit)), 1, 1, k, h, &mut a.x, true);
@@ -1119,7 +1117,7 @@ fn moe_decode(
     mark_swiglu(dev, "moe.gate_up", &ex.gate, slots, 1)?;
     affine_gemv::swiglu(dev, &ex.gate, &ex.up, sel, &a.normed, false, &mut a.act)?; // [slots, I]
     mark_grouped(dev, "moe.down", &ex.down, 1, slots, slots)?;
-    affine_gemv::gemv(dev, &ex.down, sel.settled(), &a.act, true, &mut a.expert_out)?; // [slots, H] (indices two launches back)
+    affine_gemv::gemv(dev, &ex.down, sel, &a.act, true, &mut a.expert_out)?; // [slots, H]
     match shared {
         Shared::Separate { mlp, .. } => {
             mark_swiglu(dev, "moe.shared", &mlp.gate, 1, 1)?;

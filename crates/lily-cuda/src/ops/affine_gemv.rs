@@ -34,7 +34,7 @@ struct GemvParams {
     count: i32,
     group_shift: i32,
     matrix: i32,
-    slots: i32,
+    pad: i32,
     norm_w: u64,
     norm_eps: f32,
     accumulate: i32,
@@ -44,7 +44,7 @@ struct GemvParams {
     route_e: i32,
     route_k: i32,
     route_renorm: i32,
-    idx_settled: i32,
+    pad2: i32,
     mix_w: u64,
     gate_logit: u64,
     mix_k: i32,
@@ -170,28 +170,17 @@ pub struct Select {
     idx: u64,
     slots: usize,
     matrix: usize,
-    settled: bool,
 }
 
 impl Select {
     /// Matrix `m` of the stack, one slot.
     pub fn matrix(m: usize) -> Self {
-        Select { idx: 0, slots: 1, matrix: m, settled: false }
+        Select { idx: 0, slots: 1, matrix: m }
     }
     /// One slot per element of `idx` (a device array of matrix indices, e.g. the router's top-k).
     pub fn indexed<I: DevicePtr<u32>>(dev: &Device, idx: &I) -> Self {
         let (p, _g) = idx.device_ptr(dev.stream());
-        Select { idx: p, slots: idx.len(), matrix: 0, settled: false }
-    }
-    /// The indices are settled: written by a kernel at least two launches before this GEMV on the
-    /// stream, with nothing writing them since. Every kernel here waits for its predecessor before it
-    /// lets its successor start (`kernels/pdl.cuh`), so when this GEMV starts the writer has finished,
-    /// and the bulk-staged kernels read the indices, and start copying those matrices, before their
-    /// own wait (the MoE down projection, after the gate/up GEMV that follows the router). A caller
-    /// that cannot promise this must not say it.
-    pub fn settled(mut self) -> Self {
-        self.settled = true;
-        self
+        Select { idx: p, slots: idx.len(), matrix: 0 }
     }
     pub fn slots(&self) -> usize {
         self.slots
@@ -264,9 +253,7 @@ pub fn gemv_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
 /// [`gemv_with`] with a forced kernel (benchmarks and tests). 0 = automatic (4-bit weights in groups
 /// of 64 with the fast decode: the tensor-core kernel, `affine_gemv_tc`, unless `LILY_GEMV=ffma`;
 /// otherwise the pipelined kernel for rows of at least 4 chunks per lane when its shared memory fits,
-/// else the register one). Tensor cores: 9..=12 = a K split of 1, 2, 4, 8 per round, 13..=16 the same
-/// bulk-staged by per-thread copies, 17..=20 by the copy engine a row at a time, 21..=24 a tile at a
-/// time (an error where the shape has no bulk plan). Register kernel: 8 = its automatic choice,
+/// else the register one). Tensor cores: 9..=12 = a K split of 1, 2, 4, 8. Register kernel: 8 = its automatic choice,
 /// 1..=4 = (U, NR) = (1, 8), (2, 4), (4, 2), (8, 1) chunks × rows in flight per lane (rows of more
 /// than 16 chunks). Pipelined kernel: 5..=7 = (U, NR) = (1, 4), (2, 2), (4, 1) per pipeline stage.
 /// The 4-bit `Exact` decode exists only in the register kernel.
@@ -397,7 +384,7 @@ pub fn swiglu<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     swiglu_tuned(dev, gate, up, sel, x, x_per_slot, y, 0)
 }
 
-/// [`swiglu`] with a forced kernel: 0 = automatic; tensor cores 9..=24 (as [`gemv_tuned`]); register kernel 8 = automatic, 1..=3 = (U, NR) =
+/// [`swiglu`] with a forced kernel: 0 = automatic; tensor cores 9..=12 (as [`gemv_tuned`]); register kernel 8 = automatic, 1..=3 = (U, NR) =
 /// (1, 4), (2, 2), (4, 1); pipelined kernel 5..=7 = (1, 4), (2, 2), (4, 1).
 #[doc(hidden)]
 #[allow(clippy::too_many_arguments)]
@@ -659,20 +646,13 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     // the register kernel wins on SwiGLU (8.8 vs 10.2 us) and on 8192x2048 (8.6 vs 9.3 us).
     // The tensor-core kernels (affine_gemv_tc.cu) take 4-bit, group-64 weights with the fast decode,
     // unless a variant 1..=8 forces an FFMA kernel: automatically (0) unless `LILY_GEMV=ffma`, or
-    // forced with the K split 9..=12 = 1, 2, 4, 8 (13..=24: the bulk-staged forms of the same split).
+    // forced with the K split 9..=12 = 1, 2, 4, 8.
     let group = w.group_size().unwrap_or(0);
     let tc_ok = route.is_none() && (*fam == Q4 || *fam == SW_Q4) && affine_gemv_tc::fits(w.bits(), group, cols);
-    // The bulk-staged form takes every shape it has a plan for, also those the per-round kernels lose.
-    let bulk_auto = forced == 0
-        && tc_ok
-        && affine_gemv_tc::enabled()
-        && affine_gemv_tc::bulk_enabled()
-        && affine_gemv_tc::plan_bulk(dev, rows, cols, slots, swiglu, x_per_slot, 0, None)?.is_some();
     let tc_ks = match forced {
-        0 if bulk_auto || (tc_ok && affine_gemv_tc::enabled() && affine_gemv_tc::preferred(rows, cols, slots)) => Some(0),
+        0 if tc_ok && affine_gemv_tc::enabled() && affine_gemv_tc::preferred(rows, cols, slots) => Some(0),
         9..=12 if tc_ok => Some(1usize << (forced - 9)),
-        13..=24 if tc_ok => Some(1usize << ((forced - 13) % 4)),
-        9..=24 => return Err(CudaError::Shape(format!("gemv: no tensor-core kernel for {}-bit weights, group {group}, cols {cols}", w.bits()))),
+        9..=12 => return Err(CudaError::Shape(format!("gemv: no tensor-core kernel for {}-bit weights, group {group}, cols {cols}", w.bits()))),
         _ => None,
     };
     let use_async = match forced {
@@ -777,20 +757,6 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     }
     // x (and the norm weight) are read as float4s by the tensor-core kernels.
     if let Some(ks) = tc_ks.filter(|_| (params.x | params.norm_w) % 16 == 0) {
-        // The bulk-staged form where one wave of blocks holds the weights (automatic), or forced.
-        let bulk = match forced {
-            0 if bulk_auto => affine_gemv_tc::plan_bulk(dev, rows, cols, slots, swiglu, x_per_slot, 0, None)?,
-            13..=24 => Some(affine_gemv_tc::plan_bulk(dev, rows, cols, slots, swiglu, x_per_slot, ks, Some((forced as usize - 13) / 4))?.ok_or_else(|| {
-                CudaError::Shape(format!("gemv: no bulk-staged kernel for [{rows} x {cols}] over {slots} slots"))
-            })?),
-            _ => None,
-        };
-        if let Some((name, grid, smem)) = bulk {
-            params.slots = slots as i32;
-            params.idx_settled = sel.settled as i32;
-            let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (affine_gemv_tc::THREADS, 1, 1), shared_mem_bytes: smem };
-            return launch(dev, name, cfg, &params);
-        }
         let (name, grid, smem) = affine_gemv_tc::plan(dev, rows, cols, slots, swiglu, ks)?;
         let cfg = LaunchConfig { grid_dim: (grid, slots as u32, 1), block_dim: (affine_gemv_tc::THREADS, 1, 1), shared_mem_bytes: smem };
         return launch(dev, name, cfg, &params);

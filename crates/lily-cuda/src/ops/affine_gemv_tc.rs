@@ -1,10 +1,7 @@
 //! The tensor-core decode GEMV (`kernels/affine_gemv_tc.cu`): the 4-bit, group-64 case of
-//! [`super::affine_gemv`] (the checkpoints' format), chosen there when the shape allows it, in two
-//! forms: per round (weights loaded into registers a round ahead) and bulk-staged (a block's whole
-//! share of the weights copied into shared memory by the copy engine, before the PDL wait where the
-//! matrix is known; taken when the product fits one wave of blocks). This module knows the kernels'
-//! names, their shared memory and how the work is split; the parameters, the checks and the launch
-//! are `affine_gemv::run`'s.
+//! [`super::affine_gemv`] (the checkpoints' format), chosen there when the shape allows it. This
+//! module knows the kernels' names, their shared memory and how the work is split; the parameters,
+//! the checks and the launch are `affine_gemv::run`'s.
 
 use std::sync::OnceLock;
 
@@ -17,25 +14,8 @@ const GEMV: [&str; 4] = ["affine_gemv_tc_q4_k1", "affine_gemv_tc_q4_k2", "affine
 const SWIGLU: [&str; 4] = ["affine_swiglu_tc_q4_k1", "affine_swiglu_tc_q4_k2", "affine_swiglu_tc_q4_k4", "affine_swiglu_tc_q4_k8"];
 /// The down projection with the combine, by most (slot, round) units a warp loads at once.
 const MIX: [(&str, usize); 3] = [("affine_mix_tc_q4_u2", 2), ("affine_mix_tc_q4_u5", 5), ("affine_mix_tc_q4_u8", 8)];
-/// The bulk-staged forms, by copy mechanism (0: per-thread cp.async, 1: the copy engine a row at a
-/// time, 2: the copy engine a tile at a time, unpadded) and K split 1, 2, 4, 8.
-macro_rules! bulk_names {
-    ($p:literal) => {
-        [
-            [concat!($p, "_k1_c0"), concat!($p, "_k2_c0"), concat!($p, "_k4_c0"), concat!($p, "_k8_c0")],
-            [concat!($p, "_k1_c1"), concat!($p, "_k2_c1"), concat!($p, "_k4_c1"), concat!($p, "_k8_c1")],
-            [concat!($p, "_k1_c2"), concat!($p, "_k2_c2"), concat!($p, "_k4_c2"), concat!($p, "_k8_c2")],
-        ]
-    };
-}
-const BULK: [[&str; 4]; 3] = bulk_names!("affine_gemv_bulk_q4");
-const BULK_SWIGLU: [[&str; 4]; 3] = bulk_names!("affine_swiglu_bulk_q4");
-pub(crate) const KERNELS: &[&str] = &[
-    GEMV[0], GEMV[1], GEMV[2], GEMV[3], SWIGLU[0], SWIGLU[1], SWIGLU[2], SWIGLU[3], MIX[0].0, MIX[1].0, MIX[2].0,
-    BULK[0][0], BULK[0][1], BULK[0][2], BULK[0][3], BULK[1][0], BULK[1][1], BULK[1][2], BULK[1][3], BULK[2][0], BULK[2][1], BULK[2][2], BULK[2][3],
-    BULK_SWIGLU[0][0], BULK_SWIGLU[0][1], BULK_SWIGLU[0][2], BULK_SWIGLU[0][3], BULK_SWIGLU[1][0], BULK_SWIGLU[1][1], BULK_SWIGLU[1][2],
-    BULK_SWIGLU[1][3], BULK_SWIGLU[2][0], BULK_SWIGLU[2][1], BULK_SWIGLU[2][2], BULK_SWIGLU[2][3],
-];
+pub(crate) const KERNELS: &[&str] =
+    &[GEMV[0], GEMV[1], GEMV[2], GEMV[3], SWIGLU[0], SWIGLU[1], SWIGLU[2], SWIGLU[3], MIX[0].0, MIX[1].0, MIX[2].0];
 
 /// Threads per block (8 warps), as `TC_WARPS` in the .cu.
 pub(crate) const THREADS: u32 = 256;
@@ -60,86 +40,6 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
 pub(crate) fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("LILY_GEMV").map(|v| v != "ffma").unwrap_or(true))
-}
-
-/// Whether the automatic choice may take the bulk-staged form: only with `LILY_GEMV=bulk` (read once;
-/// it measured slower than the per-round kernels in the decode graph, docs/PERF.md 2026-12-04).
-pub(crate) fn bulk_enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_GEMV").is_ok_and(|v| v == "bulk"))
-}
-
-/// Columns below which the bulk-staged form is not planned: `LILY_GEMV_BULK_MIN_COLS` (default 0).
-fn bulk_min_cols() -> usize {
-    static C: OnceLock<usize> = OnceLock::new();
-    *C.get_or_init(|| std::env::var("LILY_GEMV_BULK_MIN_COLS").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
-}
-
-/// The bulk-staged form's copies in the automatic choice: `LILY_GEMV_BULK` = 0 (per-thread cp.async,
-/// the default), 1 (the copy engine, a row at a time) or 2 (the copy engine, a tile at a time).
-fn bulk_copy() -> usize {
-    static C: OnceLock<usize> = OnceLock::new();
-    *C.get_or_init(|| std::env::var("LILY_GEMV_BULK").ok().and_then(|v| v.parse().ok()).filter(|&c: &usize| c < 3).unwrap_or(0))
-}
-
-/// Bytes of shared memory a bulk block may take: with one block an SM, what is left (of ~227 KB)
-/// lets the next kernel's blocks be placed beside it and start their own copies (PDL).
-const BULK_SMEM_MAX: usize = 150 * 1024;
-/// Most units (16-row tiles of one slot) a bulk block takes (`BK_MAX_UNITS` in the .cu).
-const BULK_MAX_UNITS: usize = 32;
-/// Staging pads (`BK_WPAD`, `BK_SPAD` in the .cu): bytes after each weight row and each scale row.
-const BULK_WPAD: usize = 64;
-const BULK_SPAD: usize = 16;
-
-/// The bulk-staged launch for `rows × cols` over `slots` (a shape that [`fits`]): (kernel, grid x,
-/// dynamic shared memory bytes), or None when the shape does not suit it: cols not a multiple of 512
-/// (scale rows of whole 16-byte words), or more weights than one block an SM can stage within
-/// [`BULK_SMEM_MAX`]. `ks`: the K split (1, 2, 4, 8), or 0 for the largest that leaves each warp two
-/// rounds; `copy`: the copy mechanism (see [`BULK`]), or None for the automatic one. Units (16-row
-/// tiles of a slot) are dealt to blocks in runs of `per` = ceil(units / SMs); the grid is
-/// ceil(units / per), so every block has work and all are resident at once.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn plan_bulk(
-    dev: &Device,
-    rows: usize,
-    cols: usize,
-    slots: usize,
-    swiglu: bool,
-    x_per_slot: bool,
-    ks: usize,
-    copy: Option<usize>,
-) -> Result<Option<(&'static str, u32, u32)>> {
-    if cols == 0 || cols % 512 != 0 || rows == 0 || slots == 0 || cols < bulk_min_cols() {
-        return Ok(None);
-    }
-    let rounds = cols / ROUND_COLS;
-    let ks = if ks == 0 {
-        [8usize, 4, 2, 1].into_iter().find(|&k| rounds % k == 0 && rounds / k >= 2).unwrap_or(1)
-    } else {
-        if ![1, 2, 4, 8].contains(&ks) || rounds % ks != 0 {
-            return Err(CudaError::Shape(format!("gemv (bulk): a K split of {ks} for {rounds} rounds of 128 columns")));
-        }
-        ks
-    };
-    let (tiles, nw, groups) = (rows.div_ceil(16), 1 + swiglu as usize, cols / 64);
-    let units = tiles * slots;
-    let per = units.div_ceil(dev.sm_count() as usize);
-    if per > BULK_MAX_UNITS {
-        return Ok(None);
-    }
-    let copy = copy.unwrap_or_else(bulk_copy).min(2);
-    let (wpad, spad) = if copy == 2 { (0, 0) } else { (BULK_WPAD, BULK_SPAD) };
-    let unit_bytes = 16 * (cols / 2 + wpad) + 32 * (2 * groups + spad);
-    let x_bytes = (rounds * ROUND_BYTES + 4 * groups).div_ceil(16) * 16;
-    // The most slots `per` consecutive units can span (each with its own x when x is per slot).
-    let nx = if x_per_slot { slots.min(per).min((per + tiles - 2) / tiles + 1) } else { 1 };
-    let smem = per * nw * unit_bytes + per * ks * nw * 64 + nx * x_bytes;
-    if smem > BULK_SMEM_MAX.min(dev.max_smem_optin() as usize - 1024) {
-        return Ok(None);
-    }
-    let i = ks.trailing_zeros() as usize;
-    let name = if swiglu { BULK_SWIGLU[copy][i] } else { BULK[copy][i] };
-    Ok(Some((name, units.div_ceil(per) as u32, smem as u32)))
 }
 
 /// Whether a shape fits the kernels: 4-bit, group 64, whole rounds of 128 columns.

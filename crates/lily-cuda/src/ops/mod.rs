@@ -48,16 +48,6 @@ pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
 
 /// One-time function attributes (called by `Device::open`).
 pub(crate) fn configure(dev: &Device) -> Result<()> {
-    // `LILY_CARVEOUT=P` (0..=100): every kernel prefers P% of the SM's unified L1 as shared memory
-    // (100: the most). Kernels of different shared-memory configurations cannot share an SM, which
-    // must drain to switch; one preference for all keeps neighbours co-resident under PDL (A/B runs).
-    if let Some(pct) = std::env::var("LILY_CARVEOUT").ok().and_then(|v| v.parse::<i32>().ok()).filter(|p| (0..=100).contains(p)) {
-        for (_, names) in REGISTRY {
-            for name in names.iter() {
-                dev.function(name)?.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, pct)?;
-            }
-        }
-    }
     affine_gemv::configure(dev)?;
     affine_gemv_tc::configure(dev)?;
     gemm::configure(dev)?;

@@ -53,7 +53,9 @@ const THREADS: u32 = 512;
 const WPAD: usize = 64;
 const SPAD: usize = 16;
 const ROUND_BYTES: usize = 960;
-/// The most experts the selection ranks (`32 * MD_NPER`) and chooses.
+/// Words of 8 act values a thread stages (`MD_STAGE_WORDS`).
+const STAGE_WORDS: usize = 4;
+/// The most experts the selection ranks (`MD_MAX_E`) and chooses.
 pub const MAX_E: usize = 256;
 pub const MAX_K: usize = 32;
 /// Shared memory a block may take (one block an SM; what is left lets the next kernel's blocks in).
@@ -92,6 +94,10 @@ pub fn plan(dev: &Device, gate: &DeviceMatrix, up: &DeviceMatrix, down: &DeviceM
         return Ok(None);
     }
     let ns = k + 1;
+    // act is staged at most STAGE_WORDS words of 8 values a thread (`MD_STAGE_WORDS`).
+    if ns * i > 8 * STAGE_WORDS * THREADS as usize {
+        return Ok(None);
+    }
     let units3 = ns * (i / 128);
     let Some(&(name, _)) = KERNELS_U.iter().find(|&&(_, u)| u * 16 >= units3) else { return Ok(None) };
     let grid = dev.sm_count() as usize;
