@@ -125,12 +125,17 @@ __device__ __forceinline__ void md_stage_act(const float* act, int n, unsigned c
 
 // route_row's selection by the whole block (blockDim.x >= e; every thread calls it; ends synchronised
 // with idx_out/w_out written): one logit, one exp and one p a thread, the sum by warp 0 in route_row's
-// index order (loads issued 32 values ahead of the adds), then each thread its p's rank among all
-// (p descending, ties to the lower index): the ranks below k are the picks, best first. The same
-// values, picks and weights as route_row (renormalised over the picks added in pick order), without
-// its k dependent rounds. `s`: e floats of shared memory (the exps, then the p); `red`: a float per
-// warp and one for the sum. Stamps 2-4 after the max, the sum, the picks.
+// index order (loads issued 32 values ahead of the adds), then the candidates (p at least a lower
+// bound on the k-th largest, from the warps' maxima) each rank themselves among the candidates (p
+// descending, ties to the lower index): the ranks below k are the picks, best first. The same values,
+// picks and weights as route_row (renormalised over the picks added in pick order), without its k
+// dependent rounds. `s`: e floats of shared memory; `red`: a float per warp and one for the sum.
+// Stamps 2-4 after the max, the sum, the picks.
 __device__ __forceinline__ void md_route(const MoeDecodeParams& p, float* s, float* red, uint32_t* idx_out, float* w_out) {
+    __shared__ int cand_i[MD_MAX_E];
+    __shared__ int cand_n[1];
+    __shared__ float cand_bound[1];
+    float* cand_p = s;  // the exps are summed (and read no more) before the candidates are written
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, e = p.e, k = p.k;
     const int nwarps = blockDim.x >> 5;
     const float l = tid < e ? __ldcg(p.logits + tid) : -INFINITY;
@@ -167,14 +172,45 @@ __device__ __forceinline__ void md_route(const MoeDecodeParams& p, float* s, flo
     __syncthreads();
     md_stamp(p.trace, 3);
     const float pv = tid < e ? ex / red[nwarps] : -1.0f;
-    if (tid < e) s[tid] = pv;
+    // A lower bound on the k-th largest p: with at least k warps holding experts, the smallest of
+    // their k largest warp maxima (k distinct experts reach it); else none. Only the candidates
+    // (p >= bound) can be picked, and only they can outrank one another.
+    float wmax = pv;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
+    const int ew = (e + 31) >> 5;  // warps holding experts
+    __syncthreads();               // red[] (the max) is read above by every thread
+    if (lane == 0 && warp < ew) red[warp] = wmax;
+    if (tid == 0) cand_n[0] = 0;
     __syncthreads();
-    if (tid < e) {
-        // Rank: the p above this one, and those equal at a lower index; stop once k are found.
+    if (warp == 0) {
+        // The k-th largest of the ew maxima (ties counted with their multiplicity): lane w counts the
+        // maxima above its own; the smallest maximum with fewer than k above it.
+        float mine = INFINITY;
+        if (lane < ew) {
+            int above = 0;
+            for (int v = 0; v < ew; ++v) above += red[v] > red[lane] ? 1 : 0;
+            if (above < k) mine = red[lane];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mine = fminf(mine, __shfl_xor_sync(0xffffffffu, mine, o));
+        if (lane == 0) cand_bound[0] = ew >= k ? mine : -1.0f;
+    }
+    __syncthreads();
+    const float bound = cand_bound[0];
+    if (tid < e && pv >= bound) {
+        const int c = atomicAdd(cand_n, 1);
+        cand_p[c] = pv;
+        cand_i[c] = tid;
+    }
+    __syncthreads();
+    if (tid < e && pv >= bound) {
+        // Rank among the candidates: the p above this one, and those equal at a lower index.
+        const int nc = cand_n[0];
         int rank = 0;
-        for (int j = 0; j < e && rank < k; ++j) {
-            const float q = s[j];
-            rank += (q > pv || (q == pv && j < tid)) ? 1 : 0;
+        for (int c = 0; c < nc; ++c) {
+            const float q = cand_p[c];
+            rank += (q > pv || (q == pv && cand_i[c] < tid)) ? 1 : 0;
         }
         if (rank < k) {
             idx_out[rank] = (uint32_t)tid;
