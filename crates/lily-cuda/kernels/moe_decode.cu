@@ -10,7 +10,8 @@
 // Why: the four launches were ~21 µs of a ~50 µs layer in the decode graph (docs/PERF.md, 2026-12-03),
 // each a chain of its own wait, staging, loads and write; here the selection, the copies and the
 // products run back to back in every block, and one grid-wide barrier hands the SwiGLU outputs to
-// the down projection.
+// the down projection. Measured (docs/PERF.md, 2026-12-04): ~17.5 µs a launch, even with the four
+// kernels in the 4K graph so far; opt-in (LILY_MOE_DECODE=1) until it is faster.
 // Phases, each block (grid = at most one block an SM, all resident at once; the host checks):
 //   1. copies of its gate/up units whose matrix is known before the wait (the shared expert's);
 //      the PDL wait (the logits are the predecessor's; x was written before it);
@@ -25,9 +26,10 @@
 //      output tile dealt to the 16 warps, scaled by its slot's weight as it is added, the warps' sums in
 //      warp order (deterministic), the residual added, x written.
 // Units of phase 2: (slot, 16-row tile of I) dealt round-robin (block b: b, b + G, ...), at most
-// at most ceil(units / G) a block; in shared memory (sized by the host for that many) per unit: gate then up, each 16 weight rows of H/2 + MD_WPAD
-// bytes and 16 scale and 16 bias rows of H/32 + MD_SPAD bytes (the pads spread a quarter-warp's rows
-// over the banks). Shapes: H and I multiples of 512, E <= 256, 1 <= k <= 32, (k + 1) * I/128 <= 16 * UMAX.
+// ceil(units / G) a block; in shared memory (sized by the host for that many) per unit: gate then up,
+// each 16 weight rows of H/2 + MD_WPAD bytes and 16 scale and 16 bias rows of H/32 + MD_SPAD bytes
+// (the pads spread a quarter-warp's rows over the banks). Shapes: H and I multiples of 512,
+// E <= MD_MAX_E, 1 <= k <= 32, (k + 1) * I/128 <= 16 * UMAX, (k + 1) * I <= 8 * MD_STAGE_WORDS * 512.
 // Products in two chains of 4 mmas a round (tc_mmas2): the latency of each phase's chain halved.
 #include <stdint.h>
 #include <cuda_bf16.h>
