@@ -1047,8 +1047,9 @@ fn moe(
 /// One token: x += MoE(RMSNorm(x)). With the shared expert in the stack and its gate as the router's
 /// row E (the full-size model's layout): the router GEMV on RMSNorm(x) (normalised as it stages x),
 /// then, opted in and where the shapes fit it, the rest in one persistent kernel (`ops::moe_decode`:
-/// two launches in all); else the top-k selection, the experts' gate+up as one indexed SwiGLU GEMV over the k chosen and the
-/// shared expert (slot k), the down projections, and the combine adding into x — or, with the opt-in
+/// two launches in all); else the top-k selection, the experts' gate+up as one indexed SwiGLU GEMV
+/// over the k chosen and the shared expert (slot k), the down projections, and the combine adding
+/// into x — or, with the opt-in
 /// fusions (`LILY_FUSE`), the selection inside the router's last block and the combine inside the
 /// down projection (three launches). Otherwise the norm runs as its own kernel
 /// and the unfused router, selection, GEMVs and combine follow (slot j of the token is row j of the
