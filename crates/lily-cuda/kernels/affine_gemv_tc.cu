@@ -71,8 +71,8 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
     const long long mrow = (long long)mat * rows;
 
     // B operand: column g is part g % 4 of group g / 4 (part 3: zero); 12 lanes read x planes.
-    const bool breal = (g & 3) < 3 && (t >> 1) == (g >> 2);
-    const uint4* xlane = reinterpret_cast<const uint4*>(xs + ((g & 3) * 4 + t) * TC_PLANE);
+    const bool breal = tc_breal(g, t);
+    const uint4* xlane = tc_xlane(xs, g, t);
 
     auto rows_of = [&](int tile, int mm) {
         const uint4* w = mm == 0 ? p.w : p.w2;
@@ -97,9 +97,7 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
     // One round: B from the planes, the 8 mmas and the affine map per matrix.
     auto round = [&](int r, const TcLoad (&L)[NW], float (&acc)[NW][2]) {
         uint4 xb[4];
-#pragma unroll
-        for (int m = 0; m < 4; ++m) xb[m] = breal ? xlane[r * (TC_ROUND / 16) + m] : make_uint4(0, 0, 0, 0);
-        const float X = (t & 1) ? 0.0f : Xs[2 * r + (t >> 1)];
+        const float X = tc_round_b(xb, xlane, Xs, r, breal, t);
 #pragma unroll
         for (int mm = 0; mm < NW; ++mm) {
             float c[4];
@@ -137,16 +135,8 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
                 round(r + 1, B, acc);
             }
         }
-        // The 4 lanes of a row group hold the parts of each round's two groups: their sum is the
-        // warp's part of rows g and g+8.
 #pragma unroll
-        for (int mm = 0; mm < NW; ++mm) {
-#pragma unroll
-            for (int o = 1; o <= 2; o <<= 1) {
-                acc[mm][0] += __shfl_xor_sync(0xffffffffu, acc[mm][0], o);
-                acc[mm][1] += __shfl_xor_sync(0xffffffffu, acc[mm][1], o);
-            }
-        }
+        for (int mm = 0; mm < NW; ++mm) tc_lane_sum(acc[mm][0], acc[mm][1]);
         if (KS == 1) {
             if (t == 0) {
                 const int row = tile * 16 + g;
@@ -214,8 +204,8 @@ __device__ __forceinline__ void mix_tc(const GemvParams& p) {
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const bool breal = (g & 3) < 3 && (t >> 1) == (g >> 2);
-    const uint4* xlane = reinterpret_cast<const uint4*>(xs + ((g & 3) * 4 + t) * TC_PLANE);
+    const bool breal = tc_breal(g, t);
+    const uint4* xlane = tc_xlane(xs, g, t);
     const int tiles = (rows + 15) >> 4;
     const uint32_t k16 = opaque(0x41804180u);
 
@@ -246,9 +236,7 @@ __device__ __forceinline__ void mix_tc(const GemvParams& p) {
             const int u = warp + TC_WARPS * i;
             if (u < units) {
                 uint4 xb[4];
-#pragma unroll
-                for (int m = 0; m < 4; ++m) xb[m] = breal ? xlane[u * (TC_ROUND / 16) + m] : make_uint4(0, 0, 0, 0);
-                const float X = (t & 1) ? 0.0f : Xs[2 * u + (t >> 1)];
+                const float X = tc_round_b(xb, xlane, Xs, u, breal, t);
                 float c[4];
                 tc_mmas(c, L[i], xb, k16);
                 float a0 = 0.0f, a1 = 0.0f;
@@ -258,11 +246,7 @@ __device__ __forceinline__ void mix_tc(const GemvParams& p) {
                 acc1 = fmaf(cs, a1, acc1);
             }
         }
-#pragma unroll
-        for (int o = 1; o <= 2; o <<= 1) {
-            acc0 += __shfl_xor_sync(0xffffffffu, acc0, o);
-            acc1 += __shfl_xor_sync(0xffffffffu, acc1, o);
-        }
+        tc_lane_sum(acc0, acc1);
         if (t == 0) {
             red[warp][g] = acc0;
             red[warp][g + 8] = acc1;

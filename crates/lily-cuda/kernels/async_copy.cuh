@@ -1,12 +1,20 @@
-// Copies from global into shared memory that run while the issuing threads go on: 16 bytes a thread
+// 16-byte copies from global into shared memory that run while the issuing thread goes on
 // (cp.async through L2), grouped and waited for per thread; a barrier must follow before other
-// threads read what they wrote.
+// threads read what they wrote. Shared by mma.cuh's users and moe_decode.cu (which cannot include
+// mma.cuh beside gemv_tc.cuh).
 #pragma once
 #include <stdint.h>
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(src) : "memory");
+// The shared-window (32-bit) address of a pointer into shared memory.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// 16 bytes global -> shared (`dst` a shared-window address); only the first `src_bytes` (0..16) are
+// read, the rest is zero-filled.
+__device__ __forceinline__ void cp_async16z(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-// This thread's copies so far, as one group; then wait for all of its groups.
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}

@@ -101,32 +101,51 @@ struct TcRows {
     }
 };
 
-// The 8 mmas of one round for one matrix: c = sum (16 + q) x per (row, column), from zero.
+// The 8 mmas of one round for one matrix: c = sum (16 + q) x per (row, column), from zero. CHAINS = 2:
+// mmas 2m and 2m+1 accumulate apart and are added at the end (half the dependent latency of a round,
+// the same products summed in another order).
+template <int CHAINS = 1>
 __device__ __forceinline__ void tc_mmas(float (&c)[4], const TcLoad& L, const uint4 (&xb)[4], uint32_t k16) {
+    static_assert(CHAINS == 1 || CHAINS == 2, "one or two accumulator chains");
+    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float (&c2)[4] = CHAINS == 2 ? d : c;
     c[0] = c[1] = c[2] = c[3] = 0.0f;
     const uint32_t a[4] = {L.w0.x, L.w0.y, L.w0.z, L.w0.w};
     const uint32_t b[4] = {L.w1.x, L.w1.y, L.w1.z, L.w1.w};
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
         mma_bf16(c, code_pair<0>(a[m], k16), code_pair<0>(b[m], k16), code_pair<1>(a[m], k16), code_pair<1>(b[m], k16), xb[m].x, xb[m].y);
-        mma_bf16(c, code_pair<2>(a[m], k16), code_pair<2>(b[m], k16), code_pair<3>(a[m], k16), code_pair<3>(b[m], k16), xb[m].z, xb[m].w);
+        mma_bf16(c2, code_pair<2>(a[m], k16), code_pair<2>(b[m], k16), code_pair<3>(a[m], k16), code_pair<3>(b[m], k16), xb[m].z, xb[m].w);
+    }
+    if (CHAINS == 2) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) c[i] += d[i];
     }
 }
 
-// tc_mmas in two chains of 4 (mmas 2m and 2m+1 into separate accumulators, added at the end): half
-// the dependent latency of a round, the same products summed in another order.
-__device__ __forceinline__ void tc_mmas2(float (&c)[4], const TcLoad& L, const uint4 (&xb)[4], uint32_t k16) {
-    float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    c[0] = c[1] = c[2] = c[3] = 0.0f;
-    const uint32_t a[4] = {L.w0.x, L.w0.y, L.w0.z, L.w0.w};
-    const uint32_t b[4] = {L.w1.x, L.w1.y, L.w1.z, L.w1.w};
+// The lanes that read x planes for B (g % 4 < 3 and t/2 == g/4; the others feed zeros), and the
+// lane's plane in a staging.
+__device__ __forceinline__ bool tc_breal(int g, int t) { return (g & 3) < 3 && (t >> 1) == (g >> 2); }
+__device__ __forceinline__ const uint4* tc_xlane(const unsigned char* xs, int g, int t) {
+    return reinterpret_cast<const uint4*>(xs + ((g & 3) * 4 + t) * TC_PLANE);
+}
+
+// A lane's B operand of round r (xb) from its plane, and the X it adds to its group's affine map (the
+// group's sum of the staged values on lanes 0 and 2, else 0).
+__device__ __forceinline__ float tc_round_b(uint4 (&xb)[4], const uint4* xlane, const float* Xs, int r, bool breal, int t) {
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-        mma_bf16(c, code_pair<0>(a[m], k16), code_pair<0>(b[m], k16), code_pair<1>(a[m], k16), code_pair<1>(b[m], k16), xb[m].x, xb[m].y);
-        mma_bf16(d, code_pair<2>(a[m], k16), code_pair<2>(b[m], k16), code_pair<3>(a[m], k16), code_pair<3>(b[m], k16), xb[m].z, xb[m].w);
+    for (int m = 0; m < 4; ++m) xb[m] = breal ? xlane[r * (TC_ROUND / 16) + m] : make_uint4(0, 0, 0, 0);
+    return (t & 1) ? 0.0f : Xs[2 * r + (t >> 1)];
+}
+
+// The 4 lanes of a row group hold the parts of each round's two groups: their sum is the warp's part
+// of rows g (a0) and g + 8 (a1).
+__device__ __forceinline__ void tc_lane_sum(float& a0, float& a1) {
+#pragma unroll
+    for (int o = 1; o <= 2; o <<= 1) {
+        a0 += __shfl_xor_sync(0xffffffffu, a0, o);
+        a1 += __shfl_xor_sync(0xffffffffu, a1, o);
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c[i] += d[i];
 }
 
 // acc += the lane's part of its group's contribution (X: the group's sum of x on lanes 0 and 2, else 0).

@@ -1,7 +1,8 @@
 // Tensor-core and copy helpers shared by the attention kernels (attention.cu, attn_prefill.cu) and
 // the chunked delta rule (gdn_chunked.cu): bf16 packing (round to nearest even, and the hi/lo split
 // of an f32 into two bf16), the m16n8k16 bf16 MMA with f32 accumulation, the m16n8k8 tf32 MMA and
-// its 3xTF32 product, ldmatrix, 16-byte cp.async with zero-fill, and shared loads by 32-bit address.
+// its 3xTF32 product, ldmatrix, and shared loads by 32-bit address; with async_copy.cuh (16-byte cp.async
+// with zero-fill, the shared-window address of a pointer).
 //
 // m16n8k16 fragments (PTX ISA, "mma.m16n8k16" with .bf16), g = lane / 4, t = lane % 4:
 //   A (16×16, row): a0 = (row g, k 2t..2t+1), a1 = (row g+8, k 2t..), a2 = (row g, k 2t+8..), a3 = (row g+8, k 2t+8..)
@@ -11,6 +12,7 @@
 #pragma once
 #include <stdint.h>
 #include <cuda_bf16.h>
+#include "async_copy.cuh"
 
 __device__ __forceinline__ uint32_t bf16_bits(float x) {
     return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(x));
@@ -95,7 +97,6 @@ __device__ __forceinline__ uint4 split_pair(float a, float b) {
     return make_uint4(x.x, x.y, y.x, y.y);
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
@@ -112,12 +113,3 @@ __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }
 
-// 16 bytes global -> shared; only the first `src_bytes` (0..16) are read, the rest is zero-filled.
-__device__ __forceinline__ void cp_async16z(uint32_t dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait_group() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}

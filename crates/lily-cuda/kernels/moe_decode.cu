@@ -15,7 +15,7 @@
 // Phases, each block (grid = at most one block an SM, all resident at once; the host checks):
 //   1. copies of its gate/up units whose matrix is known before the wait (the shared expert's);
 //      the PDL wait (the logits are the predecessor's; x was written before it);
-//   2. the selection (md_route: the block's threads, every block alike) into shared memory; copies of
+//   2. the selection (route.cuh's route_block, every block alike) into shared memory; copies of
 //      its other gate/up units (cp.async into shared memory); x staged with the norm; once the copies
 //      landed, its first down tile's weights into registers (held across the barrier); the SwiGLU
 //      units -> act (global, [k+1, I]);
@@ -30,13 +30,14 @@
 // each 16 weight rows of H/2 + MD_WPAD bytes and 16 scale and 16 bias rows of H/32 + MD_SPAD bytes
 // (the pads spread a quarter-warp's rows over the banks). Shapes: H and I multiples of 512,
 // E <= MD_MAX_E, 1 <= k <= 32, (k + 1) * I/128 <= 16 * UMAX, (k + 1) * I <= 8 * MD_STAGE_WORDS * 512.
-// Products in two chains of 4 mmas a round (tc_mmas2): the latency of each phase's chain halved.
+// Products in two chains of 4 mmas a round (tc_mmas<2>): the latency of each phase's chain halved.
 #include <stdint.h>
 #include <cuda_bf16.h>
 #include "pdl.cuh"
 #include "gemv.cuh"
 #include "gemv_tc.cuh"
 #include "async_copy.cuh"
+#include "route.cuh"
 
 struct MoeDecodeParams {
     const uint4* gw;          // gate [E + 1, I, H/32] 16-byte chunks
@@ -69,7 +70,7 @@ constexpr int MD_KS = 8;     // phase 2 splits each unit's rounds over 8 warps; 
 constexpr int MD_WPAD = 64;
 constexpr int MD_SPAD = 16;
 constexpr int MD_MAX_E = 256; // experts the selection ranks
-constexpr int MD_TRACE = 13; // phase stamps a block writes when tracing
+constexpr int MD_TRACE = 10; // phase stamps a block writes when tracing
 
 __device__ __forceinline__ void md_stamp(const unsigned long long* trace_base, int i) {
     if (trace_base != nullptr && threadIdx.x == 0) {
@@ -125,113 +126,6 @@ __device__ __forceinline__ void md_stage_act(const float* act, int n, unsigned c
     __syncthreads();
 }
 
-// route_row's selection by the whole block (blockDim.x >= e; every thread calls it; ends synchronised
-// with idx_out/w_out written): one logit, one exp and one p a thread, the sum by warp 0 in route_row's
-// index order (loads issued 32 values ahead of the adds), then the candidates (p at least a lower
-// bound on the k-th largest, from the warps' maxima) each rank themselves among the candidates (p
-// descending, ties to the lower index): the ranks below k are the picks, best first. The same values,
-// picks and weights as route_row (renormalised over the picks added in pick order), without its k
-// dependent rounds. `s`: e floats of shared memory; `red`: a float per warp and one for the sum.
-// Stamps 2-4 after the max, the sum, the picks.
-__device__ __forceinline__ void md_route(const MoeDecodeParams& p, float* s, float* red, uint32_t* idx_out, float* w_out) {
-    __shared__ int cand_i[MD_MAX_E];
-    __shared__ int cand_n[1];
-    __shared__ float cand_bound[1];
-    float* cand_p = s;  // the exps are summed (and read no more) before the candidates are written
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, e = p.e, k = p.k;
-    const int nwarps = blockDim.x >> 5;
-    const float l = tid < e ? __ldcg(p.logits + tid) : -INFINITY;
-    float m = l;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    m = red[0];
-    for (int w = 1; w < nwarps; ++w) m = fmaxf(m, red[w]);
-    md_stamp(p.trace, 2);
-    const float ex = tid < e ? (float)exp((double)(l - m)) : 0.0f;
-    if (tid < e) s[tid] = ex;
-    __syncthreads();
-    if (warp == 0) {
-        // sum = s[0] + s[1] + ... in index order (route_row's order), 32 values loaded per step.
-        float sum = 0.0f;
-        int i = 0;
-        for (; i + 32 <= e; i += 32) {
-            float4 q[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) q[j] = reinterpret_cast<const float4*>(s)[(i >> 2) + j];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-                sum = sum + q[j].x;
-                sum = sum + q[j].y;
-                sum = sum + q[j].z;
-                sum = sum + q[j].w;
-            }
-        }
-        for (; i < e; i++) sum = sum + s[i];
-        if (lane == 0) red[nwarps] = sum;
-    }
-    __syncthreads();
-    md_stamp(p.trace, 3);
-    const float pv = tid < e ? ex / red[nwarps] : -1.0f;
-    // A lower bound on the k-th largest p: with at least k warps holding experts, the smallest of
-    // their k largest warp maxima (k distinct experts reach it); else none. Only the candidates
-    // (p >= bound) can be picked, and only they can outrank one another.
-    float wmax = pv;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
-    const int ew = (e + 31) >> 5;  // warps holding experts
-    __syncthreads();               // red[] (the max) is read above by every thread
-    if (lane == 0 && warp < ew) red[warp] = wmax;
-    if (tid == 0) cand_n[0] = 0;
-    __syncthreads();
-    if (warp == 0) {
-        // The k-th largest of the ew maxima (ties counted with their multiplicity): lane w counts the
-        // maxima above its own; the smallest maximum with fewer than k above it.
-        float mine = INFINITY;
-        if (lane < ew) {
-            int above = 0;
-            for (int v = 0; v < ew; ++v) above += red[v] > red[lane] ? 1 : 0;
-            if (above < k) mine = red[lane];
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) mine = fminf(mine, __shfl_xor_sync(0xffffffffu, mine, o));
-        if (lane == 0) cand_bound[0] = ew >= k ? mine : -1.0f;
-    }
-    __syncthreads();
-    const float bound = cand_bound[0];
-    if (tid < e && pv >= bound) {
-        const int c = atomicAdd(cand_n, 1);
-        cand_p[c] = pv;
-        cand_i[c] = tid;
-    }
-    __syncthreads();
-    if (tid < e && pv >= bound) {
-        // Rank among the candidates: the p above this one, and those equal at a lower index.
-        const int nc = cand_n[0];
-        int rank = 0;
-        for (int c = 0; c < nc; ++c) {
-            const float q = cand_p[c];
-            rank += (q > pv || (q == pv && cand_i[c] < tid)) ? 1 : 0;
-        }
-        if (rank < k) {
-            idx_out[rank] = (uint32_t)tid;
-            w_out[rank] = pv;
-        }
-    }
-    __syncthreads();
-    if (p.renorm && warp == 0) {
-        // The picks' sum in pick order, as route_row adds them.
-        float total = 0.0f;
-        for (int r = 0; r < k; r++) total = total + w_out[r];
-        const float mine = lane < k ? w_out[lane] / total : 0.0f;
-        __syncwarp();
-        if (lane < k) w_out[lane] = mine;
-    }
-    __syncthreads();
-    md_stamp(p.trace, 4);
-}
-
 template <int UMAX>
 __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
     extern __shared__ __align__(16) unsigned char md_smem[];
@@ -271,13 +165,13 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
             unsigned char* dst = md_smem + (i * 2 + mm) * mbytes;
             const uint4* w = (mm == 0 ? p.gw : p.uw) + grow * nchH;
             for (int r = warp; r < 16; r += MD_WARPS)
-                for (int j = lane; j < nchH; j += 32) cp_async16(dst + r * rs + j * 16, w + (long long)r * nchH + j);
+                for (int j = lane; j < nchH; j += 32) cp_async16z(smem_addr(dst + r * rs + j * 16), w + (long long)r * nchH + j, 16);
             const uint4* sc = reinterpret_cast<const uint4*>((mm == 0 ? p.gs : p.us) + grow * grpH);
             const uint4* bi = reinterpret_cast<const uint4*>((mm == 0 ? p.gb : p.ub) + grow * grpH);
             for (int e2 = threadIdx.x; e2 < 32 * gq; e2 += MD_WARPS * 32) {
                 const int which = e2 / (16 * gq), rem = e2 - which * 16 * gq;
                 const int r = rem / gq, j = rem - r * gq;
-                cp_async16(dst + 16 * rs + which * 16 * ss + r * ss + j * 16, (which ? bi : sc) + (long long)r * gq + j);
+                cp_async16z(smem_addr(dst + 16 * rs + which * 16 * ss + r * ss + j * 16), (which ? bi : sc) + (long long)r * gq + j, 16);
             }
         }
     };
@@ -286,24 +180,25 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
     md_stamp(p.trace, 0);
     for (int i = 0; i < nu; ++i)
         if (unit_slot(i) == ns - 1) copy_unit(i, (uint32_t)p.e);
-    cp_async_commit();
+    cp_async_commit_group();
     pdl_wait();
     md_stamp(p.trace, 1);
 
     // 2. The selection (every block alike), then the routed units' copies.
-    md_route(p, route_s, route_red, sidx, sw);
+    route_block<MD_MAX_E>(p.logits, p.e, p.k, p.renorm, route_s, route_red, sidx, sw);
     if (threadIdx.x == 0) {
         sidx[p.k] = (uint32_t)p.e;
         sw[p.k] = 1.0f / (1.0f + expf(-__ldcg(p.logits + p.e)));
     }
     __syncthreads();
+    md_stamp(p.trace, 2);
     if (b == 0 && p.idx_out && threadIdx.x < p.k) {
         p.idx_out[threadIdx.x] = sidx[threadIdx.x];
         p.w_out[threadIdx.x] = sw[threadIdx.x];
     }
     for (int i = 0; i < nu; ++i)
         if (unit_slot(i) < ns - 1) copy_unit(i, sidx[unit_slot(i)]);
-    cp_async_commit();
+    cp_async_commit_group();
 
     // The first down tile's weights (tile b), unit u = warp + 8j: slot u / nrI, round u % nrI.
     TcLoad L[UMAX];
@@ -319,13 +214,13 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
             }
         }
     };
-    md_stamp(p.trace, 5);
+    md_stamp(p.trace, 3);
 
     const float inv = tc_stage<MD_WARPS>(p.norm_w, p.eps, p.x, xst, reinterpret_cast<float*>(xst + nrH * TC_ROUND), H);
-    md_stamp(p.trace, 6);
-    cp_async_wait_all();
+    md_stamp(p.trace, 4);
+    cp_async_wait_group<0>();
     __syncthreads();
-    md_stamp(p.trace, 7);
+    md_stamp(p.trace, 5);
     // The down weights now, so that they stream in during the SwiGLU and the barrier, not ahead of
     // the gate/up copies; and the residual of this block's first output tile (x rows that only this
     // block writes, after the barrier).
@@ -337,17 +232,15 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
     {
         constexpr int KS = MD_KS, UG = MD_WARPS / MD_KS;
         const int kr = warp % KS, ug = warp / KS;
-        const bool breal = (g & 3) < 3 && (t >> 1) == (g >> 2);
-        const uint4* xlane = reinterpret_cast<const uint4*>(xst + ((g & 3) * 4 + t) * TC_PLANE);
+        const bool breal = tc_breal(g, t);
+        const uint4* xlane = tc_xlane(xst, g, t);
         const float* Xs = reinterpret_cast<const float*>(xst + nrH * TC_ROUND);
         const uint32_t k16 = opaque(0x41804180u);
         for (int i = ug; i < nu; i += UG) {
             float acc[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
             for (int r = kr; r < nrH; r += KS) {
                 uint4 xb[4];
-#pragma unroll
-                for (int m = 0; m < 4; ++m) xb[m] = breal ? xlane[r * (TC_ROUND / 16) + m] : make_uint4(0, 0, 0, 0);
-                const float X = (t & 1) ? 0.0f : Xs[2 * r + (t >> 1)];
+                const float X = tc_round_b(xb, xlane, Xs, r, breal, t);
 #pragma unroll
                 for (int mm = 0; mm < 2; ++mm) {
                     const unsigned char* base = md_smem + (i * 2 + mm) * mbytes;
@@ -360,17 +253,13 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
                     W.b0 = *reinterpret_cast<const uint16_t*>(sc + 16 * ss + g * ss);
                     W.b1 = *reinterpret_cast<const uint16_t*>(sc + 16 * ss + (g + 8) * ss);
                     float c[4];
-                    tc_mmas2(c, W, xb, k16);
+                    tc_mmas<2>(c, W, xb, k16);
                     tc_affine(acc[mm][0], acc[mm][1], c, W, X);
                 }
             }
 #pragma unroll
             for (int mm = 0; mm < 2; ++mm) {
-#pragma unroll
-                for (int o = 1; o <= 2; o <<= 1) {
-                    acc[mm][0] += __shfl_xor_sync(0xffffffffu, acc[mm][0], o);
-                    acc[mm][1] += __shfl_xor_sync(0xffffffffu, acc[mm][1], o);
-                }
+                tc_lane_sum(acc[mm][0], acc[mm][1]);
                 if (t == 0) {
                     red[((i * KS + kr) * 2 + mm) * 16 + g] = acc[mm][0];
                     red[((i * KS + kr) * 2 + mm) * 16 + g + 8] = acc[mm][1];
@@ -391,18 +280,18 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
     }
 
     // 3. Every block's act written: the barrier, then the next kernel may be placed.
-    md_stamp(p.trace, 8);
+    md_stamp(p.trace, 6);
     grid_barrier(p.barrier);
-    md_stamp(p.trace, 9);
+    md_stamp(p.trace, 7);
     pdl_launch_dependents();
 
     // 4. act staged over the unit region, then the down tiles with the combine and the residual.
     unsigned char* ast = md_smem;
     float* As = reinterpret_cast<float*>(md_smem + units3 * TC_ROUND);
     md_stage_act(p.act, ns * I, ast, As);  // ends synchronised
-    md_stamp(p.trace, 10);
-    const bool breal = (g & 3) < 3 && (t >> 1) == (g >> 2);
-    const uint4* alane = reinterpret_cast<const uint4*>(ast + ((g & 3) * 4 + t) * TC_PLANE);
+    md_stamp(p.trace, 8);
+    const bool breal = tc_breal(g, t);
+    const uint4* alane = tc_xlane(ast, g, t);
     const uint32_t k16 = opaque(0x41804180u);
     for (int tile = b; tile < tilesH; tile += G) {
         if (tile != b) load_down(tile);
@@ -412,11 +301,9 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
             const int u = warp + MD_WARPS * j;
             if (u < units3) {
                 uint4 xb[4];
-#pragma unroll
-                for (int m = 0; m < 4; ++m) xb[m] = breal ? alane[u * (TC_ROUND / 16) + m] : make_uint4(0, 0, 0, 0);
-                const float X = (t & 1) ? 0.0f : As[2 * u + (t >> 1)];
+                const float X = tc_round_b(xb, alane, As, u, breal, t);
                 float c[4];
-                tc_mmas2(c, L[j], xb, k16);
+                tc_mmas<2>(c, L[j], xb, k16);
                 float a0 = 0.0f, a1 = 0.0f;
                 tc_affine(a0, a1, c, L[j], X);
                 const float cs = sw[u / nrI];
@@ -424,11 +311,7 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
                 acc1 = fmaf(cs, a1, acc1);
             }
         }
-#pragma unroll
-        for (int o = 1; o <= 2; o <<= 1) {
-            acc0 += __shfl_xor_sync(0xffffffffu, acc0, o);
-            acc1 += __shfl_xor_sync(0xffffffffu, acc1, o);
-        }
+        tc_lane_sum(acc0, acc1);
         if (t == 0) {
             red3[warp][g] = acc0;
             red3[warp][g + 8] = acc1;
@@ -443,7 +326,7 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
         }
         __syncthreads();
     }
-    md_stamp(p.trace, 11);
+    md_stamp(p.trace, 9);
 }
 
 #define MOE_DECODE_ENTRY(name, UMAX) \

@@ -1,5 +1,6 @@
-// The MoE router's selection for one token, by one warp: shared by moe_route.cu (a warp per token)
-// and the router GEMV of affine_gemv.cu (its last block selects right after the logits are written).
+// The MoE router's selection for one token, by one warp (route_row): shared by moe_route.cu (a warp
+// per token) and the router GEMV of affine_gemv.cu (its last block selects right after the logits are
+// written); and by a whole block (route_block: moe_decode.cu, every block selecting alike).
 // The same maths as lily_cpu::moe::route:
 //   m = max(row);  ex_i = exp(row_i - m);  sum = ex_0 + ex_1 + ... (f32, in index order);  p_i = ex_i / sum;
 //   the k largest p, ties to the lower index, sorted best first; weight = p (or p / (sum of the k chosen p,
@@ -16,6 +17,29 @@
 // wrote them.
 #pragma once
 #include <stdint.h>
+
+// s[0] + s[1] + ... + s[e-1] in index order (the CPU's), 32 values loaded ahead of their adds where s
+// is 16-byte aligned. Every lane that calls it gets the same sum.
+__device__ __forceinline__ float route_sum(const float* s, int e) {
+    float sum = 0.0f;
+    int i = 0;
+    if ((reinterpret_cast<uintptr_t>(s) & 15) == 0) {
+        for (; i + 32 <= e; i += 32) {
+            float4 q[8];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) q[j] = reinterpret_cast<const float4*>(s)[(i >> 2) + j];
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                sum = sum + q[j].x;
+                sum = sum + q[j].y;
+                sum = sum + q[j].z;
+                sum = sum + q[j].w;
+            }
+        }
+    }
+    for (; i < e; i++) sum = sum + s[i];
+    return sum;
+}
 
 template <int NPER>
 __device__ __forceinline__ void route_row(const float* row, int e, int k, int renorm, float* s, uint32_t* idx_out, float* w_out) {
@@ -39,19 +63,7 @@ __device__ __forceinline__ void route_row(const float* row, int e, int k, int re
         if (i < e) s[i] = v[j];
     }
     __syncwarp();
-    float sum = 0.0f;
-    int i = 0;
-    if ((e & 3) == 0 && (reinterpret_cast<uintptr_t>(s) & 15) == 0) {
-        const float4* s4 = reinterpret_cast<const float4*>(s);
-        for (; i < e; i += 4) {
-            const float4 q = s4[i >> 2];
-            sum = sum + q.x;
-            sum = sum + q.y;
-            sum = sum + q.z;
-            sum = sum + q.w;
-        }
-    }
-    for (; i < e; i++) sum = sum + s[i];
+    const float sum = route_sum(s, e);
 
 #pragma unroll
     for (int j = 0; j < NPER; j++) {
@@ -100,4 +112,94 @@ __device__ __forceinline__ void route_row(const float* row, int e, int k, int re
         idx_out[lane] = (uint32_t)mine_i;
         w_out[lane] = out;
     }
+}
+
+// route_row's selection by the whole block (blockDim.x >= e; every thread calls it; ends synchronised
+// with idx_out/w_out written): one logit, one exp and one p a thread, the sum by warp 0 in route_row's
+// index order (route_sum), then the candidates (p at least a lower
+// bound on the k-th largest, from the warps' maxima) each rank themselves among the candidates (p
+// descending, ties to the lower index): the ranks below k are the picks, best first. The same values,
+// picks and weights as route_row (renormalised over the picks added in pick order), without its k
+// dependent rounds. `s`: e floats of shared memory; `red`: a float per warp and one for the sum.
+// Needs e <= MAXE.
+template <int MAXE>
+__device__ __forceinline__ void route_block(const float* row, int e, int k, int renorm, float* s, float* red, uint32_t* idx_out, float* w_out) {
+    __shared__ int cand_i[MAXE];
+    __shared__ int cand_n[1];
+    __shared__ float cand_bound[1];
+    float* cand_p = s;  // the exps are summed (and read no more) before the candidates are written
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int nwarps = blockDim.x >> 5;
+    const float l = tid < e ? __ldcg(row + tid) : -INFINITY;
+    float m = l;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (lane == 0) red[warp] = m;
+    __syncthreads();
+    m = red[0];
+    for (int w = 1; w < nwarps; ++w) m = fmaxf(m, red[w]);
+    const float ex = tid < e ? (float)exp((double)(l - m)) : 0.0f;
+    if (tid < e) s[tid] = ex;
+    __syncthreads();
+    if (warp == 0) {
+        const float sum = route_sum(s, e);
+        if (lane == 0) red[nwarps] = sum;
+    }
+    __syncthreads();
+    const float pv = tid < e ? ex / red[nwarps] : -1.0f;
+    // A lower bound on the k-th largest p: with at least k warps holding experts, the smallest of
+    // their k largest warp maxima (k distinct experts reach it); else none. Only the candidates
+    // (p >= bound) can be picked, and only they can outrank one another.
+    float wmax = pv;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) wmax = fmaxf(wmax, __shfl_xor_sync(0xffffffffu, wmax, o));
+    const int ew = (e + 31) >> 5;  // warps holding experts
+    __syncthreads();               // red[] (the max) is read above by every thread
+    if (lane == 0 && warp < ew) red[warp] = wmax;
+    if (tid == 0) cand_n[0] = 0;
+    __syncthreads();
+    if (warp == 0) {
+        // The k-th largest of the ew maxima (ties counted with their multiplicity): lane w counts the
+        // maxima above its own; the smallest maximum with fewer than k above it.
+        float mine = INFINITY;
+        if (lane < ew) {
+            int above = 0;
+            for (int v = 0; v < ew; ++v) above += red[v] > red[lane] ? 1 : 0;
+            if (above < k) mine = red[lane];
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) mine = fminf(mine, __shfl_xor_sync(0xffffffffu, mine, o));
+        if (lane == 0) cand_bound[0] = ew >= k ? mine : -1.0f;
+    }
+    __syncthreads();
+    const float bound = cand_bound[0];
+    if (tid < e && pv >= bound) {
+        const int c = atomicAdd(cand_n, 1);
+        cand_p[c] = pv;
+        cand_i[c] = tid;
+    }
+    __syncthreads();
+    if (tid < e && pv >= bound) {
+        // Rank among the candidates: the p above this one, and those equal at a lower index.
+        const int nc = cand_n[0];
+        int rank = 0;
+        for (int c = 0; c < nc; ++c) {
+            const float q = cand_p[c];
+            rank += (q > pv || (q == pv && cand_i[c] < tid)) ? 1 : 0;
+        }
+        if (rank < k) {
+            idx_out[rank] = (uint32_t)tid;
+            w_out[rank] = pv;
+        }
+    }
+    __syncthreads();
+    if (renorm && warp == 0) {
+        // The picks' sum in pick order, as route_row adds them.
+        float total = 0.0f;
+        for (int r = 0; r < k; r++) total = total + w_out[r];
+        const float mine = lane < k ? w_out[lane] / total : 0.0f;
+        __syncwarp();
+        if (lane < k) w_out[lane] = mine;
+    }
+    __syncthreads();
 }

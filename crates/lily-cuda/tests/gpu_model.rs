@@ -79,6 +79,12 @@ fn row_err(a: &[f32], b: &[f32], v: usize) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// Logits of `tokens` decoded one per call from a new state ([n, V]).
+fn decode_each(g: &mut CudaModel, tokens: &[u32]) -> Vec<f32> {
+    let mut s = g.new_state();
+    tokens.iter().flat_map(|&t| g.forward(&mut s, &[t], Logits::Last).unwrap()).collect()
+}
+
 fn cases() -> Vec<(String, &'static str)> {
     let mut v = Vec::new();
     for n in ["tiny-a", "tiny-b", "tiny-c"] {
@@ -113,28 +119,16 @@ fn whole_model_matches_the_cpu() {
 
         // Decode path: one token per call.
         let mut g = gpu(&dev, &w, 2048);
-        let mut s = g.new_state();
-        let mut got = Vec::with_capacity(want.len());
-        for &t in inputs {
-            got.extend(g.forward(&mut s, &[t], Logits::Last).unwrap());
-        }
+        let got = decode_each(&mut g, inputs);
         let e_dec = row_err(&got, &want, v);
         // The same steps launched kernel by kernel instead of replaying the captured graph: identical.
         g.set_graphs(false);
-        let mut se = g.new_state();
-        let mut eager = Vec::with_capacity(want.len());
-        for &t in &inputs[..40] {
-            eager.extend(g.forward(&mut se, &[t], Logits::Last).unwrap());
-        }
+        let eager = decode_each(&mut g, &inputs[..40]);
         g.set_graphs(true);
         check(eager[..] == got[..eager.len()], format!("{name}/{sub}: graph decode differs from eager decode"));
         // The graph captured without programmatic dependent launch (the default has it): identical too.
         g.set_pdl(false);
-        let mut sp = g.new_state();
-        let mut plain = Vec::with_capacity(want.len());
-        for &t in &inputs[..40] {
-            plain.extend(g.forward(&mut sp, &[t], Logits::Last).unwrap());
-        }
+        let plain = decode_each(&mut g, &inputs[..40]);
         g.set_pdl(true);
         check(plain[..] == got[..plain.len()], format!("{name}/{sub}: decode with PDL differs from decode without"));
         let (lp, am) = score(&got, v, next);
@@ -246,39 +240,18 @@ fn wide_model_decode_matches_the_cpu() {
     let mut cs = cpu.new_state();
     let want = cpu.forward(&mut cs, &inputs, Logits::All).unwrap();
     let mut g = gpu(&dev, &w, 2048);
-    let mut s = g.new_state();
-    let mut got = Vec::with_capacity(want.len());
-    for &tok in &inputs {
-        got.extend(g.forward(&mut s, &[tok], Logits::Last).unwrap());
+    // The separate MoE kernels, then the fused one (opt-in): the same bar, graph and eager alike.
+    for fused in [false, true] {
+        g.set_fused_moe(fused);
+        g.set_graphs(true);
+        let got = decode_each(&mut g, &inputs);
+        let e = row_err(&got, &want, v);
+        g.set_graphs(false);
+        let eager = decode_each(&mut g, &inputs[..16]);
+        println!("wide model decode (fused MoE kernel: {fused}): logits rel err {e:.2e} vs the CPU");
+        assert!(eager[..] == got[..eager.len()], "fused MoE {fused}: graph decode differs from eager decode");
+        assert!(e <= 1e-4, "wide model, fused MoE {fused}: decode logits differ from the CPU by {e:.2e}");
     }
-    let e = row_err(&got, &want, v);
-    g.set_graphs(false);
-    let mut se = g.new_state();
-    let mut eager = Vec::with_capacity(want.len());
-    for &tok in &inputs[..16] {
-        eager.extend(g.forward(&mut se, &[tok], Logits::Last).unwrap());
-    }
-    g.set_graphs(true);
-    println!("wide model decode: logits rel err {e:.2e} vs the CPU");
-    assert!(eager[..] == got[..eager.len()], "graph decode differs from eager decode");
-    assert!(e <= 1e-4, "wide model: decode logits differ from the CPU by {e:.2e}");
-    // The fused MoE decode kernel (opt-in): the same bar, graph and eager alike.
-    g.set_fused_moe(true);
-    let mut sf = g.new_state();
-    let mut fused = Vec::with_capacity(want.len());
-    for &tok in &inputs {
-        fused.extend(g.forward(&mut sf, &[tok], Logits::Last).unwrap());
-    }
-    let ef = row_err(&fused, &want, v);
-    g.set_graphs(false);
-    let mut sfe = g.new_state();
-    let mut fused_eager = Vec::with_capacity(16 * v);
-    for &tok in &inputs[..16] {
-        fused_eager.extend(g.forward(&mut sfe, &[tok], Logits::Last).unwrap());
-    }
-    println!("wide model decode, fused MoE kernel: logits rel err {ef:.2e} vs the CPU");
-    assert!(fused_eager[..] == fused[..fused_eager.len()], "fused MoE: graph decode differs from eager decode");
-    assert!(ef <= 1e-4, "wide model, fused MoE: decode logits differ from the CPU by {ef:.2e}");
 }
 
 #[test]

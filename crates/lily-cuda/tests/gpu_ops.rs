@@ -946,7 +946,7 @@ fn bench_moe_decode() {
         let t = dev.download(&trace).unwrap();
         let n = moe_decode::TRACE_STAMPS;
         let t0 = (0..plan.grid()).map(|b| t[b * n]).min().unwrap();
-        let names = ["start", "waited", "max", "sum", "picked", "issued", "x staged", "copies in", "swiglu done", "barrier", "act staged", "end"];
+        let names = ["start", "waited", "picked", "issued", "x staged", "copies in", "swiglu done", "barrier", "act staged", "end"];
         let mut line = format!("trace {rep}:");
         for (ph, name) in names.iter().enumerate() {
             let mut v: Vec<f64> = (0..plan.grid()).map(|b| (t[b * n + ph] - t0) as f64 / 1e3).collect();

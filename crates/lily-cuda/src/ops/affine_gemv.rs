@@ -8,7 +8,6 @@
 //! (`x_per_slot = false`, gate/up projections) or `x[k*cols ..]` (`true`, the down projection).
 //! An index `>= count` yields NaN rows.
 
-use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
 use super::{addr, addr_mut, affine_gemv_tc, launch};
@@ -149,19 +148,15 @@ pub(crate) const KERNELS: &[&str] = &[
 pub(crate) fn configure(dev: &Device) -> Result<()> {
     let route = [&R_Q4, &R_Q8, &R_BF16];
     let mix = [&M_Q4, &M_Q8, &M_BF16];
-    for name in FAMILIES
-        .iter()
-        .flat_map(|f| f.iter())
-        .chain(ASYNC_FAMILIES.iter().flat_map(|f| f.iter()))
-        .chain(route.iter().flat_map(|f| f.iter()))
-        .chain(mix.iter().flat_map(|f| f.iter()))
-    {
-        // The opt-in limit covers static and dynamic shared memory together.
-        let f = dev.function(name)?;
-        let fixed = f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
-        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dev.max_smem_optin() as i32 - fixed)?;
-    }
-    Ok(())
+    super::allow_optin_smem(
+        dev,
+        FAMILIES
+            .iter()
+            .flat_map(|f| f.iter())
+            .chain(ASYNC_FAMILIES.iter().flat_map(|f| f.iter()))
+            .chain(route.iter().flat_map(|f| f.iter()))
+            .chain(mix.iter().flat_map(|f| f.iter())),
+    )
 }
 
 /// Which matrix (or matrices) of a stack a GEMV uses.
@@ -566,7 +561,7 @@ fn check_pair(gate: &DeviceMatrix, up: &DeviceMatrix) -> Result<()> {
 }
 
 /// Pointers of one matrix stack: (weights, scales, biases, group shift).
-fn parts(dev: &Device, w: &DeviceMatrix) -> (u64, u64, u64, i32) {
+pub(crate) fn parts(dev: &Device, w: &DeviceMatrix) -> (u64, u64, u64, i32) {
     let s = dev.stream();
     match &w.storage {
         DeviceStorage::Affine { params, packed, scales, biases } => (

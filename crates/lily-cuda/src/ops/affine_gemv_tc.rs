@@ -5,8 +5,6 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::sys::CUfunction_attribute;
-
 use crate::{CudaError, Device, Result};
 
 /// By K split 1, 2, 4, 8.
@@ -27,12 +25,7 @@ const WANT_TASKS_PER_SM: usize = 16;
 
 /// Lets the kernels use the device's opt-in shared memory (x is staged there: 7.5 bytes per column).
 pub(crate) fn configure(dev: &Device) -> Result<()> {
-    for name in KERNELS {
-        let f = dev.function(name)?;
-        let fixed = f.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
-        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dev.max_smem_optin() as i32 - fixed)?;
-    }
-    Ok(())
+    super::allow_optin_smem(dev, KERNELS)
 }
 
 /// Whether the automatic choice may take these kernels: `LILY_GEMV=ffma` keeps the FFMA kernels

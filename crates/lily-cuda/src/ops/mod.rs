@@ -58,6 +58,18 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     attn_prefill::configure(dev)
 }
 
+/// Lets each kernel in `names` use the device's opt-in shared memory (the limit covers static and
+/// dynamic shared memory together: the dynamic part may take what its static part leaves).
+pub(crate) fn allow_optin_smem<'a>(dev: &Device, names: impl IntoIterator<Item = &'a &'static str>) -> Result<()> {
+    use cudarc::driver::sys::CUfunction_attribute as A;
+    for name in names {
+        let f = dev.function(name)?;
+        let fixed = f.get_attribute(A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
+        f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dev.max_smem_optin() as i32 - fixed)?;
+    }
+    Ok(())
+}
+
 /// A position or a length a kernel takes: known on the host at launch, or read from device memory
 /// when the kernel runs (so a captured decode graph replays at each step's value).
 #[derive(Clone, Copy)]

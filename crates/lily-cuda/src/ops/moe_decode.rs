@@ -8,6 +8,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
+use super::affine_gemv::parts;
 use super::{addr, addr_mut, launch};
 use crate::weights::{DeviceMatrix, DeviceStorage};
 use crate::{CudaError, Device, Result};
@@ -63,13 +64,7 @@ const SMEM_MAX: usize = 180 * 1024;
 
 /// Lets the kernels use the device's opt-in shared memory.
 pub(crate) fn configure(dev: &Device) -> Result<()> {
-    use cudarc::driver::sys::CUfunction_attribute as A;
-    for name in KERNELS {
-        let f = dev.function(name)?;
-        let fixed = f.get_attribute(A::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?;
-        f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dev.max_smem_optin() as i32 - fixed)?;
-    }
-    Ok(())
+    super::allow_optin_smem(dev, KERNELS)
 }
 
 /// A launch that fits: kernel, grid, dynamic shared memory.
@@ -116,25 +111,16 @@ pub fn plan(dev: &Device, gate: &DeviceMatrix, up: &DeviceMatrix, down: &DeviceM
     Ok(Some(Plan { name, grid: grid as u32, smem: smem as u32 }))
 }
 
-/// The stacks' pointers: (weights, scales, biases).
-fn parts(dev: &Device, m: &DeviceMatrix) -> Result<(u64, u64, u64)> {
-    let s = dev.stream();
-    match &m.storage {
-        DeviceStorage::Affine { packed, scales, biases, .. } => Ok((packed.device_ptr(s).0, scales.device_ptr(s).0, biases.device_ptr(s).0)),
-        DeviceStorage::Dense { .. } => Err(CudaError::Shape("moe_decode: dense weights".into())),
-    }
-}
-
 /// Where the chosen experts and their weights go (tests): `k` each.
 pub struct Chosen<'a> {
     pub idx: &'a mut CudaSlice<u32>,
     pub w: &'a mut CudaSlice<f32>,
 }
 
-/// Phase stamps a block writes into a trace buffer (`MD_TRACE`; 12 used): its start, after the PDL
-/// wait, the selection's max, sum and picks, after its copies are issued, after x is staged, after the
-/// copies landed, after the SwiGLU, after the barrier, after act is staged, at its end.
-pub const TRACE_STAMPS: usize = 13;
+/// Phase stamps a block writes into a trace buffer (`MD_TRACE`): its start, after the PDL wait, after
+/// the selection, after its copies are issued, after x is staged, after the copies landed, after the
+/// SwiGLU, after the barrier, after act is staged, at its end.
+pub const TRACE_STAMPS: usize = 10;
 
 impl Plan {
     /// Blocks of the launch (a trace buffer holds `grid() * TRACE_STAMPS` stamps).
@@ -174,9 +160,12 @@ where
     A: DevicePtrMut<f32>,
 {
     let (i, h) = (gate.rows, gate.cols);
-    let (gw, gs, gb) = parts(dev, gate)?;
-    let (uw, us, ub) = parts(dev, up)?;
-    let (dw, ds, db) = parts(dev, down)?;
+    if ![gate, up, down].iter().all(|m| affine_q4g64(m)) {
+        return Err(CudaError::Shape("moe_decode: the stacks must be 4-bit, group 64".into()));
+    }
+    let (gw, gs, gb, _) = parts(dev, gate);
+    let (uw, us, ub, _) = parts(dev, up);
+    let (dw, ds, db, _) = parts(dev, down);
     let (idx_out, w_out) = match chosen {
         Some(c) => (addr_mut(dev, c.idx, k, "moe_decode idx")?, addr_mut(dev, c.w, k, "moe_decode weights")?),
         None => (0, 0),
