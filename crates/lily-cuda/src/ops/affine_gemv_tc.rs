@@ -19,7 +19,7 @@ pub(crate) const KERNELS: &[&str] =
 pub(crate) const THREADS: u32 = 256;
 /// Columns per round (4 lanes × 32 codes) and staged bytes per round (`TC_ROUND`).
 const ROUND_COLS: usize = 128;
-const ROUND_BYTES: usize = 960;
+pub(crate) const ROUND_BYTES: usize = 960;
 /// Warp tasks (16-row tiles × K slices) per SM wanted before the K split stops growing.
 const WANT_TASKS_PER_SM: usize = 16;
 

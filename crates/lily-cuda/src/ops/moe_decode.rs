@@ -9,6 +9,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
 use super::affine_gemv::parts;
+use super::affine_gemv_tc::ROUND_BYTES;
 use super::{addr, addr_mut, launch};
 use crate::weights::{DeviceMatrix, DeviceStorage};
 use crate::{CudaError, Device, Result};
@@ -50,10 +51,9 @@ pub(crate) const KERNELS: &[&str] = &[KERNELS_U[0].0, KERNELS_U[1].0, KERNELS_U[
 
 /// Threads per block (`MD_WARPS` warps).
 const THREADS: u32 = 512;
-/// Staging pads and sizes, as in the .cu (`MD_WPAD`, `MD_SPAD`) and gemv_tc.cuh (`TC_ROUND`).
+/// Staging pads, as in the .cu (`MD_WPAD`, `MD_SPAD`); a round's staged bytes are the GEMVs'.
 const WPAD: usize = 64;
 const SPAD: usize = 16;
-const ROUND_BYTES: usize = 960;
 /// Words of 8 act values a thread stages (`MD_STAGE_WORDS`).
 const STAGE_WORDS: usize = 4;
 /// The most experts the selection ranks (`MD_MAX_E`) and chooses.
@@ -75,8 +75,9 @@ pub struct Plan {
     smem: u32,
 }
 
+/// 4-bit group 64 with whole rounds of columns: the tensor-core GEMVs' format ([`super::affine_gemv_tc::fits`]).
 fn affine_q4g64(m: &DeviceMatrix) -> bool {
-    matches!(&m.storage, DeviceStorage::Affine { params, .. } if params.bits == 4 && params.group_size == 64)
+    matches!(&m.storage, DeviceStorage::Affine { params, .. } if super::affine_gemv_tc::fits(params.bits, params.group_size, m.cols))
 }
 
 /// Whether the fused kernel takes these stacks (gate/up `[E + 1, I, H]`, down `[E + 1, H, I]`) with
