@@ -1,5 +1,5 @@
 // Prefill GEMM on Hopper's warpgroup MMA (wgmma) for MLX affine 4-bit weights in groups of 64, the
-// model's format: Y[t, rows] = X[t, cols] · W[m]ᵀ, the fused SwiGLU form Y = silu(X·Gᵀ) ⊙ (X·Uᵀ), and the
+// model's format (and the 8-bit router's, below): Y[t, rows] = X[t, cols] · W[m]ᵀ, the fused SwiGLU form Y = silu(X·Gᵀ) ⊙ (X·Uᵀ), and the
 // grouped (MoE) forms of gemm.cu, in three numerics:
 //   half (the model's default): x one f16 plane, each row scaled by its power of two 2^-e (the stager
 //     picks e so the row's largest |x| lands in [2^14, 2^15)); each weight formed in f16 as
@@ -37,10 +37,17 @@
 // Grouped: the expert tiles of grouped.cuh; with a gather, slot i reads staged row rows[i] (a row >= x_rows
 // gives a NaN output row).
 //
+// 8-bit codes (the MoE router, 257 rows of 2048 in the 35B model), half numerics, plain form only: a thread
+// holds the same codes 16q .. 16q + 15 of its rows' group as in the 4-bit layout, as 16 bytes (words
+// x, y, z, w: code 16q + 4i + b is byte b of word i), so the staged x (and its permutation) is the 4-bit
+// kernels' own; one PRMT makes bytes (s, s + 4) of a word pair the 16-bit pair of step s.
+//
 // Entry points: gemm_wgmma_{plain, swiglu, grouped, grouped_swiglu}_n{64, 128}_{p1, p2, h128, h256}
-// (p: folded with 1 or 2 planes; h: half, 128 or 256 weight rows); dynamic shared memory: see
-// smem_bytes in ops/gemm_wgmma.rs. Launch bounds: n128_p* one block an SM (up to 255 registers),
-// n64_p* two, n128_h128 two, n64_h128 three, *_h256 (512 threads) one.
+// (p: folded with 1 or 2 planes; h: half, 128 or 256 weight rows), gemm_wgmma_plain_n{64, 128}_h128_q8
+// (8-bit codes); dynamic shared memory: see smem_bytes in ops/gemm_wgmma.rs. Launch bounds: n128_p* one
+// block an SM (up to 255 registers), n64_p* two, n128_h128* two, n64_h128 three (ptxas serialises its
+// MMAs for registers at that bound: n64_h128b2 is the same tile at two, opt-in, and n64_h128_q8 takes
+// two), *_h256 (512 threads) one.
 
 #include <stdint.h>
 #include <cuda_bf16.h>
@@ -102,6 +109,11 @@ __device__ __forceinline__ uint2 lds64(uint32_t a) {
     asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
     return v;
 }
+__device__ __forceinline__ uint4 lds128_u(uint32_t a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
+}
 
 // Nibbles s and s + 4 of w minus 8, as an exact bf16 pair (nibble s in the low half): under the bits of
 // 128.0 (ulp 1) a nibble makes 128 + code; 136 is subtracted.
@@ -117,6 +129,17 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t w, int s) {
 // rounds the weight once.
 __device__ __forceinline__ uint32_t half_weight_pair(uint32_t w, int s, __half2 scale, __half2 bias) {
     uint32_t v = ((w >> (4 * s)) & 0x000F000Fu) | 0x64006400u;
+    const uint32_t k1024 = 0x64006400u;
+    const __half2 c = __hsub2(*reinterpret_cast<const __half2*>(&v), *reinterpret_cast<const __half2*>(&k1024));
+    const __half2 d = __hfma2(c, scale, bias);
+    return *reinterpret_cast<const uint32_t*>(&d);
+}
+
+// 8-bit codes: byte s of w0 and byte s of w1 as the f16 pair (s·q + b, s·q' + b) (w0's in the low half):
+// one PRMT gathers them into bytes 0 and 2, under the bits of 1024.0 they make 1024 + q (exact for
+// q < 1024), the rest as half_weight_pair.
+__device__ __forceinline__ uint32_t half_weight_pair8(uint32_t w0, uint32_t w1, int s, __half2 scale, __half2 bias) {
+    const uint32_t v = (__byte_perm(w0, w1, (uint32_t)s | ((uint32_t)(s + 4) << 8)) & 0x00FF00FFu) | 0x64006400u;
     const uint32_t k1024 = 0x64006400u;
     const __half2 c = __hsub2(*reinterpret_cast<const __half2*>(&v), *reinterpret_cast<const __half2*>(&k1024));
     const __half2 d = __hfma2(c, scale, bias);
@@ -197,7 +220,7 @@ __device__ __forceinline__ bool tile_slots(const WgParams& p, int& matrix, int& 
 // BT tokens × 64·WGS·MT weight rows (WGS warpgroups of 64·MT rows, MT m64 tiles each) in numerics NUM:
 // NUM_EXACT / NUM_BF16X fold each group (MT = 1, a ring of NS = STAGES); NUM_HALF accumulates across
 // groups in the MMA (a ring of NS stages, see the header).
-template <int BT, int MT, int NUM, int NS, int WGS, bool SWIGLU, bool GROUPED>
+template <int BT, int MT, int NUM, int NS, int WGS, bool SWIGLU, bool GROUPED, int BITS = 4>
 __device__ __forceinline__ void wg_tile(const WgParams& p) {
     constexpr int NT = 128 * WGS;               // threads
     constexpr bool HALF = NUM == NUM_HALF;
@@ -206,7 +229,11 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     constexpr int BWT = 64 * WGS * MT;          // weight rows a block
     constexpr int XPLANE = BT * 128;            // bytes of one X plane a stage (BT rows of 64 16-bit values)
     constexpr int XB = PLANES * XPLANE;
-    constexpr int WB = BWT * 32;                // the codes: BWT rows of 32 bytes
+    constexpr int WROW = 8 * BITS;              // bytes of codes a weight row a group (32 or 64)
+    constexpr int WCH = WROW / 16;              // their 16-byte chunks (2 or 4)
+    constexpr int WSH = BITS == 8 ? 2 : 1;      // log2(WCH)
+    constexpr int WLD = MT * WCH / 2;           // chunks a thread loads a group (NT threads, BWT·WCH chunks)
+    constexpr int WB = BWT * WROW;              // the codes: BWT rows of WROW bytes
     constexpr int SB = HALF ? 0 : BT * 4;       // the X sums (folded numerics)
     constexpr int STAGE = (XB + WB + SB + 1023) / 1024 * 1024;
     constexpr int XPASS = NT / 8;               // X rows a pass (8 chunks a row)
@@ -216,6 +243,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     static_assert(HALF || (MT == 1 && NS == STAGES && WGS == 2), "the folded numerics take one m64 tile a warpgroup, STAGES deep, two warpgroups");
     static_assert(RPT >= 1 && BT <= NT, "every X row has a loader and every slot a sum thread");
     static_assert(NS >= 3, "the half ring needs a stage in use, one in flight and one filling");
+    static_assert(BITS == 4 || (BITS == 8 && HALF && !SWIGLU), "8-bit codes: the half forms without SwiGLU");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned char bad[BT];           // gathered slot past x: a NaN output row
@@ -264,17 +292,18 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
         }
         xoff[j] = off + xc * 8;
     }
-    // Codes: tile row tid / 2 + (NT / 2) j, 16-byte half tid % 2 (row 0 of the stack, zero-filled, past the rows).
-    const int wh = tid & 1;
-    uint32_t wchunk[MT];  // in 16-byte chunks of the stack (below 2^32: checked by the wrapper)
-    bool w_ok[MT], w_up[MT];
+    // Codes: tile row tid / WCH + (NT / WCH) j, 16-byte chunk tid % WCH (row 0 of the stack, zero-filled,
+    // past the rows).
+    const int wh = tid & (WCH - 1);
+    uint32_t wchunk[WLD];  // in 16-byte chunks of the stack (below 2^32: checked by the wrapper)
+    bool w_ok[WLD], w_up[WLD];
 #pragma unroll
-    for (int j = 0; j < MT; ++j) {
-        const int wr = (tid >> 1) + (NT / 2) * j;
+    for (int j = 0; j < WLD; ++j) {
+        const int wr = (tid >> WSH) + (NT / WCH) * j;
         const int w_out = out_row(wr);
         w_ok[j] = w_out < rows;
         w_up[j] = is_up(wr);
-        wchunk[j] = (uint32_t)(((long long)matrix * rows + (w_ok[j] ? w_out : 0)) * (cols / 32)) + wh;
+        wchunk[j] = (uint32_t)(((long long)matrix * rows + (w_ok[j] ? w_out : 0)) * (BITS == 8 ? cols / 16 : cols / 32)) + wh;
     }
     // X sums (folded numerics): slot tid (tid < BT).
     const float* ssrc = p.xsum;
@@ -293,7 +322,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     // This thread's shared-memory destination in stage 0 (row tid / 8; XPASS rows further keep the same
     // swizzle: XPASS is a multiple of 8).
     const uint32_t xdst = base + (tid >> 3) * 128 + ((xc ^ ((tid >> 3) & 7)) << 4);
-    const uint32_t wdst = base + XB + (tid >> 1) * 32 + wh * 16;
+    const uint32_t wdst = base + XB + (tid >> WSH) * WROW + wh * 16;
     const uint32_t sdst = base + XB + WB + tid * 4;
 
     auto load = [&](int kt) {
@@ -305,8 +334,8 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
                 cp_async16(xdst + so + pl * XPLANE + j * XPASS * 128, (pl ? p.xl : p.xh) + xoff[j] + kt * GROUP, x_ok[j]);
         }
 #pragma unroll
-        for (int j = 0; j < MT; ++j)
-            cp_async16(wdst + so + j * (NT / 2) * 32, reinterpret_cast<const uint4*>(w_up[j] ? p.w2 : p.w) + wchunk[j] + kt * 2, w_ok[j]);
+        for (int j = 0; j < WLD; ++j)
+            cp_async16(wdst + so + j * (NT / WCH) * WROW, reinterpret_cast<const uint4*>(w_up[j] ? p.w2 : p.w) + wchunk[j] + kt * WCH, w_ok[j]);
         if (!HALF && tid < BT) {
             cp_async4(sdst + so, ssrc, s_ok);
             if (s_ok) ssrc += 1;
@@ -383,14 +412,28 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             if (kt + 1 < nk) fetch(kt + 1);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                const uint2 wa = lds64(base + so + XB + r0[m] * 32 + q * 8);
-                const uint2 wb = lds64(base + so + XB + (r0[m] + 8) * 32 + q * 8);
+                if constexpr (BITS == 8) {
+                    // Codes 16q .. 16q + 15 of the group: bytes of words x, y (k 2q, 2q+1 at step s: codes
+                    // 16q + s, 16q + s + 4) and z, w (k 2q+8, 2q+9: codes 16q + 8 + s, 16q + 12 + s).
+                    const uint4 wa = lds128_u(base + so + XB + r0[m] * WROW + q * 16);
+                    const uint4 wb = lds128_u(base + so + XB + (r0[m] + 8) * WROW + q * 16);
 #pragma unroll
-                for (int s = 0; s < 4; ++s) {
-                    a[m][s][0] = half_weight_pair(wa.x, s, hs0[m], hb0[m]);
-                    a[m][s][1] = half_weight_pair(wb.x, s, hs1[m], hb1[m]);
-                    a[m][s][2] = half_weight_pair(wa.y, s, hs0[m], hb0[m]);
-                    a[m][s][3] = half_weight_pair(wb.y, s, hs1[m], hb1[m]);
+                    for (int s = 0; s < 4; ++s) {
+                        a[m][s][0] = half_weight_pair8(wa.x, wa.y, s, hs0[m], hb0[m]);
+                        a[m][s][1] = half_weight_pair8(wb.x, wb.y, s, hs1[m], hb1[m]);
+                        a[m][s][2] = half_weight_pair8(wa.z, wa.w, s, hs0[m], hb0[m]);
+                        a[m][s][3] = half_weight_pair8(wb.z, wb.w, s, hs1[m], hb1[m]);
+                    }
+                } else {
+                    const uint2 wa = lds64(base + so + XB + r0[m] * 32 + q * 8);
+                    const uint2 wb = lds64(base + so + XB + (r0[m] + 8) * 32 + q * 8);
+#pragma unroll
+                    for (int s = 0; s < 4; ++s) {
+                        a[m][s][0] = half_weight_pair(wa.x, s, hs0[m], hb0[m]);
+                        a[m][s][1] = half_weight_pair(wb.x, s, hs1[m], hb1[m]);
+                        a[m][s][2] = half_weight_pair(wa.y, s, hs0[m], hb0[m]);
+                        a[m][s][3] = half_weight_pair(wb.y, s, hs1[m], hb1[m]);
+                    }
                 }
             }
             const uint64_t dst = d0 + (uint64_t)(so >> 4);
@@ -517,9 +560,21 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     WG_ENTRY(prefix##_n128_h128, 128, 1, NUM_HALF, 5, SWIGLU, GROUPED, 2)         \
     WG_ENTRY(prefix##_n64_h128, 64, 1, NUM_HALF, 4, SWIGLU, GROUPED, 3)           \
     WG_ENTRY_W(prefix##_n128_h256, 128, 1, NUM_HALF, 6, 4, SWIGLU, GROUPED, 1)    \
-    WG_ENTRY_W(prefix##_n64_h256, 64, 1, NUM_HALF, 6, 4, SWIGLU, GROUPED, 1)
+    WG_ENTRY_W(prefix##_n64_h256, 64, 1, NUM_HALF, 6, 4, SWIGLU, GROUPED, 1)    \
+    WG_ENTRY(prefix##_n64_h128b2, 64, 1, NUM_HALF, 4, SWIGLU, GROUPED, 2)
 
 WG_FORM(gemm_wgmma_plain, false, false)
 WG_FORM(gemm_wgmma_swiglu, true, false)
 WG_FORM(gemm_wgmma_grouped, false, true)
 WG_FORM(gemm_wgmma_grouped_swiglu, true, true)
+
+// 8-bit codes (the MoE router's format), half numerics, 128 weight rows, the plain form.
+// The ring is one stage shallower than the 4-bit tiles' (a stage holds twice the codes) so that the
+// same blocks fit an SM.
+#define WG_ENTRY8(name, BT, NS, GROUPED, MINB)                                                       \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(const WgParams p) {                  \
+        pdl_enter();                                                                                   \
+        wg_tile<BT, 1, NUM_HALF, NS, 2, false, GROUPED, 8>(p);                                         \
+    }
+WG_ENTRY8(gemm_wgmma_plain_n128_h128_q8, 128, 4, false, 2)
+WG_ENTRY8(gemm_wgmma_plain_n64_h128_q8, 64, 4, false, 2)

@@ -30,8 +30,8 @@
 //! bias, X sum or group boundary. Against lily-cpu's f32 matmul (its own f32 sums, ~1e-6)
 //! CPU_TOL_EXACT = 5e-5.
 //!
-//! `Precision::Half` (4-bit group-64 weights on the wgmma tiles; every other format and tile runs
-//! Exact and is checked as Exact): each x row scaled by its power of two 2^-e (the largest scaled value
+//! `Precision::Half` (4-bit group-64 weights on the wgmma tiles, and 8-bit group-64 ones in the plain
+//! form; every other format, form and tile runs Exact and is checked as Exact): each x row scaled by its power of two 2^-e (the largest scaled value
 //! in [2^14, 2^15)) and rounded to f16, each weight formed as f16(f16(s)·q + f16(b)) (one rounding,
 //! as the kernel's fused multiply-add), the products accumulated in f32 over all of K, times 2^e. Its
 //! reference forms the same roundings in f64, so what is left is f32 accumulation over K/16 steps
@@ -76,20 +76,27 @@ fn is_q4g64(w: &Matrix) -> bool {
     matches!(&w.storage, Storage::Affine { params, .. } if params.bits == 4 && params.group_size == 64)
 }
 
-/// Whether `tile` takes weights `w` in precision `p` (the wgmma tiles: 4-bit group 64, not Fast; the
-/// 256-row ones Half only). The others must be refused.
-fn tile_takes(tile: Tile, w: &Matrix, p: Precision) -> bool {
+fn is_q8g64(w: &Matrix) -> bool {
+    matches!(&w.storage, Storage::Affine { params, .. } if params.bits == 8 && params.group_size == 64)
+}
+
+/// Whether `tile` takes weights `w` in precision `p` in a call of the plain form (`plain`) or another
+/// (the wgmma tiles: 4-bit group 64, not Fast, and 8-bit group 64 in the plain form in Half; the
+/// 256-row ones 4-bit in Half only). The others must be refused.
+fn tile_takes(tile: Tile, w: &Matrix, p: Precision, plain: bool) -> bool {
     match tile {
-        Tile::Wg64 | Tile::Wg128 => is_q4g64(w) && p != Precision::Fast,
+        Tile::Wg64 | Tile::Wg128 => (is_q4g64(w) && p != Precision::Fast) || (is_q8g64(w) && plain && p == Precision::Half),
         Tile::Wg64x256 | Tile::Wg128x256 => is_q4g64(w) && p == Precision::Half,
         _ => true,
     }
 }
 
-/// The numerics a call runs: Half only on the wgmma tiles (Auto takes them for 4-bit group 64), else
-/// Exact.
-fn effective(tile: Tile, w: &Matrix, p: Precision) -> Precision {
-    if p == Precision::Half && (!is_q4g64(w) || matches!(tile, Tile::M64 | Tile::M32)) {
+/// The numerics a call runs: Half only on the wgmma tiles (Auto takes them for 4-bit group 64, and
+/// with `LILY_ROUTER_WGMMA=1` for 8-bit group 64 in the plain form), else Exact.
+fn effective(tile: Tile, w: &Matrix, p: Precision, plain: bool) -> Precision {
+    let q8_auto = std::env::var("LILY_ROUTER_WGMMA").is_ok_and(|v| v == "1");
+    let half_fmt = is_q4g64(w) || (is_q8g64(w) && plain && (tile != Tile::Auto || q8_auto));
+    if p == Precision::Half && (!half_fmt || matches!(tile, Tile::M64 | Tile::M32)) {
         Precision::Exact
     } else {
         p
@@ -168,23 +175,25 @@ struct RefMat {
     exact: Vec<f32>,
     fast: Vec<f32>,
     bprime: Vec<f32>,
-    /// 4-bit group 64: the weights as the Half kernels form them, f16(f16(s)·q + f16(b)).
+    /// 4- and 8-bit group 64: the weights as the Half kernels form them, f16(f16(s)·q + f16(b)).
     half: Option<Vec<f32>>,
 }
 
-/// Matrix `m` of a 4-bit group-64 stack as the Half kernels dequantise it.
+/// Matrix `m` of a 4- or 8-bit group-64 stack as the Half kernels dequantise it.
 fn half_weights(w: &Matrix, m: usize) -> Option<Vec<f32>> {
     let Storage::Affine { params, packed, scales, biases } = &w.storage else { return None };
-    if params.bits != 4 || params.group_size != 64 {
+    if !matches!(params.bits, 4 | 8) || params.group_size != 64 {
         return None;
     }
     let f16r = |v: f32| half::f16::from_f32(v).to_f64();
-    let words = w.cols / 8;
+    let bits = params.bits as usize;
+    let per = 32 / bits;
+    let words = w.cols / per;
     let mut out = Vec::with_capacity(w.rows * w.cols);
     for r in 0..w.rows {
         let row = m * w.rows + r;
         for c in 0..w.cols {
-            let q = (packed[row * words + c / 8] >> (4 * (c % 8))) & 15;
+            let q = (packed[row * words + c / per] >> (bits * (c % per))) & ((1 << bits) - 1);
             let j = row * (w.cols / 64) + c / 64;
             out.push(half::f16::from_f64(q as f64 * f16r(scales.get(j)) + f16r(biases.get(j))).to_f32());
         }
@@ -390,14 +399,14 @@ fn plain_case(dev: &Device, w: &Matrix, m: usize, xd: &CudaSlice<f32>, refs: &Re
         for tile in TILES {
             let mut y = poisoned(dev, t * w.rows + SPARE);
             let r = gemm::gemm_with(dev, &dw, m, xd, t, &mut y, Opts { tile, precision: p, ..Default::default() });
-            if !tile_takes(tile, w, p) {
+            if !tile_takes(tile, w, p, true) {
                 assert!(r.is_err(), "{what}: {tile:?} took {p:?}");
                 continue;
             }
             r.unwrap();
             let what = format!("{what} {p:?} {tile:?}");
             let got = download_checked(dev, &y, t * w.rows, &what);
-            compare(&got, refs, effective(tile, w, p), worst, &what);
+            compare(&got, refs, effective(tile, w, p, true), worst, &what);
         }
     }
 }
@@ -561,13 +570,13 @@ fn swiglu_gemm_matches_reference() {
                     let mut y = poisoned(&dev, t * rows + SPARE);
                     let what = format!("swiglu_gemm {f} [{count}x{rows}x{cols}] m={m} t={t} {p:?} {tile:?}");
                     let r = gemm::swiglu_gemm_with(&dev, &dg, &du, m, &xd, t, &mut y, Opts { tile, precision: p, ..Default::default() });
-                    if !tile_takes(tile, &g, p) {
+                    if !tile_takes(tile, &g, p, false) {
                         assert!(r.is_err(), "{what}: refused tile taken");
                         continue;
                     }
                     r.unwrap();
                     let got = download_checked(&dev, &y, t * rows, &what);
-                    compare(&got, &refs, effective(tile, &g, p), &mut worst, &what);
+                    compare(&got, &refs, effective(tile, &g, p, false), &mut worst, &what);
                 }
             }
         }
@@ -674,7 +683,7 @@ fn grouped_case(
                 Some(du) => gemm::grouped_swiglu_gemm_with(dev, &dg, du, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }),
                 None => gemm::grouped_gemm_with(dev, &dg, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }),
             };
-            if !tile_takes(tile, &g, p) {
+            if !tile_takes(tile, &g, p, false) {
                 assert!(r.is_err(), "grouped {f}: {tile:?} took {p:?}");
                 continue;
             }
@@ -685,7 +694,7 @@ fn grouped_case(
                 gather_rows
             );
             let got = download_checked(dev, &y, n * rows, &what);
-            compare(&got, &refs, effective(tile, &g, p), &mut worst, &what);
+            compare(&got, &refs, effective(tile, &g, p, false), &mut worst, &what);
         }
     }
     worst
@@ -946,7 +955,7 @@ fn bench_gemm() {
         (2048, 4096, 4, 64, "attn/GDN out"),
         (1024, 2048, 4, 64, "k/v"),
         (2048, 512, 4, 64, "shared expert down"),
-        (256, 2048, 8, 64, "router"),
+        (257, 2048, 8, 64, "router + shared gate"),
         (248320, 2048, 4, 64, "lm_head"),
     ];
     let max_t = 4096;

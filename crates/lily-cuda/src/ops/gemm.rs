@@ -4,9 +4,10 @@
 //! belong to experts through a device array of offsets (no host round trip).
 //!
 //! Two kernel families: `kernels/gemm.cu` (`mma.sync`, every format) and, for 4-bit group-64 weights
-//! in `Exact`, `Bf16x` and `Half` (the model's format), the Hopper wgmma kernels of
-//! [`super::gemm_wgmma`] (`Tile::Wg*`, chosen by `Tile::Auto`; about 2× faster in the same numerics;
-//! `LILY_GEMM=mma` keeps gemm.cu's for A/B runs).
+//! in `Exact`, `Bf16x` and `Half` (the model's format), and for 8-bit group-64 weights (the router) in
+//! the plain form in `Half`, the Hopper wgmma kernels of [`super::gemm_wgmma`] (`Tile::Wg*`, chosen by
+//! `Tile::Auto` — for 8-bit weights only with `LILY_ROUTER_WGMMA=1` until measured; about 2× faster
+//! in the same numerics; `LILY_GEMM=mma` keeps gemm.cu's for A/B runs).
 //!
 //! Numerics ([`Precision`], all four forms; products are exact and accumulated in f32 by
 //! `mma.sync m16n8k16 .bf16 -> .f32` or `wgmma m64nNk16 .bf16 -> .f32`):
@@ -16,8 +17,8 @@
 //!   (integer codes, the affine map per group in f32, the X sums of the unrounded x); one MMA per
 //!   k-step. Against an f64 product expect a relative difference of order 1e-3 of the largest output
 //!   (the rounding of x, 2^-9 relative per element, averaged over the row).
-//! - [`Precision::Half`] (4-bit group-64 weights on the wgmma kernels; any other format or tile
-//!   runs `Exact`): each X row is scaled by a power of two 2^-e (its largest |x| to [2^14, 2^15)) and
+//! - [`Precision::Half`] (4-bit group-64 weights on the wgmma kernels, and 8-bit group-64 ones in the
+//!   plain form on them; any other format, form or tile runs `Exact`): each X row is scaled by a power of two 2^-e (its largest |x| to [2^14, 2^15)) and
 //!   rounded to f16, each weight formed in f16 as `f16(s)·q + f16(b)` by one fused multiply-add (one
 //!   rounding), and the products are summed in f32 across all of K by the MMA, then times 2^e: no
 //!   per-group fold, so the MMAs of successive groups overlap. Against an f64 product expect ~2e-4 of
@@ -89,13 +90,14 @@ pub enum Tile {
     /// 32 tokens × 128 weight rows per block (1 × 8 warps of 32 × 16).
     M32,
     /// Hopper wgmma (`gemm_wgmma`): 64 tokens × 128 weight rows per block, two warpgroups. 4-bit
-    /// group-64 weights in the `Exact`, `Bf16x` and `Half` precisions only.
+    /// group-64 weights in the `Exact`, `Bf16x` and `Half` precisions, and 8-bit group-64 weights in
+    /// `Half` in the plain form (not SwiGLU, not grouped), only.
     Wg64,
-    /// Hopper wgmma: 128 tokens × 128 weight rows per block.
+    /// Hopper wgmma: 128 tokens × 128 weight rows per block (the formats of `Wg64`).
     Wg128,
-    /// Hopper wgmma, `Half` only: 64 tokens × 256 weight rows per block (four warpgroups).
+    /// Hopper wgmma, 4-bit in `Half` only: 64 tokens × 256 weight rows per block (four warpgroups).
     Wg64x256,
-    /// Hopper wgmma, `Half` only: 128 tokens × 256 weight rows per block (four warpgroups).
+    /// Hopper wgmma, 4-bit in `Half` only: 128 tokens × 256 weight rows per block (four warpgroups).
     Wg128x256,
 }
 
@@ -121,6 +123,14 @@ fn wgmma_allowed() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_GEMM").map(|v| v != "mma").unwrap_or(true))
 }
 
+/// Whether `Tile::Auto` takes the 8-bit wgmma kernels (`LILY_ROUTER_WGMMA=1`): opt-in until they have
+/// been measured on the GPU (written 2026-12-04 when no GPU was lent; docs/PERF.md). The explicit
+/// `Tile::Wg64` / `Tile::Wg128` take them regardless (the tests do).
+fn wgmma_q8_auto() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_ROUTER_WGMMA").is_ok_and(|v| v == "1"))
+}
+
 /// The numerics of a GEMM call (see the module doc).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Precision {
@@ -132,10 +142,11 @@ pub enum Precision {
     Bf16x,
     /// x and each dequantised weight rounded to bf16 (one MMA per k-step): ~1e-3 relative error.
     Fast,
-    /// 4-bit group-64 weights on the wgmma kernels: each row of x scaled by a power of two into f16's
-    /// range and rounded to f16, each weight dequantised to f16 (`s·q + b`, one rounding), products
-    /// accumulated in f32 across all of K (one MMA per k-step, no per-group fold). Other formats,
-    /// and the mma.sync tiles, run `Exact` (closer; there is no half kernel for them).
+    /// 4-bit group-64 weights on the wgmma kernels (and 8-bit group-64 ones in the plain form): each
+    /// row of x scaled by a power of two into f16's range and rounded to f16, each weight dequantised
+    /// to f16 (`s·q + b`, one rounding), products accumulated in f32 across all of K (one MMA per
+    /// k-step, no per-group fold). Other formats and forms, and the mma.sync tiles, run `Exact`
+    /// (closer; there is no half kernel for them).
     Half,
 }
 
@@ -507,17 +518,27 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         Group::Grouped { e, .. } => e,
         Group::Plain(_) => w.count,
     };
-    let wg_ok = w.bits() == 4 && w.group_size() == Some(super::gemm_wgmma::GROUP) && precision != Precision::Fast;
+    let g64 = w.group_size() == Some(super::gemm_wgmma::GROUP);
+    let wg_ok = g64
+        && match w.bits() {
+            4 => precision != Precision::Fast,
+            8 => precision == Precision::Half && w2.is_none() && !grouped,
+            _ => false,
+        };
     if tile.is_wgmma() && !wg_ok {
-        return Err(CudaError::Shape(format!("{what}: the wgmma tiles take 4-bit group-64 weights in Exact, Bf16x or Half, not {} in {precision:?}", describe(w))));
+        return Err(CudaError::Shape(format!(
+            "{what}: the wgmma tiles take 4-bit group-64 weights in Exact, Bf16x or Half, or 8-bit group-64 ones in a plain gemm in Half, not {} in {precision:?}",
+            describe(w)
+        )));
     }
-    if matches!(tile, Tile::Wg64x256 | Tile::Wg128x256) && precision != Precision::Half {
-        return Err(CudaError::Shape(format!("{what}: the 256-row wgmma tiles take the Half precision, not {precision:?}")));
+    if matches!(tile, Tile::Wg64x256 | Tile::Wg128x256) && (precision != Precision::Half || w.bits() != 4) {
+        return Err(CudaError::Shape(format!("{what}: the 256-row wgmma tiles take 4-bit weights in Half, not {} in {precision:?}", describe(w))));
     }
     let wg_tiles = rows.div_ceil(if w2.is_some() { super::gemm_wgmma::BW / 2 } else { super::gemm_wgmma::BW });
+    let wg_auto = wg_ok && wgmma_allowed() && (w.bits() == 4 || wgmma_q8_auto());
     let tile = match tile {
-        Tile::Auto if wg_ok && wgmma_allowed() && precision == Precision::Half => half_tile(dev, grouped, t, experts, wg_tiles),
-        Tile::Auto if wg_ok && wgmma_allowed() => {
+        Tile::Auto if wg_auto && precision == Precision::Half => half_tile(dev, grouped, t, experts, wg_tiles),
+        Tile::Auto if wg_auto => {
             // Measured (PERF.md, 2026-12-02 third session): the two X planes of Exact fit 128-token tiles
             // one block an SM, where 64-token tiles run two and win by 0-10%; Bf16x gains 128 tokens'
             // reuse when the grid still fills the GPU. Grouped tiles end at each expert's last slot, so at
@@ -568,6 +589,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
             rows,
             cols,
             matrix,
+            bits: w.bits(),
             grouped: if grouped { Some((offsets, gather, experts)) } else { None },
         };
         let (bt, wrows) = tile.wgmma_shape();

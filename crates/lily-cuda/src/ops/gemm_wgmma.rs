@@ -1,6 +1,7 @@
 //! The Hopper (wgmma) prefill GEMM (`kernels/gemm_wgmma.cu`) for 4-bit group-64 weights: the kernels
 //! behind [`super::gemm`]'s `Tile::Wg*` tiles (what `Tile::Auto` picks for that format: in `Exact` and
-//! `Bf16x` with the same numerics as gemm.cu's kernels, and in `Half`). This module launches them: one
+//! `Bf16x` with the same numerics as gemm.cu's kernels, and in `Half`); and for 8-bit group-64 weights
+//! (the MoE router) in `Half`, the plain form with 128 weight rows a block. This module launches them: one
 //! pass stages x (16-bit planes in the kernel's column order, and the f32 sums per group or the
 //! per-row scales) into a device buffer the [`Device`] keeps, then the GEMM runs on it. Shapes and
 //! pointers are checked by `gemm::run` before it comes here.
@@ -91,11 +92,25 @@ macro_rules! forms {
     };
 }
 const NAMES: [&str; 4 * VARIANTS] = forms!("plain", "swiglu", "grouped", "grouped_swiglu");
+/// Variant 5 (64 tokens, half, 128 rows) at two blocks an SM instead of three, one name a form: at
+/// three ptxas serialises the kernels' MMAs for registers (`LILY_WG64_BLOCKS=2`, read once: an A/B
+/// experiment at the dispatch boundary).
+const NAMES_B2: [&str; 4] =
+    ["gemm_wgmma_plain_n64_h128b2", "gemm_wgmma_swiglu_n64_h128b2", "gemm_wgmma_grouped_n64_h128b2", "gemm_wgmma_grouped_swiglu_n64_h128b2"];
+
+fn wg64_two_blocks() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_WG64_BLOCKS").is_ok_and(|v| v == "2"))
+}
+
+/// The 8-bit plain half kernels: 128 tokens, then 64 (variants 4 and 5 of the 4-bit forms, one ring
+/// stage shallower).
+const NAMES_Q8: [&str; 2] = ["gemm_wgmma_plain_n128_h128_q8", "gemm_wgmma_plain_n64_h128_q8"];
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 
-const fn all_kernels() -> [&'static str; 4 * VARIANTS + 2] {
-    let mut out = [""; 4 * VARIANTS + 2];
+const fn all_kernels() -> [&'static str; 4 * VARIANTS + 8] {
+    let mut out = [""; 4 * VARIANTS + 8];
     let mut i = 0;
     while i < 4 * VARIANTS {
         out[i] = NAMES[i];
@@ -103,18 +118,27 @@ const fn all_kernels() -> [&'static str; 4 * VARIANTS + 2] {
     }
     out[4 * VARIANTS] = STAGE_KERNEL;
     out[4 * VARIANTS + 1] = STAGE_HALF_KERNEL;
+    out[4 * VARIANTS + 2] = NAMES_Q8[0];
+    out[4 * VARIANTS + 3] = NAMES_Q8[1];
+    let mut j = 0;
+    while j < 4 {
+        out[4 * VARIANTS + 4 + j] = NAMES_B2[j];
+        j += 1;
+    }
     out
 }
-const ALL: [&str; 4 * VARIANTS + 2] = all_kernels();
+const ALL: [&str; 4 * VARIANTS + 8] = all_kernels();
 pub(crate) const KERNELS: &[&str] = &ALL;
 
-/// A kernel variant: tokens a block, numerics, ring stages, warpgroups (of 64 weight rows each).
+/// A kernel variant: tokens a block, numerics, ring stages, warpgroups (of 64 weight rows each), bits
+/// of a code.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Variant {
     bt: usize,
     num: Num,
     stages: usize,
     wgs: usize,
+    bits: usize,
 }
 
 impl Variant {
@@ -138,7 +162,12 @@ const fn variant(i: usize) -> Variant {
         6 => (128, Num::Half, 6, 4),
         _ => (64, Num::Half, 6, 4),
     };
-    Variant { bt, num, stages, wgs }
+    Variant { bt, num, stages, wgs, bits: 4 }
+}
+
+/// The 8-bit variant `i` (0: 128 tokens, 1: 64), named `NAMES_Q8[i]`.
+const fn variant_q8(i: usize) -> Variant {
+    Variant { bt: if i == 0 { 128 } else { 64 }, num: Num::Half, stages: 4, wgs: 2, bits: 8 }
 }
 
 /// The variant index for `bt` tokens and `rows` weight rows a block (128, or 256 in `Num::Half`).
@@ -156,11 +185,11 @@ fn variant_index(bt: usize, num: Num, rows: usize) -> usize {
 }
 
 /// Dynamic shared memory of a variant: its ring's stages, each rounded to 1024 bytes (planes × bt rows
-/// of 128 bytes, the codes of its weight rows × 32 bytes, and in the folded numerics bt X sums), plus
-/// 1024 for aligning the ring.
+/// of 128 bytes, the codes of its weight rows × 8·bits bytes, and in the folded numerics bt X sums),
+/// plus 1024 for aligning the ring.
 const fn smem_bytes(v: Variant) -> usize {
     let sums = if matches!(v.num, Num::Half) { 0 } else { v.bt * 4 };
-    let stage = (v.num.planes() * v.bt * 128 + v.rows() * 32 + sums).div_ceil(1024) * 1024;
+    let stage = (v.num.planes() * v.bt * 128 + v.rows() * 8 * v.bits + sums).div_ceil(1024) * 1024;
     v.stages * stage + 1024
 }
 
@@ -168,6 +197,14 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     for (i, name) in NAMES.iter().enumerate() {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(i)) as i32)?;
+    }
+    for name in NAMES_B2 {
+        dev.function(name)?
+            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(5)) as i32)?;
+    }
+    for (i, name) in NAMES_Q8.iter().enumerate() {
+        dev.function(name)?
+            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant_q8(i)) as i32)?;
     }
     Ok(())
 }
@@ -188,6 +225,8 @@ pub(crate) struct Call {
     pub cols: usize,
     /// Plain forms: the matrix of the stack.
     pub matrix: usize,
+    /// Bits of a code: 4, or 8 (the plain form in `Num::Half` with 128 weight rows only).
+    pub bits: u32,
     /// Grouped forms: (offsets address, gather address or 0, experts).
     pub grouped: Option<(u64, u64, usize)>,
 }
@@ -235,6 +274,13 @@ pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
 /// the buffer still holds that staging (same x, shape and numerics), it is not staged again.
 pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reuse_x: bool) -> Result<()> {
     debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
+    let q8 = c.bits == 8;
+    if q8 && (c.w2.0 != 0 || c.grouped.is_some() || num != Num::Half || wrows != 128) {
+        return Err(CudaError::Shape("wgmma gemm: 8-bit codes take the plain form in Half with 128 weight rows a block".into()));
+    }
+    if !matches!(c.bits, 4 | 8) {
+        return Err(CudaError::Shape(format!("wgmma gemm: no kernel for {}-bit codes", c.bits)));
+    }
     let groups = c.cols / GROUP;
     let planes = num.planes();
     let plane_bytes = (c.x_rows * c.cols * 2).next_multiple_of(256);
@@ -269,10 +315,15 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
     };
     let (offsets, gather, experts) = c.grouped.unwrap_or((0, 0, 0));
     let m_tiles = c.t.div_ceil(bt) + experts;
-    let vi = variant_index(bt, num, wrows);
-    let v = variant(vi);
+    let (name, v) = if q8 {
+        let i = if bt == 128 { 0 } else { 1 };
+        (NAMES_Q8[i], variant_q8(i))
+    } else {
+        let vi = variant_index(bt, num, wrows);
+        let name = if vi == 5 && wg64_two_blocks() { NAMES_B2[form] } else { NAMES[form * VARIANTS + vi] };
+        (name, variant(vi))
+    };
     debug_assert_eq!((v.bt, v.num, v.rows()), (bt, num, wrows));
-    let idx = form * VARIANTS + vi;
     let out_per_block = if swiglu { wrows / 2 } else { wrows };
     let p = WgParams {
         w: c.w.0,
@@ -299,7 +350,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
         block_dim: (128 * v.wgs as u32, 1, 1),
         shared_mem_bytes: smem_bytes(v) as u32,
     };
-    launch(dev, NAMES[idx], cfg, &p)
+    launch(dev, name, cfg, &p)
 }
 
 #[cfg(test)]
@@ -318,6 +369,13 @@ mod tests {
             assert_eq!(smem_bytes(v), want[i], "variant {i} ({})", NAMES[i]);
             assert!(blocks[i] * smem_bytes(v) <= 227 * 1024, "variant {i}: {} blocks do not fit", blocks[i]);
             assert_eq!(variant_index(v.bt, v.num, v.rows()), i, "variant {i} is not the one its shape selects");
+        }
+        // The 8-bit kernels: two blocks an SM each.
+        for (i, want) in [99_328, 66_560].into_iter().enumerate() {
+            let blocks = 2;
+            let v = variant_q8(i);
+            assert_eq!(smem_bytes(v), want, "{}", NAMES_Q8[i]);
+            assert!(blocks * smem_bytes(v) <= 227 * 1024, "{}: {blocks} blocks do not fit", NAMES_Q8[i]);
         }
     }
 }
