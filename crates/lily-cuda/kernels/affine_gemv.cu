@@ -50,6 +50,7 @@
 #include "pdl.cuh"
 #include "route.cuh"
 #include "gemv.cuh"
+#include "async_copy.cuh"
 
 // The router entries select among up to 32 * ROUTE_NPER experts.
 constexpr int ROUTE_NPER = 16;
@@ -386,17 +387,6 @@ __device__ __forceinline__ void gemv(const GemvParams& p) {
 // Scales/biases: the 4-byte word holding the wanted bf16 is copied (its index rounded down to even);
 // weights::Uploader pads those arrays so the word never passes the allocation's end.
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool pred) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(pred ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool pred) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(pred ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
 
 // Bytes of one lane-stage entry in the ring: a 16-byte weight chunk plus two 4-byte scale/bias words,
 // stored as [entry][lane] planes so a warp's 32 lanes touch consecutive words (no bank conflicts).
@@ -475,7 +465,7 @@ __device__ __forceinline__ void gemv_async(const GemvParams& p) {
 #pragma unroll
     for (int j = 0; j < S - 1; ++j) {
         if (j < nsteps) issue(j);
-        cp_async_commit();
+        cp_async_commit_group();
     }
     pdl_enter();
 
@@ -483,9 +473,9 @@ __device__ __forceinline__ void gemv_async(const GemvParams& p) {
 
     float acc[NW][NR];
     for (int j = 0; j < nsteps; ++j) {
-        cp_async_wait<S - 2>();  // this thread's copies of step j have landed
+        cp_async_wait_group<S - 2>();  // this thread's copies of step j have landed
         if (j + S - 1 < nsteps) issue(j + S - 1);  // refills the slot consumed in step j-1
-        cp_async_commit();
+        cp_async_commit_group();
 
         const int k = j / nb, b = j - k * nb;
         const int rb = blockIdx.x * rows_per_block + k * stride + my_rows;
@@ -546,7 +536,7 @@ __device__ __forceinline__ void gemv_async(const GemvParams& p) {
             }
         }
     }
-    cp_async_wait<0>();
+    cp_async_wait_group<0>();
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
-// 16-byte copies from global into shared memory that run while the issuing thread goes on
-// (cp.async through L2), grouped and waited for per thread; a barrier must follow before other
-// threads read what they wrote. Shared by mma.cuh's users and moe_decode.cu (which cannot include
-// mma.cuh beside gemv_tc.cuh).
+// Shared memory: its 32-bit addresses, copies from global into it that run while the issuing thread
+// goes on (cp.async), grouped and waited for per thread (a barrier must follow before other threads
+// read what they wrote), and vector loads from it. The one definition for every kernel file
+// (mma.cuh includes it; moe_decode.cu, affine_gemv.cu, gemm.cu and gemm_wgmma.cu directly).
 #pragma once
 #include <stdint.h>
 
@@ -13,8 +13,27 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)
 __device__ __forceinline__ void cp_async16z(uint32_t dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// 16 bytes global -> shared through L2, or 16 zeros (nothing read) when !ok.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) { cp_async16z(dst, src, ok ? 16 : 0); }
+// 4 bytes global -> shared (through L1), or 4 zeros (nothing read) when !ok.
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait_group() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// Vector loads from shared memory (a shared-window address).
+__device__ __forceinline__ uint2 lds64(uint32_t a) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+    return v;
 }

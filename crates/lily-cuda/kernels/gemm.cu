@@ -62,6 +62,7 @@
 #include <cuda_bf16.h>
 #include "pdl.cuh"
 #include "grouped.cuh"
+#include "async_copy.cuh"
 
 struct GemmParams {
     const uint4* w;            // gate (or only) matrix: packed words or bf16
@@ -131,16 +132,6 @@ __device__ __forceinline__ void split_pair(float a, float b, uint32_t& hi, uint3
     lo = pack_bf16(a - __uint_as_float(hi << 16), b - __uint_as_float(hi & 0xFFFF0000u));
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-// 16-byte asynchronous copy global -> shared (L2 only; zeros without reading when !ok), and waiting for
-// all of this thread's copies.
-__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(ok ? 16 : 0)
-                 : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -277,7 +268,7 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
             if constexpr (EXACT) {
                 void* dst = MODE == MODE_BF16 ? static_cast<void*>(ws + (buf * BN + w_row(i)) * LDS + w_part(i) * E)
                                               : static_cast<void*>(wraw + tid + i * THREADS);
-                cp_async16_zfill(dst, src, ok);
+                cp_async16(smem_addr(dst), src, ok);
             } else {
                 wreg[i] = ok ? __ldg(src) : make_uint4(0, 0, 0, 0);
             }
@@ -301,8 +292,8 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
             // store() fills the zero and NaN chunks itself.
 #pragma unroll
             for (int i = 0; i < XCH; ++i)
-                if (xoff[i] < X_NAN && kin) cp_async16_zfill(xraw + tid + i * THREADS, p.x + (xoff[i] + (uint32_t)k0), true);
-            cp_async_commit();
+                if (xoff[i] < X_NAN && kin) cp_async16(smem_addr(xraw + tid + i * THREADS), p.x + (xoff[i] + (uint32_t)k0), true);
+            cp_async_commit_group();
         } else {
 #pragma unroll
             for (int i = 0; i < XCH; ++i) {
@@ -321,7 +312,7 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
     auto store = [&](int buf, int k0) {
         __nv_bfloat16* wsb = ws + buf * BN * LDS;
         __nv_bfloat16* xsb = xs + buf * PLANES * BM * LDS;
-        if constexpr (EXACT) cp_async_wait_all();
+        if constexpr (EXACT) cp_async_wait_group<0>();
 #pragma unroll
         for (int i = 0; i < WCH; ++i) {
             uint4* dst = reinterpret_cast<uint4*>(wsb + w_row(i) * LDS + w_part(i) * E);
@@ -471,8 +462,8 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
 
     // ldmatrix row addresses (bytes, within one buffer): A rows lane&15, k + (lane>>4)*8; B rows
     // (lane&7) + (lane>>4)*8, k + ((lane>>3)&1)*8.
-    const uint32_t xs_base = smem_u32(xs);
-    const uint32_t ws_base = smem_u32(ws);
+    const uint32_t xs_base = smem_addr(xs);
+    const uint32_t ws_base = smem_addr(ws);
     const uint32_t a_off = (uint32_t)(((wm * WTM + (lane & 15)) * LDS + (lane >> 4) * 8) * 2);
     const uint32_t b_off = (uint32_t)(((wn * WTN + (lane & 7) + (lane >> 4) * 8) * LDS + ((lane >> 3) & 1) * 8) * 2);
 

@@ -55,6 +55,7 @@
 #include "pdl.cuh"
 #include "grouped.cuh"
 #include "wgmma.cuh"
+#include "async_copy.cuh"
 
 struct WgStageParams {
     const float* x;      // [rows, cols]
@@ -90,30 +91,8 @@ constexpr int GROUP = 64;    // K a step
 constexpr int STAGES = 4;    // the folded numerics' ring (the half numerics' depth is a variant's NS)
 enum : int { NUM_BF16X = 1, NUM_EXACT = 2, NUM_HALF = 3 };
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
 
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool ok) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-__device__ __forceinline__ uint2 lds64(uint32_t a) {
-    uint2 v;
-    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(a));
-    return v;
-}
-__device__ __forceinline__ uint4 lds128_u(uint32_t a) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-    return v;
-}
 
 // Nibbles s and s + 4 of w minus 8, as an exact bf16 pair (nibble s in the low half): under the bits of
 // 128.0 (ulp 1) a nibble makes 128 + code; 136 is subtracted.
@@ -248,7 +227,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned char bad[BT];           // gathered slot past x: a NaN output row
     __shared__ float tscale[HALF ? BT : 1];     // half: the slot's 2^e (the stager's per-row scale)
-    const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+    const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
 
     const int tid = threadIdx.x, lane = tid & 31;
     const int wg = tid >> 7, warp = (tid >> 5) & 3;
@@ -378,7 +357,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
 #pragma unroll
         for (int s = 0; s < D; ++s) {
             if (s < nk) load(s);
-            cp_async_commit();
+            cp_async_commit_group();
         }
         // This group's scales and biases as bf16 bits, fetched a group ahead (zero past the rows).
         uint16_t nxt[MT][4];
@@ -395,11 +374,11 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
         // One group: refill, dequantise into `a` (whose last MMAs, two groups back, have completed),
         // issue its 4·MT MMAs, and leave them in flight.
         auto step = [&](int kt, uint32_t (&a)[MT][4][4]) {
-            cp_async_wait<D - 1>();
+            cp_async_wait_group<D - 1>();
             fence_proxy_async();
             __syncthreads();
             if (kt + D < nk) load(kt + D);
-            cp_async_commit();
+            cp_async_commit_group();
             const uint32_t so = (kt % NSTAGE) * STAGE;
             __half2 hs0[MT], hb0[MT], hs1[MT], hb1[MT];
 #pragma unroll
@@ -415,8 +394,8 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
                 if constexpr (BITS == 8) {
                     // Codes 16q .. 16q + 15 of the group: bytes of words x, y (k 2q, 2q+1 at step s: codes
                     // 16q + s, 16q + s + 4) and z, w (k 2q+8, 2q+9: codes 16q + 8 + s, 16q + 12 + s).
-                    const uint4 wa = lds128_u(base + so + XB + r0[m] * WROW + q * 16);
-                    const uint4 wb = lds128_u(base + so + XB + (r0[m] + 8) * WROW + q * 16);
+                    const uint4 wa = lds128(base + so + XB + r0[m] * WROW + q * 16);
+                    const uint4 wb = lds128(base + so + XB + (r0[m] + 8) * WROW + q * 16);
 #pragma unroll
                     for (int s = 0; s < 4; ++s) {
                         a[m][s][0] = half_weight_pair8(wa.x, wa.y, s, hs0[m], hb0[m]);
@@ -467,14 +446,14 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
 #pragma unroll
         for (int s = 0; s < STAGES - 1; ++s) {
             if (s < nk) load(s);
-            cp_async_commit();
+            cp_async_commit_group();
         }
         for (int kt = 0; kt < nk; ++kt) {
-            cp_async_wait<STAGES - 2>();
+            cp_async_wait_group<STAGES - 2>();
             fence_proxy_async();
             __syncthreads();
             if (kt + STAGES - 1 < nk) load(kt + STAGES - 1);
-            cp_async_commit();
+            cp_async_commit_group();
 
             const uint32_t st = base + (kt % STAGES) * STAGE;
             // This group's scales and biases (f32; zero past the matrix's rows), the centred codes' bias.
@@ -519,7 +498,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             }
         }
     }
-    cp_async_wait<0>();
+    cp_async_wait_group<0>();
 
     // ---- Epilogue: rows o0[m] (and o1[m]), tokens 8j + 2q + e.
 #pragma unroll
