@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <cuda_bf16.h>
 #include "pdl.cuh"
+#include "bf16.cuh"
 
 struct AttnPrepParams {
     const float* qg;      // [T, nh, hd·(1+gated)]
@@ -55,7 +56,6 @@ struct KvCopyParams {
     long long len;
 };
 
-__device__ __forceinline__ uint16_t to_bf16(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
 
 #define PREP_MAX_HD 1024
 
@@ -116,7 +116,7 @@ extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPr
         src = p.k + in_off;
         w = p.k_norm;
         kdst = p.k_cache + cache_off;
-        if (live) p.v_cache[((long long)kv * hd + d) * p.capacity + pos0 + t] = to_bf16(p.v[in_off + d]);
+        if (live) p.v_cache[((long long)kv * hd + d) * p.capacity + pos0 + t] = (uint16_t)bf16_bits(p.v[in_off + d]);
     }
 
     // RMSNorm: y = x · (1 / sqrt(mean(x²) + eps)) · w, rounded as (x · inv) · w like the CPU.
@@ -139,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPr
     if (is_q) {
         dst[d] = out;
     } else {
-        kdst[d] = to_bf16(out);
+        kdst[d] = (uint16_t)bf16_bits(out);
     }
 }
 
@@ -177,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(PREP_WARPS * 32) attn_prep_chunk(co
             const long long in_off = ((long long)t * p.kvh + kv) * hd;
             src = p.k + in_off;
             w = p.k_norm;
-            for (int d = lane; d < hd; d += 32) p.v_cache[((long long)kv * hd + d) * p.capacity + pos] = to_bf16(p.v[in_off + d]);
+            for (int d = lane; d < hd; d += 32) p.v_cache[((long long)kv * hd + d) * p.capacity + pos] = (uint16_t)bf16_bits(p.v[in_off + d]);
         }
         // RMSNorm: y = x · (1 / sqrt(mean(x²) + eps)) · w, rounded as (x · inv) · w like the CPU. The sum
         // of squares in attn_prep's order, bit for bit (a chunk's q and k equal its tokens' decode
@@ -215,7 +215,7 @@ extern "C" __global__ void __launch_bounds__(PREP_WARPS * 32) attn_prep_chunk(co
         if (is_q) {
             dst[d] = out;
         } else {
-            kdst[d] = to_bf16(out);
+            kdst[d] = (uint16_t)bf16_bits(out);
         }
     }
 }

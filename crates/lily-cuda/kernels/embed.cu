@@ -6,6 +6,7 @@
 
 #include <stdint.h>
 #include "pdl.cuh"
+#include "bf16.cuh"
 
 struct EmbedParams {
     const uint32_t* packed;   // affine: [rows, cols*bits/32]; bf16: the table as [rows, cols/2] words
@@ -20,8 +21,6 @@ struct EmbedParams {
     int group_shift;          // log2(group size) (affine)
     int vec;                  // 1: out is 16-byte aligned (then cols % 4 == 0 holds): float4 stores
 };
-
-__device__ __forceinline__ float bf16_bits(uint32_t h) { return __uint_as_float(h << 16); }
 
 extern "C" __global__ void __launch_bounds__(256) embed_affine(const EmbedParams p) { pdl_enter();
     const int t = blockIdx.x;
@@ -41,7 +40,7 @@ extern "C" __global__ void __launch_bounds__(256) embed_affine(const EmbedParams
         uint32_t v = w[k];
         const int j0 = k * per_word;
         const int g = j0 >> p.group_shift;
-        const float sc = bf16_bits(s[g]), bi = bf16_bits(b[g]);
+        const float sc = bf16_to_f32(s[g]), bi = bf16_to_f32(b[g]);
         if (p.vec) {  // 4 or 8 outputs per word: whole float4s
             for (int e = 0; e < per_word; e += 4) {
                 float4 q;
@@ -69,5 +68,5 @@ extern "C" __global__ void __launch_bounds__(256) embed_bf16(const EmbedParams p
         return;
     }
     const uint16_t* row = reinterpret_cast<const uint16_t*>(p.packed) + (long long)id * p.cols;
-    for (int j = threadIdx.x; j < p.cols; j += blockDim.x) o[j] = bf16_bits(row[j]);
+    for (int j = threadIdx.x; j < p.cols; j += blockDim.x) o[j] = bf16_to_f32(row[j]);
 }

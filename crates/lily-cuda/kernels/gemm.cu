@@ -63,6 +63,7 @@
 #include "pdl.cuh"
 #include "grouped.cuh"
 #include "async_copy.cuh"
+#include "bf16.cuh"
 
 struct GemmParams {
     const uint4* w;            // gate (or only) matrix: packed words or bf16
@@ -94,8 +95,6 @@ constexpr int THREADS = 256;
 constexpr int BN = 128;   // W tile rows per block
 constexpr int BK = 64;    // K per step
 constexpr int LDS = 72;   // smem row pitch in bf16 elements (144 bytes)
-
-__device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
 
 // Two floats -> bf16x2 (round to nearest even), a in the low half.
 __device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
@@ -274,8 +273,8 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
             }
             if constexpr (AFFINE && !EXACT) {
                 const uint32_t j = sidx[i] + (uint32_t)(k >> p.group_shift);
-                sreg[i] = ok ? bf16_bits_to_f32(__ldg((w_second(i) ? p.scales2 : p.scales) + j)) : 0.0f;
-                breg[i] = ok ? bf16_bits_to_f32(__ldg((w_second(i) ? p.biases2 : p.biases) + j)) : 0.0f;
+                sreg[i] = ok ? bf16_to_f32(__ldg((w_second(i) ? p.scales2 : p.scales) + j)) : 0.0f;
+                breg[i] = ok ? bf16_to_f32(__ldg((w_second(i) ? p.biases2 : p.biases) + j)) : 0.0f;
             }
         }
         if constexpr (FOLD) {
@@ -283,8 +282,8 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
             const int k = k0 + sb_half * 32;
             const bool ok = sb_ok && k < cols;
             const uint32_t j = sb_idx + (uint32_t)(k >> p.group_shift);
-            sb_s = ok ? bf16_bits_to_f32(__ldg((sb_second ? p.scales2 : p.scales) + j)) : 0.0f;
-            sb_b = ok ? bf16_bits_to_f32(__ldg((sb_second ? p.biases2 : p.biases) + j)) : 0.0f;
+            sb_s = ok ? bf16_to_f32(__ldg((sb_second ? p.scales2 : p.scales) + j)) : 0.0f;
+            sb_b = ok ? bf16_to_f32(__ldg((sb_second ? p.biases2 : p.biases) + j)) : 0.0f;
             sb_b = fmaf((float)(1 << (BITS - 1)), sb_s, sb_b);  // the bias of the centred codes
         }
         const bool kin = k0 + xc4 * 4 < cols;

@@ -56,6 +56,7 @@
 #include "grouped.cuh"
 #include "wgmma.cuh"
 #include "async_copy.cuh"
+#include "bf16.cuh"
 
 struct WgStageParams {
     const float* x;      // [rows, cols]
@@ -91,7 +92,6 @@ constexpr int GROUP = 64;    // K a step
 constexpr int STAGES = 4;    // the folded numerics' ring (the half numerics' depth is a variant's NS)
 enum : int { NUM_BF16X = 1, NUM_EXACT = 2, NUM_HALF = 3 };
 
-__device__ __forceinline__ float bf16_bits_to_f32(uint16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
 
 
 // Nibbles s and s + 4 of w minus 8, as an exact bf16 pair (nibble s in the low half): under the bits of
@@ -383,10 +383,10 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             __half2 hs0[MT], hb0[MT], hs1[MT], hb1[MT];
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                hs0[m] = __float2half2_rn(bf16_bits_to_f32(nxt[m][0]));
-                hb0[m] = __float2half2_rn(bf16_bits_to_f32(nxt[m][1]));
-                hs1[m] = __float2half2_rn(bf16_bits_to_f32(nxt[m][2]));
-                hb1[m] = __float2half2_rn(bf16_bits_to_f32(nxt[m][3]));
+                hs0[m] = __float2half2_rn(bf16_to_f32(nxt[m][0]));
+                hb0[m] = __float2half2_rn(bf16_to_f32(nxt[m][1]));
+                hs1[m] = __float2half2_rn(bf16_to_f32(nxt[m][2]));
+                hb1[m] = __float2half2_rn(bf16_to_f32(nxt[m][3]));
             }
             if (kt + 1 < nk) fetch(kt + 1);
 #pragma unroll
@@ -457,10 +457,10 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
 
             const uint32_t st = base + (kt % STAGES) * STAGE;
             // This group's scales and biases (f32; zero past the matrix's rows), the centred codes' bias.
-            const float s0 = ok0[0] ? bf16_bits_to_f32(__ldg(p.scales + gi0[0] + kt)) : 0.0f;
-            const float s1 = ok1[0] ? bf16_bits_to_f32(__ldg(sc1p + gi1[0] + kt)) : 0.0f;
-            const float b0 = ok0[0] ? fmaf(8.0f, s0, bf16_bits_to_f32(__ldg(p.biases + gi0[0] + kt))) : 0.0f;
-            const float b1 = ok1[0] ? fmaf(8.0f, s1, bf16_bits_to_f32(__ldg(bi1p + gi1[0] + kt))) : 0.0f;
+            const float s0 = ok0[0] ? bf16_to_f32(__ldg(p.scales + gi0[0] + kt)) : 0.0f;
+            const float s1 = ok1[0] ? bf16_to_f32(__ldg(sc1p + gi1[0] + kt)) : 0.0f;
+            const float b0 = ok0[0] ? fmaf(8.0f, s0, bf16_to_f32(__ldg(p.biases + gi0[0] + kt))) : 0.0f;
+            const float b1 = ok1[0] ? fmaf(8.0f, s1, bf16_to_f32(__ldg(bi1p + gi1[0] + kt))) : 0.0f;
             const uint2 wa = lds64(st + XB + r0[0] * 32 + q * 8);
             const uint2 wb = lds64(st + XB + (r0[0] + 8) * 32 + q * 8);
             uint32_t a[4][4];

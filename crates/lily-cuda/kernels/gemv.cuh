@@ -3,6 +3,7 @@
 // `GemvParams` in ops/affine_gemv.rs), weight and activation loads, and how an output row is written.
 #pragma once
 #include <stdint.h>
+#include "bf16.cuh"
 
 struct GemvParams {
     const uint4* w;           // [count, rows, chunks]
@@ -38,7 +39,6 @@ struct GemvParams {
     int mix_shared;
 };
 
-__device__ __forceinline__ float bf16_to_f32(uint16_t h) { return __uint_as_float(((uint32_t)h) << 16); }
 
 __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
     uint4 v;

@@ -57,8 +57,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ uint32_t bf16_bits(float v) { return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(v)); }
-
 // One round's loads of one matrix for one lane: chunk t of rows g and g+8, and the scale and bias of
 // group 2r + t/2 of both rows (bf16 bits).
 struct TcLoad {

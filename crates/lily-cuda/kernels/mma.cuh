@@ -13,10 +13,8 @@
 #include <stdint.h>
 #include <cuda_bf16.h>
 #include "async_copy.cuh"
+#include "bf16.cuh"
 
-__device__ __forceinline__ uint32_t bf16_bits(float x) {
-    return (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(x));
-}
 __device__ __forceinline__ float bf16_val(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
 // Two floats as one register of bf16 (a in the low half).
 __device__ __forceinline__ uint32_t pack_bf16(float a, float b) { return bf16_bits(a) | (bf16_bits(b) << 16); }
