@@ -187,9 +187,9 @@ extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_stage_half(const Wg
 }
 
 // The block's tile: which matrix and slots (tokens) it takes, or none.
-template <int BT, int NT, bool GROUPED, int SPLIT>
+template <int BT, int NT, bool GROUPED>
 __device__ __forceinline__ bool tile_slots(const WgParams& p, int& matrix, int& m_begin, int& m_end) {
-    if (GROUPED) return find_group_tile<NT, SPLIT>(p.offsets, p.t, p.count, BT, matrix, m_begin, m_end);
+    if (GROUPED) return find_group_tile<NT>(p.offsets, p.t, p.count, BT, matrix, m_begin, m_end);
     matrix = p.matrix;
     m_begin = blockIdx.x * BT;
     m_end = min(m_begin + BT, p.t);
@@ -199,7 +199,7 @@ __device__ __forceinline__ bool tile_slots(const WgParams& p, int& matrix, int& 
 // BT tokens × 64·WGS·MT weight rows (WGS warpgroups of 64·MT rows, MT m64 tiles each) in numerics NUM:
 // NUM_EXACT / NUM_BF16X fold each group (MT = 1, a ring of NS = STAGES); NUM_HALF accumulates across
 // groups in the MMA (a ring of NS stages, see the header).
-template <int BT, int MT, int NUM, int NS, int WGS, bool SWIGLU, bool GROUPED, int BITS = 4, int SPLIT = 0>
+template <int BT, int MT, int NUM, int NS, int WGS, bool SWIGLU, bool GROUPED, int BITS = 4>
 __device__ __forceinline__ void wg_tile(const WgParams& p) {
     constexpr int NT = 128 * WGS;               // threads
     constexpr bool HALF = NUM == NUM_HALF;
@@ -235,8 +235,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     const int rows = p.rows, cols = p.cols, groups = cols >> 6;
 
     int matrix, m_begin, m_end;
-    static_assert(SPLIT == 0 || (GROUPED && HALF && (SPLIT == 2 || BT == SPLIT_BIG)), "split tiles: grouped, half, the first part in tiles of SPLIT_BIG");
-    if (!tile_slots<BT, NT, GROUPED, SPLIT>(p, matrix, m_begin, m_end)) return;
+    if (!tile_slots<BT, NT, GROUPED>(p, matrix, m_begin, m_end)) return;
     const int n_tile = blockIdx.y;
 
     // Tile row r -> (from the up matrix, output row).
@@ -558,17 +557,3 @@ WG_FORM(gemm_wgmma_grouped_swiglu, true, true)
     }
 WG_ENTRY8(gemm_wgmma_plain_n128_h128_q8, 128, 4, false, 2)
 WG_ENTRY8(gemm_wgmma_plain_n64_h128_q8, 64, 4, false, 2)
-
-// Split tiles (grouped, half, 4-bit): s1 takes each expert's whole runs of 128 slots in 128-token tiles,
-// s2 the rest in 64-token tiles at two blocks an SM (one launch each, disjoint output rows, the same
-// staged x): an expert of c slots costs ceil(c / 128) 128-token tiles in one launch, but c / 128 of them
-// and ceil((c mod 128) / 64) 64-token ones here.
-#define WG_ENTRY_SPLIT(name, BT, NS, SWIGLU, SPLIT, MINB)                                            \
-    extern "C" __global__ void __launch_bounds__(256, MINB) name(const WgParams p) {                  \
-        pdl_enter();                                                                                   \
-        wg_tile<BT, 1, NUM_HALF, NS, 2, SWIGLU, true, 4, SPLIT>(p);                                    \
-    }
-WG_ENTRY_SPLIT(gemm_wgmma_grouped_n128_h128s1, 128, 5, false, 1, 2)
-WG_ENTRY_SPLIT(gemm_wgmma_grouped_n64_h128s2, 64, 4, false, 2, 2)
-WG_ENTRY_SPLIT(gemm_wgmma_grouped_swiglu_n128_h128s1, 128, 5, true, 1, 2)
-WG_ENTRY_SPLIT(gemm_wgmma_grouped_swiglu_n64_h128s2, 64, 4, true, 2, 2)

@@ -5,14 +5,9 @@
 #pragma once
 #include <stdint.h>
 
-// Split tiling (SPLIT = 1, 2; the wgmma GEMMs' Tile::WgSplit): two launches share an expert's slots:
-// SPLIT = 1 covers its whole runs of SPLIT_BIG slots (tiles of bm = SPLIT_BIG, all full), SPLIT = 2 the
-// rest after them (fewer than SPLIT_BIG slots, in tiles of a smaller bm). SPLIT = 0: every slot.
-constexpr int SPLIT_BIG = 128;
-
 // Which (expert, first slot, end slot) block blockIdx.x handles; false if none. THREADS threads (the
 // block), E <= 2 * THREADS. All threads must call it (it synchronises).
-template <int THREADS, int SPLIT = 0>
+template <int THREADS>
 __device__ __forceinline__ bool find_group_tile(const uint32_t* offsets, int n_slots, int E, int bm, int& expert, int& m_begin, int& m_end) {
     __shared__ int warp_tot[THREADS / 32];
     __shared__ int found[3];
@@ -30,12 +25,6 @@ __device__ __forceinline__ bool find_group_tile(const uint32_t* offsets, int n_s
             const unsigned b = min(offsets[e + 1], n);
             first[k] = (int)a;
             cnt[k] = b > a ? (int)(b - a) : 0;
-        }
-        if constexpr (SPLIT == 1) cnt[k] = cnt[k] / SPLIT_BIG * SPLIT_BIG;
-        if constexpr (SPLIT == 2) {
-            const int full = cnt[k] / SPLIT_BIG * SPLIT_BIG;
-            first[k] += full;
-            cnt[k] -= full;
         }
         tiles[k] = (cnt[k] + bm - 1) / bm;
     }

@@ -70,15 +70,7 @@ const CPU_TOL_HALF: f64 = 1e-3;
 const SPARE: usize = 37;
 
 const PRECISIONS: [Precision; 4] = [Precision::Exact, Precision::Bf16x, Precision::Fast, Precision::Half];
-const TILES: [Tile; 8] = [Tile::Auto, Tile::M64, Tile::M32, Tile::Wg64, Tile::Wg128, Tile::Wg64x256, Tile::Wg128x256, Tile::WgSplit];
-
-/// The form of a call: plain, SwiGLU, or grouped (with or without SwiGLU).
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Form {
-    Plain,
-    Swiglu,
-    Grouped,
-}
+const TILES: [Tile; 7] = [Tile::Auto, Tile::M64, Tile::M32, Tile::Wg64, Tile::Wg128, Tile::Wg64x256, Tile::Wg128x256];
 
 fn is_q4g64(w: &Matrix) -> bool {
     matches!(&w.storage, Storage::Affine { params, .. } if params.bits == 4 && params.group_size == 64)
@@ -88,23 +80,22 @@ fn is_q8g64(w: &Matrix) -> bool {
     matches!(&w.storage, Storage::Affine { params, .. } if params.bits == 8 && params.group_size == 64)
 }
 
-/// Whether `tile` takes weights `w` in precision `p` in a call of form `form` (the wgmma tiles: 4-bit
-/// group 64, not Fast, and 8-bit group 64 in the plain form in Half; the 256-row ones 4-bit in Half
-/// only; the split ones 4-bit grouped in Half only). The others must be refused.
-fn tile_takes(tile: Tile, w: &Matrix, p: Precision, form: Form) -> bool {
+/// Whether `tile` takes weights `w` in precision `p` in a call of the plain form (`plain`) or another
+/// (the wgmma tiles: 4-bit group 64, not Fast, and 8-bit group 64 in the plain form in Half; the
+/// 256-row ones 4-bit in Half only). The others must be refused.
+fn tile_takes(tile: Tile, w: &Matrix, p: Precision, plain: bool) -> bool {
     match tile {
-        Tile::Wg64 | Tile::Wg128 => (is_q4g64(w) && p != Precision::Fast) || (is_q8g64(w) && form == Form::Plain && p == Precision::Half),
+        Tile::Wg64 | Tile::Wg128 => (is_q4g64(w) && p != Precision::Fast) || (is_q8g64(w) && plain && p == Precision::Half),
         Tile::Wg64x256 | Tile::Wg128x256 => is_q4g64(w) && p == Precision::Half,
-        Tile::WgSplit => is_q4g64(w) && p == Precision::Half && form == Form::Grouped,
         _ => true,
     }
 }
 
 /// The numerics a call runs: Half only on the wgmma tiles (Auto takes them for 4-bit group 64, and
 /// with `LILY_ROUTER_WGMMA=1` for 8-bit group 64 in the plain form), else Exact.
-fn effective(tile: Tile, w: &Matrix, p: Precision, form: Form) -> Precision {
+fn effective(tile: Tile, w: &Matrix, p: Precision, plain: bool) -> Precision {
     let q8_auto = std::env::var("LILY_ROUTER_WGMMA").is_ok_and(|v| v == "1");
-    let half_fmt = is_q4g64(w) || (is_q8g64(w) && form == Form::Plain && (tile != Tile::Auto || q8_auto));
+    let half_fmt = is_q4g64(w) || (is_q8g64(w) && plain && (tile != Tile::Auto || q8_auto));
     if p == Precision::Half && (!half_fmt || matches!(tile, Tile::M64 | Tile::M32)) {
         Precision::Exact
     } else {
@@ -408,14 +399,14 @@ fn plain_case(dev: &Device, w: &Matrix, m: usize, xd: &CudaSlice<f32>, refs: &Re
         for tile in TILES {
             let mut y = poisoned(dev, t * w.rows + SPARE);
             let r = gemm::gemm_with(dev, &dw, m, xd, t, &mut y, Opts { tile, precision: p, ..Default::default() });
-            if !tile_takes(tile, w, p, Form::Plain) {
+            if !tile_takes(tile, w, p, true) {
                 assert!(r.is_err(), "{what}: {tile:?} took {p:?}");
                 continue;
             }
             r.unwrap();
             let what = format!("{what} {p:?} {tile:?}");
             let got = download_checked(dev, &y, t * w.rows, &what);
-            compare(&got, refs, effective(tile, w, p, Form::Plain), worst, &what);
+            compare(&got, refs, effective(tile, w, p, true), worst, &what);
         }
     }
 }
@@ -579,13 +570,13 @@ fn swiglu_gemm_matches_reference() {
                     let mut y = poisoned(&dev, t * rows + SPARE);
                     let what = format!("swiglu_gemm {f} [{count}x{rows}x{cols}] m={m} t={t} {p:?} {tile:?}");
                     let r = gemm::swiglu_gemm_with(&dev, &dg, &du, m, &xd, t, &mut y, Opts { tile, precision: p, ..Default::default() });
-                    if !tile_takes(tile, &g, p, Form::Swiglu) {
+                    if !tile_takes(tile, &g, p, false) {
                         assert!(r.is_err(), "{what}: refused tile taken");
                         continue;
                     }
                     r.unwrap();
                     let got = download_checked(&dev, &y, t * rows, &what);
-                    compare(&got, &refs, effective(tile, &g, p, Form::Swiglu), &mut worst, &what);
+                    compare(&got, &refs, effective(tile, &g, p, false), &mut worst, &what);
                 }
             }
         }
@@ -692,7 +683,7 @@ fn grouped_case(
                 Some(du) => gemm::grouped_swiglu_gemm_with(dev, &dg, du, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }),
                 None => gemm::grouped_gemm_with(dev, &dg, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }),
             };
-            if !tile_takes(tile, &g, p, Form::Grouped) {
+            if !tile_takes(tile, &g, p, false) {
                 assert!(r.is_err(), "grouped {f}: {tile:?} took {p:?}");
                 continue;
             }
@@ -703,15 +694,14 @@ fn grouped_case(
                 gather_rows
             );
             let got = download_checked(dev, &y, n * rows, &what);
-            compare(&got, &refs, effective(tile, &g, p, Form::Grouped), &mut worst, &what);
+            compare(&got, &refs, effective(tile, &g, p, false), &mut worst, &what);
         }
     }
     worst
 }
 
-/// Expert sizes: empty experts, single slots, experts of more than two tiles (> 128 slots), and for the
-/// split tiles whole runs of 128 with nothing, up to 64 and more than 64 slots after them.
-const COUNTS: &[usize] = &[0, 1, 150, 0, 37, 64, 1, 0, 200, 5, 0, 0, 33, 128, 256, 300, 127];
+/// Expert sizes: empty experts, single slots, and experts of more than two tiles (> 128 slots).
+const COUNTS: &[usize] = &[0, 1, 150, 0, 37, 64, 1, 0, 200, 5, 0, 0, 33];
 
 /// Random routing of `n` slots over `e` experts (many empty when n is small).
 fn random_counts(rng: &mut Rng, e: usize, n: usize) -> Vec<usize> {

@@ -97,18 +97,13 @@ pub enum Tile {
     Wg128,
     /// Hopper wgmma, 4-bit in `Half` only: 64 tokens × 256 weight rows per block (four warpgroups).
     Wg64x256,
-    /// Hopper wgmma, 4-bit in `Half`, grouped forms only: each expert's whole runs of 128 slots in
-    /// 128-token tiles and the rest in 64-token tiles (two launches), so an expert of c slots costs
-    /// c / 128 + ceil((c mod 128) / 64) tiles instead of ceil(c / 128) of 128 tokens. Opt-in for
-    /// `Tile::Auto` (`LILY_GROUPED_SPLIT=1`) until measured on the GPU.
-    WgSplit,
     /// Hopper wgmma, 4-bit in `Half` only: 128 tokens × 256 weight rows per block (four warpgroups).
     Wg128x256,
 }
 
 impl Tile {
     fn is_wgmma(self) -> bool {
-        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::WgSplit)
+        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256)
     }
 
     /// (tokens, weight rows) a block of a wgmma tile.
@@ -126,13 +121,6 @@ impl Tile {
 fn wgmma_allowed() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("LILY_GEMM").map(|v| v != "mma").unwrap_or(true))
-}
-
-/// Whether `Tile::Auto` takes `Tile::WgSplit` for the grouped Half GEMMs (`LILY_GROUPED_SPLIT=1`):
-/// opt-in until measured on the GPU (written 2026-12-04 when no GPU was lent; docs/PERF.md).
-fn grouped_split_auto() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_GROUPED_SPLIT").is_ok_and(|v| v == "1"))
 }
 
 /// Whether `Tile::Auto` takes the 8-bit wgmma kernels (`LILY_ROUTER_WGMMA=1`): opt-in until they have
@@ -439,9 +427,6 @@ fn describe(w: &DeviceMatrix) -> String {
 /// with each expert's tail in 64-token ones, measured no faster: a tile costs its expert's weight
 /// reads whatever it holds).
 fn half_tile(dev: &Device, grouped: bool, t: usize, experts: usize, wg_tiles: usize) -> Tile {
-    if grouped && grouped_split_auto() {
-        return Tile::WgSplit;
-    }
     if grouped {
         return if t / experts >= 96 { Tile::Wg128 } else { Tile::Wg64 };
     }
@@ -546,9 +531,6 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
             describe(w)
         )));
     }
-    if tile == Tile::WgSplit && (precision != Precision::Half || w.bits() != 4 || !grouped) {
-        return Err(CudaError::Shape(format!("{what}: the split wgmma tiles take a grouped gemm of 4-bit weights in Half, not {} in {precision:?}", describe(w))));
-    }
     if matches!(tile, Tile::Wg64x256 | Tile::Wg128x256) && (precision != Precision::Half || w.bits() != 4) {
         return Err(CudaError::Shape(format!("{what}: the 256-row wgmma tiles take 4-bit weights in Half, not {} in {precision:?}", describe(w))));
     }
@@ -608,7 +590,6 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
             cols,
             matrix,
             bits: w.bits(),
-            split: tile == Tile::WgSplit,
             grouped: if grouped { Some((offsets, gather, experts)) } else { None },
         };
         let (bt, wrows) = tile.wgmma_shape();

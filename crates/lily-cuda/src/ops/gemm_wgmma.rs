@@ -103,22 +103,14 @@ fn wg64_two_blocks() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_WG64_BLOCKS").is_ok_and(|v| v == "2"))
 }
 
-/// The split tiles of the grouped half forms (`Tile::WgSplit`): [grouped, grouped SwiGLU] × [the whole
-/// runs of 128 slots of each expert in 128-token tiles (variant 4's ring), the rest in 64-token tiles
-/// at two blocks an SM (variant 5's)].
-const NAMES_SPLIT: [[&str; 2]; 2] = [
-    ["gemm_wgmma_grouped_n128_h128s1", "gemm_wgmma_grouped_n64_h128s2"],
-    ["gemm_wgmma_grouped_swiglu_n128_h128s1", "gemm_wgmma_grouped_swiglu_n64_h128s2"],
-];
-
 /// The 8-bit plain half kernels: 128 tokens, then 64 (variants 4 and 5 of the 4-bit forms, one ring
 /// stage shallower).
 const NAMES_Q8: [&str; 2] = ["gemm_wgmma_plain_n128_h128_q8", "gemm_wgmma_plain_n64_h128_q8"];
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 
-const fn all_kernels() -> [&'static str; 4 * VARIANTS + 12] {
-    let mut out = [""; 4 * VARIANTS + 12];
+const fn all_kernels() -> [&'static str; 4 * VARIANTS + 8] {
+    let mut out = [""; 4 * VARIANTS + 8];
     let mut i = 0;
     while i < 4 * VARIANTS {
         out[i] = NAMES[i];
@@ -131,12 +123,11 @@ const fn all_kernels() -> [&'static str; 4 * VARIANTS + 12] {
     let mut j = 0;
     while j < 4 {
         out[4 * VARIANTS + 4 + j] = NAMES_B2[j];
-        out[4 * VARIANTS + 8 + j] = NAMES_SPLIT[j / 2][j % 2];
         j += 1;
     }
     out
 }
-const ALL: [&str; 4 * VARIANTS + 12] = all_kernels();
+const ALL: [&str; 4 * VARIANTS + 8] = all_kernels();
 pub(crate) const KERNELS: &[&str] = &ALL;
 
 /// A kernel variant: tokens a block, numerics, ring stages, warpgroups (of 64 weight rows each), bits
@@ -207,12 +198,6 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(i)) as i32)?;
     }
-    for names in NAMES_SPLIT {
-        for (name, v) in names.into_iter().zip([4, 5]) {
-            dev.function(name)?
-                .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(v)) as i32)?;
-        }
-    }
     for name in NAMES_B2 {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(5)) as i32)?;
@@ -242,9 +227,6 @@ pub(crate) struct Call {
     pub matrix: usize,
     /// Bits of a code: 4, or 8 (the plain form in `Num::Half` with 128 weight rows only).
     pub bits: u32,
-    /// Grouped forms in `Num::Half`, 4-bit: the split tiles (`NAMES_SPLIT`, two launches) instead of
-    /// one launch of `bt`-token tiles.
-    pub split: bool,
     /// Grouped forms: (offsets address, gather address or 0, experts).
     pub grouped: Option<(u64, u64, usize)>,
 }
@@ -295,9 +277,6 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
     let q8 = c.bits == 8;
     if q8 && (c.w2.0 != 0 || c.grouped.is_some() || num != Num::Half || wrows != 128) {
         return Err(CudaError::Shape("wgmma gemm: 8-bit codes take the plain form in Half with 128 weight rows a block".into()));
-    }
-    if c.split && (c.grouped.is_none() || num != Num::Half || c.bits != 4 || wrows != 128) {
-        return Err(CudaError::Shape("wgmma gemm: split tiles take a grouped gemm of 4-bit weights in Half".into()));
     }
     if !matches!(c.bits, 4 | 8) {
         return Err(CudaError::Shape(format!("wgmma gemm: no kernel for {}-bit codes", c.bits)));
@@ -366,19 +345,11 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
         count: experts as i32,
         matrix: c.matrix as i32,
     };
-    let n_tiles = c.rows.div_ceil(out_per_block) as u32;
-    if c.split {
-        // Phase 1: at most Σ floor(count / 128) <= t / 128 full tiles; phase 2: at most two 64-token
-        // tiles an expert (fewer than 128 slots left). Disjoint output rows: no order between them.
-        let names = NAMES_SPLIT[form - 2];
-        for (name, vi, tiles) in [(names[0], 4, c.t.div_ceil(128)), (names[1], 5, 2 * experts)] {
-            let v = variant(vi);
-            let cfg = LaunchConfig { grid_dim: (tiles as u32, n_tiles, 1), block_dim: (128 * v.wgs as u32, 1, 1), shared_mem_bytes: smem_bytes(v) as u32 };
-            launch(dev, name, cfg, &p)?;
-        }
-        return Ok(());
-    }
-    let cfg = LaunchConfig { grid_dim: (m_tiles as u32, n_tiles, 1), block_dim: (128 * v.wgs as u32, 1, 1), shared_mem_bytes: smem_bytes(v) as u32 };
+    let cfg = LaunchConfig {
+        grid_dim: (m_tiles as u32, c.rows.div_ceil(out_per_block) as u32, 1),
+        block_dim: (128 * v.wgs as u32, 1, 1),
+        shared_mem_bytes: smem_bytes(v) as u32,
+    };
     launch(dev, name, cfg, &p)
 }
 
