@@ -55,7 +55,6 @@
 // The router entries select among up to 32 * ROUTE_NPER experts.
 constexpr int ROUTE_NPER = 16;
 
-
 // 0.5 + q/32 from byte j of a word whose bytes are q << 3: the float 0x3F(q<<3)0000 has exponent 126
 // and mantissa q/16.
 __device__ __forceinline__ float q4f(uint32_t v, int j) {
@@ -140,7 +139,6 @@ __device__ __forceinline__ float chunk_dot(uint4 w, float s, float b, const floa
         return a[0] + a[1];
     }
 }
-
 
 constexpr int STAGE_V4 = 4;  // x float4s each thread loads at once in stage_x
 
@@ -235,7 +233,6 @@ __device__ __forceinline__ float stage_x(const GemvParams& p, const float* x, fl
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) t += ss_part[w];
     return 1.0f / sqrtf(t / (float)cols + p.norm_eps);
 }
-
 
 // One batch of loads: U chunks (c0, c0+TPR, ...) of NR consecutive rows, of NW matrices (2 for SwiGLU).
 template <int MODE, int TPR, int U, int NR, int NW>
@@ -386,7 +383,6 @@ __device__ __forceinline__ void gemv(const GemvParams& p) {
 // cp.async.wait_group. Out-of-range rows/chunks are zero-filled (src-size 0), contributing nothing.
 // Scales/biases: the 4-byte word holding the wanted bf16 is copied (its index rounded down to even);
 // weights::Uploader pads those arrays so the word never passes the allocation's end.
-
 
 // Bytes of one lane-stage entry in the ring: a 16-byte weight chunk plus two 4-byte scale/bias words,
 // stored as [entry][lane] planes so a warp's 32 lanes touch consecutive words (no bank conflicts).

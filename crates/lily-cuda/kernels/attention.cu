@@ -26,6 +26,7 @@
 
 #include "mma.cuh"
 #include "pdl.cuh"
+#include "reduce.cuh"
 
 struct AttnDecodeParams {
     const float* q;        // [nh, hd]
@@ -249,14 +250,7 @@ extern "C" __global__ void __launch_bounds__(256) attn_decode_combine(const Attn
     const float* ml = p.part_ml + (long long)h * p.max_splits * 2;
     const float* acc = p.part_acc + (long long)h * p.max_splits * hd;
     const float ms = tid < splits ? ml[2 * tid] : -INFINITY;
-    float M = ms;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    if (lane == 0) wred[warp] = M;
-    __syncthreads();
-    M = wred[0];
-#pragma unroll
-    for (int w = 1; w < 8; ++w) M = fmaxf(M, wred[w]);
+    float M = block_max<8>(ms, wred);
     const float f = tid < splits ? expf(ms - M) : 0.0f;
     wsh[tid] = f;
     float L = tid < splits ? f * ml[2 * tid + 1] : 0.0f;

@@ -22,6 +22,7 @@
 #include <cuda_bf16.h>
 #include "pdl.cuh"
 #include "bf16.cuh"
+#include "reduce.cuh"
 
 struct AttnPrepParams {
     const float* qg;      // [T, nh, hd·(1+gated)]
@@ -58,19 +59,6 @@ struct KvCopyParams {
 
 
 #define PREP_MAX_HD 1024
-
-__device__ __forceinline__ float prep_block_sum(float v) {
-    __shared__ float part[32];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    v = lane < nw ? part[lane] : 0.0f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;  // every thread holds the total
-}
 
 // RoPE pair i's (cos, sin) at position `pos`: the angle pos·theta^(-2i/rot), its cos and sin in f64,
 // cast to f32, as lily_cpu::attention::rope computes them.
@@ -121,7 +109,7 @@ extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPr
 
     // RMSNorm: y = x · (1 / sqrt(mean(x²) + eps)) · w, rounded as (x · inv) · w like the CPU.
     const float x = live ? src[d] : 0.0f;
-    const float ss = prep_block_sum(x * x);
+    const float ss = block_sum(x * x);
     const float inv = 1.0f / sqrtf(ss / (float)hd + p.eps);
     const float y = live ? __fmul_rn(__fmul_rn(x, inv), w[d]) : 0.0f;
     if (live) row[d] = y;

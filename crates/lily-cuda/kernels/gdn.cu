@@ -37,6 +37,7 @@
 
 #include <stdint.h>
 #include "pdl.cuh"
+#include "reduce.cuh"
 
 struct GdnConvQkParams {
     const float* x;        // [T, C] pre-conv projections, rows x_stride apart
@@ -109,21 +110,6 @@ struct GdnGatedNormParams {
 
 __device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 
-// Block-wide sum; every thread gets the total. Safe to call repeatedly (ends with a barrier).
-__device__ __forceinline__ float gdn_block_sum(float v) {
-    __shared__ float part[32];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    v = lane < nw ? part[lane] : 0.0f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    __syncthreads();
-    return v;
-}
-
 // The channels of conv head `h` (q heads 0..Hk-1, k heads Hk..2Hk-1, then the Hv v heads): its first
 // channel, its width, whether it is L2-normed (q and k) and the q heads' extra 1/√Dk.
 struct ConvHead {
@@ -162,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_conv_qk(const GdnConvQkPa
             ss += y * y;
         }
         if (norm) {  // block-uniform
-            ss = gdn_block_sum(ss);
+            ss = block_sum_reusable(ss);
             const float s = (1.0f / sqrtf(ss + 1e-6f)) * qscale;
             for (int c = threadIdx.x; c < width; c += blockDim.x) p.out[t * C + base + c] *= s;
         }
@@ -485,9 +471,9 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
         sv[c] = silu_f(acc);
     }
 
-    // q <- l2norm(q)/sqrt(Dk), k <- l2norm(k) (gdn_block_sum ends with a barrier: sq, sk, sv are written).
-    ssq = gdn_block_sum(ssq);
-    ssk = gdn_block_sum(ssk);
+    // q <- l2norm(q)/sqrt(Dk), k <- l2norm(k) (block_sum_reusable ends with a barrier: sq, sk, sv are written).
+    ssq = block_sum_reusable(ssq);
+    ssk = block_sum_reusable(ssk);
     const float qs = (1.0f / sqrtf(ssq + 1e-6f)) * (1.0f / sqrtf((float)dk));
     const float ks = 1.0f / sqrtf(ssk + 1e-6f);
     for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) step_smem[c] *= c < dk ? qs : ks;
@@ -542,7 +528,7 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     // Gated RMSNorm over the head's Dv outputs: this block's part of the sum of squares, then the
     // head's S parts (in slice order, in every block alike) through distributed shared memory.
     const bool owner = active && rg == 0;
-    const float part = gdn_block_sum(owner ? o * o : 0.0f);
+    const float part = block_sum_reusable(owner ? o * o : 0.0f);
     if (threadIdx.x == 0) ss_part = part;
     cluster_arrive();  // ss_part written; this block is done reading the q/k conv state
     cluster_wait();

@@ -92,8 +92,6 @@ constexpr int GROUP = 64;    // K a step
 constexpr int STAGES = 4;    // the folded numerics' ring (the half numerics' depth is a variant's NS)
 enum : int { NUM_BF16X = 1, NUM_EXACT = 2, NUM_HALF = 3 };
 
-
-
 // Nibbles s and s + 4 of w minus 8, as an exact bf16 pair (nibble s in the low half): under the bits of
 // 128.0 (ulp 1) a nibble makes 128 + code; 136 is subtracted.
 __device__ __forceinline__ uint32_t code_pair(uint32_t w, int s) {
@@ -103,26 +101,22 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t w, int s) {
     return *reinterpret_cast<uint32_t*>(&d);
 }
 
-// Nibbles s and s + 4 of w as the f16 pair (s·q + b, s·q' + b) (nibble s in the low half): under the
-// bits of 1024.0 (ulp 1) a nibble makes 1024 + q, 1024 is subtracted (exact), one fused multiply-add
-// rounds the weight once.
-__device__ __forceinline__ uint32_t half_weight_pair(uint32_t w, int s, __half2 scale, __half2 bias) {
-    uint32_t v = ((w >> (4 * s)) & 0x000F000Fu) | 0x64006400u;
+// A pair of codes under the bits of 1024.0 (ulp 1: the halves are 1024 + q, 1024 + q') as the f16 pair
+// (s·q + b, s·q' + b): 1024 is subtracted (exact), one fused multiply-add rounds the weight once.
+__device__ __forceinline__ uint32_t half_weight_of(uint32_t v, __half2 scale, __half2 bias) {
     const uint32_t k1024 = 0x64006400u;
     const __half2 c = __hsub2(*reinterpret_cast<const __half2*>(&v), *reinterpret_cast<const __half2*>(&k1024));
     const __half2 d = __hfma2(c, scale, bias);
     return *reinterpret_cast<const uint32_t*>(&d);
 }
-
-// 8-bit codes: byte s of w0 and byte s of w1 as the f16 pair (s·q + b, s·q' + b) (w0's in the low half):
-// one PRMT gathers them into bytes 0 and 2, under the bits of 1024.0 they make 1024 + q (exact for
-// q < 1024), the rest as half_weight_pair.
+// Nibbles s and s + 4 of w (nibble s in the low half).
+__device__ __forceinline__ uint32_t half_weight_pair(uint32_t w, int s, __half2 scale, __half2 bias) {
+    return half_weight_of(((w >> (4 * s)) & 0x000F000Fu) | 0x64006400u, scale, bias);
+}
+// 8-bit codes: byte s of w0 and byte s of w1 (w0's in the low half), gathered by one PRMT into bytes 0
+// and 2 (1024 + q is exact for q < 1024).
 __device__ __forceinline__ uint32_t half_weight_pair8(uint32_t w0, uint32_t w1, int s, __half2 scale, __half2 bias) {
-    const uint32_t v = (__byte_perm(w0, w1, (uint32_t)s | ((uint32_t)(s + 4) << 8)) & 0x00FF00FFu) | 0x64006400u;
-    const uint32_t k1024 = 0x64006400u;
-    const __half2 c = __hsub2(*reinterpret_cast<const __half2*>(&v), *reinterpret_cast<const __half2*>(&k1024));
-    const __half2 d = __hfma2(c, scale, bias);
-    return *reinterpret_cast<const uint32_t*>(&d);
+    return half_weight_of((__byte_perm(w0, w1, (uint32_t)s | ((uint32_t)(s + 4) << 8)) & 0x00FF00FFu) | 0x64006400u, scale, bias);
 }
 
 // The staged column (within its group) of code m of the group: see the header.

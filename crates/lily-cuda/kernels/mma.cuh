@@ -95,7 +95,6 @@ __device__ __forceinline__ uint4 split_pair(float a, float b) {
     return make_uint4(x.x, x.y, y.x, y.y);
 }
 
-
 __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)

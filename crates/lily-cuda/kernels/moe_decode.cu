@@ -165,13 +165,13 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
             unsigned char* dst = md_smem + (i * 2 + mm) * mbytes;
             const uint4* w = (mm == 0 ? p.gw : p.uw) + grow * nchH;
             for (int r = warp; r < 16; r += MD_WARPS)
-                for (int j = lane; j < nchH; j += 32) cp_async16z(smem_addr(dst + r * rs + j * 16), w + (long long)r * nchH + j, 16);
+                for (int j = lane; j < nchH; j += 32) cp_async16(smem_addr(dst + r * rs + j * 16), w + (long long)r * nchH + j, true);
             const uint4* sc = reinterpret_cast<const uint4*>((mm == 0 ? p.gs : p.us) + grow * grpH);
             const uint4* bi = reinterpret_cast<const uint4*>((mm == 0 ? p.gb : p.ub) + grow * grpH);
             for (int e2 = threadIdx.x; e2 < 32 * gq; e2 += MD_WARPS * 32) {
                 const int which = e2 / (16 * gq), rem = e2 - which * 16 * gq;
                 const int r = rem / gq, j = rem - r * gq;
-                cp_async16z(smem_addr(dst + 16 * rs + which * 16 * ss + r * ss + j * 16), (which ? bi : sc) + (long long)r * gq + j, 16);
+                cp_async16(smem_addr(dst + 16 * rs + which * 16 * ss + r * ss + j * 16), (which ? bi : sc) + (long long)r * gq + j, true);
             }
         }
     };
@@ -185,7 +185,7 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
     md_stamp(p.trace, 1);
 
     // 2. The selection (every block alike), then the routed units' copies.
-    route_block<MD_MAX_E>(p.logits, p.e, p.k, p.renorm, route_s, route_red, sidx, sw);
+    route_block<MD_MAX_E, MD_WARPS>(p.logits, p.e, p.k, p.renorm, route_s, route_red, sidx, sw);
     if (threadIdx.x == 0) {
         sidx[p.k] = (uint32_t)p.e;
         sw[p.k] = 1.0f / (1.0f + expf(-__ldcg(p.logits + p.e)));

@@ -7,6 +7,7 @@
 
 #include <stdint.h>
 #include "pdl.cuh"
+#include "reduce.cuh"
 
 struct RmsNormParams {
     const float* x;         // [rows, n]
@@ -19,19 +20,6 @@ struct RmsNormParams {
     float eps;
     int pad_;
 };
-
-__device__ __forceinline__ float block_sum(float v) {
-    __shared__ float part[32];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
-    if (lane == 0) part[warp] = v;
-    __syncthreads();
-    v = lane < nw ? part[lane] : 0.0f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;  // every thread holds the total
-}
 
 template <int V>
 struct Vec;

@@ -17,6 +17,7 @@
 // wrote them.
 #pragma once
 #include <stdint.h>
+#include "reduce.cuh"
 
 // s[0] + s[1] + ... + s[e-1] in index order (the CPU's), 32 values loaded ahead of their adds where s
 // is 16-byte aligned. Every lane that calls it gets the same sum.
@@ -114,39 +115,31 @@ __device__ __forceinline__ void route_row(const float* row, int e, int k, int re
     }
 }
 
-// route_row's selection by the whole block (blockDim.x >= e; every thread calls it; ends synchronised
-// with idx_out/w_out written): one logit, one exp and one p a thread, the sum by warp 0 in route_row's
-// index order (route_sum), then the candidates (p at least a lower
-// bound on the k-th largest, from the warps' maxima) each rank themselves among the candidates (p
-// descending, ties to the lower index): the ranks below k are the picks, best first. The same values,
-// picks and weights as route_row (renormalised over the picks added in pick order), without its k
-// dependent rounds. `s`: e floats of shared memory; `red`: a float per warp and one for the sum.
-// Needs e <= MAXE.
-template <int MAXE>
+// route_row's selection by a whole block of NWARPS warps (32·NWARPS >= e; every thread calls it; ends
+// synchronised with idx_out/w_out written): one logit, one exp and one p a thread, the sum by warp 0 in
+// route_row's index order (route_sum), then the candidates (p at least a lower bound on the k-th
+// largest, from the warps' maxima) each rank themselves among the candidates (p descending, ties to the
+// lower index): the ranks below k are the picks, best first. The same values, picks and weights as
+// route_row (renormalised over the picks added in pick order), without its k dependent rounds. `s`: e
+// floats of shared memory; `red`: NWARPS + 1 floats (the warps' maxima, then the sum). Needs e <= MAXE.
+template <int MAXE, int NWARPS>
 __device__ __forceinline__ void route_block(const float* row, int e, int k, int renorm, float* s, float* red, uint32_t* idx_out, float* w_out) {
     __shared__ int cand_i[MAXE];
     __shared__ int cand_n[1];
     __shared__ float cand_bound[1];
     float* cand_p = s;  // the exps are summed (and read no more) before the candidates are written
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int nwarps = blockDim.x >> 5;
     const float l = tid < e ? __ldcg(row + tid) : -INFINITY;
-    float m = l;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (lane == 0) red[warp] = m;
-    __syncthreads();
-    m = red[0];
-    for (int w = 1; w < nwarps; ++w) m = fmaxf(m, red[w]);
+    const float m = block_max<NWARPS>(l, red);
     const float ex = tid < e ? (float)exp((double)(l - m)) : 0.0f;
     if (tid < e) s[tid] = ex;
     __syncthreads();
     if (warp == 0) {
         const float sum = route_sum(s, e);
-        if (lane == 0) red[nwarps] = sum;
+        if (lane == 0) red[NWARPS] = sum;
     }
     __syncthreads();
-    const float pv = tid < e ? ex / red[nwarps] : -1.0f;
+    const float pv = tid < e ? ex / red[NWARPS] : -1.0f;
     // A lower bound on the k-th largest p: with at least k warps holding experts, the smallest of
     // their k largest warp maxima (k distinct experts reach it); else none. Only the candidates
     // (p >= bound) can be picked, and only they can outrank one another.

@@ -1049,11 +1049,10 @@ fn moe(
 /// then, opted in and where the shapes fit it, the rest in one persistent kernel (`ops::moe_decode`:
 /// two launches in all); else the top-k selection, the experts' gate+up as one indexed SwiGLU GEMV
 /// over the k chosen and the shared expert (slot k), the down projections, and the combine adding
-/// into x — or, with the opt-in
-/// fusions (`LILY_FUSE`), the selection inside the router's last block and the combine inside the
-/// down projection (three launches). Otherwise the norm runs as its own kernel
-/// and the unfused router, selection, GEMVs and combine follow (slot j of the token is row j of the
-/// outputs), the combine adding into x.
+/// into x — or, with the opt-in fusions (`LILY_FUSE`), the selection inside the router's last block
+/// and the combine inside the down projection (three launches). Otherwise the norm runs as its own
+/// kernel and the unfused router, selection, GEMVs and combine follow (slot j of the token is row j
+/// of the outputs), the combine adding into x.
 #[allow(clippy::too_many_arguments)]
 fn moe_decode(
     dev: &Device,
