@@ -17,9 +17,22 @@
 // causal mask and the online softmax in registers (two rows per lane), P re-packed from the S
 // accumulators as the A fragments of O += P·V (B from Vᵀ by ldmatrix), O [16 × HD] in registers.
 // Shared-memory rows are padded by 16 bytes (ldmatrix conflict-free).
+//
+// attn_prefill_wg_d{128,256}: the same rows on Hopper's warpgroup MMA (wgmma), one block of two warpgroups
+// per (tile of 128 rows, KV head), warpgroup w owning rows 64w..64w+63. Q [128][HD] (bf16), K [64][HD]
+// and Vᵀ [HD][64] tiles sit in shared memory in wgmma's K-major 128-byte swizzle (wgmma.cuh): a head row
+// of HD values is HD/64 "atoms" of 128 bytes, atom a of every row of a tile stored together (rows of 128
+// bytes, the 16-byte chunk c of row r at chunk c ^ (r % 8)); a Vᵀ row is one atom (64 positions). Per
+// KV tile of 64 positions a warpgroup computes S = Q·Kᵀ (HD/16 m64n64k16, both operands from shared
+// memory), the masked online softmax on S in registers (the same two rows a lane as the mma.sync form:
+// wgmma's accumulator is mma.sync's m16n8 layout stacked), then O += P·V (4 k-steps × HD/128
+// m64n128k16, P from registers as the A fragments, O [64 × HD] f32 in registers: 128 a thread at 256).
+// Exponentials in base 2 with the scale's log2(e) folded into the scores. K/V tiles double-buffered by
+// cp.async from all 256 threads, the next tile's copy in flight during this tile's MMAs.
 
 #include "mma.cuh"
 #include "pdl.cuh"
+#include "wgmma.cuh"
 
 struct AttnPrefillParams {
     const float* q;      // [T, nh, hd]
@@ -237,3 +250,231 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d32(con
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d64(const AttnPrefillParams p) { pdl_enter(); attn_prefill<64>(p); }
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d128(const AttnPrefillParams p) { pdl_enter(); attn_prefill<128>(p); }
 extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d256(const AttnPrefillParams p) { pdl_enter(); attn_prefill<256>(p); }
+
+// ---- The wgmma form (see the header).
+
+#define WG_BR 128      // query rows per block (= ops::attn_prefill::WG_ROWS_PER_BLOCK)
+#define WG_BK 64       // positions per KV tile
+#define WG_THREADS 256
+
+template <int HD>
+struct WgLayout {
+    static constexpr int Q_ATOM = WG_BR * 128;         // one 64-column atom of the Q tile
+    static constexpr int Q_BYTES = (HD / 64) * Q_ATOM;
+    static constexpr int K_ATOM = WG_BK * 128;
+    static constexpr int K_BYTES = (HD / 64) * K_ATOM;
+    static constexpr int V_BYTES = HD * 128;           // HD rows of WG_BK positions
+    static constexpr int STAGE = K_BYTES + V_BYTES;
+    static constexpr int TOTAL = Q_BYTES + 2 * STAGE + 1024;  // + alignment (= ops::attn_prefill::wg_smem_bytes)
+};
+
+// Byte offset of 16-byte chunk `ch` (of HD / 8) of row `r` in a tile of `atom`-byte atoms.
+__device__ __forceinline__ uint32_t sw128_at(int r, int ch, int atom) {
+    return (uint32_t)((ch >> 3) * atom + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
+}
+
+template <int HD>
+__device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
+    using L = WgLayout<HD>;
+    constexpr int NH2 = HD / 128;  // m64n128 halves of O
+    static_assert(HD % 128 == 0, "the wgmma form takes head dims of 128 and 256");
+    extern __shared__ __align__(16) unsigned char smem[];
+    const uint32_t qs = (smem_addr(smem) + 1023u) & ~1023u;  // every atom 1024-byte aligned
+    const uint32_t stage0 = qs + L::Q_BYTES;
+
+    const int tid = threadIdx.x, lane = tid & 31, wg = tid >> 7, warp = (tid >> 5) & 3;
+    const int g = lane >> 2, q4 = lane & 3;
+    const int kv = blockIdx.x % p.kvh;
+    const int tile = p.ntiles - 1 - (int)(blockIdx.x / p.kvh);  // heaviest first
+    const int G = p.nh / p.kvh;
+    const int nrows = p.t * G;
+    const int r0 = tile * WG_BR;
+    const int rend = min(nrows, r0 + WG_BR);
+    const int kv_end = p.pos0 + (rend - 1) / G + 1;
+    const int ntile_kv = (kv_end + WG_BK - 1) / WG_BK;
+    const int qpos_min = p.pos0 + r0 / G;  // tiles wholly at or before it need no mask
+
+    // K [64][HD]: chunk ch of position row r -> atom ch / 8; Vᵀ [HD][64]: chunk ch (8 positions) of dim d.
+    // Positions at or past kv_end are zero-filled (never read: the cache may hold anything there).
+    auto issue = [&](int j, int buf) {
+        const uint32_t ks = stage0 + buf * L::STAGE, vs = ks + L::K_BYTES;
+        const int pbase = j * WG_BK;
+        constexpr int KCH = HD / 8;
+#pragma unroll
+        for (int i = 0; i < WG_BK * KCH / WG_THREADS; ++i) {
+            const int c = tid + i * WG_THREADS;
+            const int r = c / KCH, ch = c % KCH;
+            const int pos = pbase + r;
+            const bool ok = pos < kv_end;
+            const uint16_t* src = ok ? p.k + ((long long)pos * p.kvh + kv) * HD + ch * 8 : p.k;
+            cp_async16z(ks + sw128_at(r, ch, L::K_ATOM), src, ok ? 16 : 0);
+        }
+#pragma unroll
+        for (int i = 0; i < HD * 8 / WG_THREADS; ++i) {
+            const int c = tid + i * WG_THREADS;
+            const int d = c >> 3, ch = c & 7;
+            const int pos = pbase + ch * 8;
+            const int valid = min(max(kv_end - pos, 0), 8);
+            const uint16_t* src = valid > 0 ? p.vt + ((long long)kv * HD + d) * p.cap + pos : p.vt;
+            cp_async16z(vs + sw128_at(d, ch, 0), src, valid * 2);
+        }
+    };
+    issue(0, 0);
+    cp_async_commit_group();
+
+    // Q tile -> bf16 (rows past the last (token, head) pair are zeros), then visible to wgmma.
+    for (int c = tid; c < WG_BR * (HD / 8); c += WG_THREADS) {
+        const int r = c / (HD / 8), ch = c % (HD / 8);
+        const int gr = r0 + r;
+        uint4 w = make_uint4(0, 0, 0, 0);
+        if (gr < nrows) {
+            const float* src = p.q + ((long long)(gr / G) * p.nh + kv * G + gr % G) * HD + ch * 8;
+            const float4 a = __ldg(reinterpret_cast<const float4*>(src));
+            const float4 b = __ldg(reinterpret_cast<const float4*>(src + 4));
+            w = make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
+        }
+        sts128(qs + sw128_at(r, ch, L::Q_ATOM), w);
+    }
+    fence_proxy_async();
+
+    // This lane's two rows (g and g + 8 of its warp's 16, in its warpgroup's 64) and their positions.
+    int qpos[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int gr = r0 + 64 * wg + 16 * warp + g + 8 * h;
+        qpos[h] = gr < nrows ? p.pos0 + gr / G : kv_end - 1;
+    }
+    const float sl2 = p.scale * 1.4426950408889634f;  // scores in base-2 units
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float o[NH2][64];
+#pragma unroll
+    for (int hh = 0; hh < NH2; ++hh)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) o[hh][i] = 0.0f;
+    // This warpgroup's Q rows: atom a at qs + a·Q_ATOM + wg·64 rows.
+    const uint64_t qdesc = wgmma_desc_sw128(qs + wg * 64 * 128);
+
+#pragma unroll 1
+    for (int j = 0; j < ntile_kv; ++j) {
+        cp_async_wait_group<0>();
+        fence_proxy_async();
+        __syncthreads();  // tile j in place for all; every warpgroup done with tile j - 1's buffer
+        if (j + 1 < ntile_kv) issue(j + 1, (j + 1) & 1);
+        cp_async_commit_group();
+        const uint32_t ks = stage0 + (j & 1) * L::STAGE, vs = ks + L::K_BYTES;
+        const uint64_t kdesc = wgmma_desc_sw128(ks), vdesc = wgmma_desc_sw128(vs);
+
+        // S = Q·Kᵀ [64 × 64]: k-step kk is 32·(kk % 4) bytes into atom kk / 4 of both tiles.
+        float s[32];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const uint64_t ad = qdesc + (uint64_t)(((kk >> 2) * L::Q_ATOM + (kk & 3) * 32) >> 4);
+            const uint64_t bd = kdesc + (uint64_t)(((kk >> 2) * L::K_ATOM + (kk & 3) * 32) >> 4);
+            wgmma_m64n64k16_ss(s, ad, bd, kk > 0);
+        }
+        wgmma_commit();
+        wgmma_wait<0>();
+        wgmma_pin(s);
+
+        // Scale (base 2), mask, online softmax: row g in s[4i + e], row g + 8 in s[4i + 2 + e], column
+        // 8i + 2·q4 + e (i = 0..7).
+        const int pbase = j * WG_BK;
+        const bool mask = pbase + WG_BK - 1 > qpos_min;
+        float alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float mx = -INFINITY;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float v = s[4 * i + 2 * h + e] * sl2;
+                    if (mask && pbase + 8 * i + 2 * q4 + e > qpos[h]) v = -INFINITY;
+                    s[4 * i + 2 * h + e] = v;
+                    mx = fmaxf(mx, v);
+                }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float mn = fmaxf(m[h], mx);  // finite: position 0 is in tile 0 and never masked
+            alpha[h] = exp2f(m[h] - mn);
+            float ps = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float pv = exp2f(s[4 * i + 2 * h + e] - mn);
+                    s[4 * i + 2 * h + e] = pv;
+                    ps += pv;
+                }
+            l[h] = l[h] * alpha[h] + ps;
+            m[h] = mn;
+        }
+#pragma unroll
+        for (int hh = 0; hh < NH2; ++hh)
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                o[hh][4 * i] *= alpha[0];
+                o[hh][4 * i + 1] *= alpha[0];
+                o[hh][4 * i + 2] *= alpha[1];
+                o[hh][4 * i + 3] *= alpha[1];
+            }
+
+        // O += P·V: k-step ks2 covers positions 16·ks2.. (S columns 8·(2ks2) .. 8·(2ks2+1)+7), 32·ks2 bytes
+        // into each Vᵀ row; half hh is Vᵀ rows 128·hh.. (16 KB further).
+        uint32_t pa[4][4];
+#pragma unroll
+        for (int k2 = 0; k2 < 4; ++k2) {
+            pa[k2][0] = pack_bf16(s[8 * k2], s[8 * k2 + 1]);
+            pa[k2][1] = pack_bf16(s[8 * k2 + 2], s[8 * k2 + 3]);
+            pa[k2][2] = pack_bf16(s[8 * k2 + 4], s[8 * k2 + 5]);
+            pa[k2][3] = pack_bf16(s[8 * k2 + 6], s[8 * k2 + 7]);
+        }
+        // The rescaled O and the packed P settle before the fence (else ptxas injects one per MMA).
+#pragma unroll
+        for (int hh = 0; hh < NH2; ++hh) wgmma_pin(o[hh]);
+#pragma unroll
+        for (int k2 = 0; k2 < 4; ++k2)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(pa[k2][i])::"memory");
+        wgmma_fence();
+#pragma unroll
+        for (int k2 = 0; k2 < 4; ++k2)
+#pragma unroll
+            for (int hh = 0; hh < NH2; ++hh)
+                wgmma_m64n128k16_rs(o[hh], pa[k2], vdesc + (uint64_t)((hh * 128 * 128 + k2 * 32) >> 4), 1);
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int hh = 0; hh < NH2; ++hh) wgmma_pin(o[hh]);
+    }
+    cp_async_wait_group<0>();
+
+    // o = acc / l (· sigmoid(gate)) for this lane's valid rows: dims 128·hh + 8i + 2·q4 + e.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float L2 = l[h];
+        L2 += __shfl_xor_sync(0xffffffffu, L2, 1);
+        L2 += __shfl_xor_sync(0xffffffffu, L2, 2);
+        const int gr = r0 + 64 * wg + 16 * warp + g + 8 * h;
+        if (gr >= nrows) continue;
+        const long long off = ((long long)(gr / G) * p.nh + kv * G + gr % G) * HD;
+        const float inv = 1.0f / L2;
+#pragma unroll
+        for (int hh = 0; hh < NH2; ++hh)
+#pragma unroll
+            for (int i = 0; i < 16; ++i) {
+                const int d = 128 * hh + 8 * i + 2 * q4;
+                float y0 = o[hh][4 * i + 2 * h] * inv, y1 = o[hh][4 * i + 2 * h + 1] * inv;
+                if (p.gate) {
+                    const float2 gt = *reinterpret_cast<const float2*>(p.gate + off + d);
+                    y0 = y0 * (1.0f / (1.0f + expf(-gt.x)));
+                    y1 = y1 * (1.0f / (1.0f + expf(-gt.y)));
+                }
+                *reinterpret_cast<float2*>(p.out + off + d) = make_float2(y0, y1);
+            }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_prefill_wg_d128(const AttnPrefillParams p) { pdl_enter(); attn_prefill_wg<128>(p); }
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_prefill_wg_d256(const AttnPrefillParams p) { pdl_enter(); attn_prefill_wg<256>(p); }

@@ -1,12 +1,14 @@
 // Hopper warpgroup MMA (wgmma, sm_90a) helpers: the fences and groups that order it, the shared-memory
 // matrix descriptor for a K-major 16-bit tile in the 128-byte swizzle, and the m64nNk16 bf16/f16 -> f32
-// forms with A from registers. Used by gemm_wgmma.cu.
+// forms with A from registers, and m64n64k16 bf16 with A from shared memory too. Used by gemm_wgmma.cu
+// and attn_prefill.cu.
 //
 // A warpgroup is 4 consecutive warps (128 threads); every wgmma instruction is issued by all of them.
 // Fragments, g = lane / 4, q = lane % 4, warp w of the warpgroup (PTX ISA, "wgmma" register fragments):
 //   A (64×16, registers): warp w holds rows 16w..16w+15 as mma.m16n8k16's A: a0 = (row g, k 2q..2q+1),
 //     a1 = (row g+8, k 2q..), a2 = (row g, k 2q+8..), a3 = (row g+8, k 2q+8..); the lower k in the low half.
 //   D (64×N f32): d[4j + e] = (row 16w + g, col 8j + 2q + e), d[4j + 2 + e] = (row 16w + g + 8, same col).
+//   A (64×16, shared memory, the SS form): laid out as B below with 64 rows.
 //   B (16×N, shared memory, K-major: N rows of K): rows of 128 bytes (64 elements) in groups of 8 rows
 //     (1024 bytes, the stride-dimension offset), the 16-byte chunk c of row r stored at chunk c ^ (r % 8)
 //     (the 128-byte swizzle; the tile 1024-byte aligned). The k-step s of a 64-wide tile starts 32·s
@@ -82,3 +84,11 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t saddr) {
 // wgmma_m64n64k16_rs<F16>(d[32], a, b_desc, accumulate) and wgmma_m64n128k16_rs<F16>(d[64], ...).
 WG_RS_FN(wgmma_m64n64k16_rs, "m64n64k16", 32, WG_D32, WG_R32, "%32, %33, %34, %35", "%36", "%37")
 WG_RS_FN(wgmma_m64n128k16_rs, "m64n128k16", 64, WG_D64, WG_R64, "%64, %65, %66, %67", "%68", "%69")
+
+// D[64 x 64] (+)= A[64 x 16] · B[16 x 64], bf16, both operands by descriptor (K-major, as B above).
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" WG_R32 "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+                 : WG_D32(d)
+                 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}

@@ -1,12 +1,13 @@
 //! CPU-vs-GPU tests of the full-attention preparation (`kernels/attn_prep.cu`, `ops::attn_prep`: q/k
 //! RMSNorm, partial RoPE, gate split, bf16 KV-cache append, the cache copy) and of causal prefill
-//! attention on the tensor cores (`kernels/attn_prefill.cu`, `ops::attn_prefill`), plus a timing at
-//! the real shape (`bench_attn_prefill`, ignored by default).
+//! attention on the tensor cores (`kernels/attn_prefill.cu`, `ops::attn_prefill`: both forms, mma.sync
+//! and wgmma, each held to the CPU), plus a timing at the real shape (`bench_attn_prefill`, ignored by
+//! default).
 //!
 //! References: `lily_cpu::norm::rms_norm_inplace` and `lily_cpu::attention::rope` on the same inputs for
 //! prep (the code `lily_cpu::attention::forward` runs); for prefill, an f64 emulation of the kernel's
-//! arithmetic (q and p rounded to bf16 where the kernel rounds them, the online softmax over 32-position
-//! tiles) and, as a sanity bound, the exact f64 loop of forward's softmax attention; for the
+//! arithmetic (q and p rounded to bf16 where the kernel rounds them, the online softmax over the
+//! form's tiles of 32 or 64 positions) and, as a sanity bound, the exact f64 loop of forward's softmax attention; for the
 //! chunked-vs-step check, T single-token steps of prep + `ops::attention::decode` (the decode path).
 //!
 //! Each test skips (prints "no GPU, skipped") when `probe(0)` fails. Inputs are fresh pseudo-random
@@ -23,7 +24,7 @@
 //!   rounding boundary (at most 1% of the elements). gate is a copy and v a rounded copy: bit-identical.
 //! - prefill vs the emulation: 2e-5 of the row's largest |value|, plus, per element, the slack of the
 //!   p whose bf16 rounding is uncertain: the kernel's p (f32 sums of the scores on the tensor cores,
-//!   `expf`) may differ from the emulation's by ~1e-6 relative, so a p within 2e-5 of a bf16 rounding
+//!   `expf`, or in the wgmma form `exp2f` of the scores times scale·log2 e) may differ from the emulation's by ~1e-6 relative, so a p within 2e-5 of a bf16 rounding
 //!   boundary may round the other way; each such p allows its one-step difference times |v| (rare:
 //!   ~1% of the p, each worth 2^-8 of its term). vs the exact loop: 2e-2 (bf16 q and p). A masking error
 //!   (one extra or missing position) moves the row by ≳ 1e-3 at the largest n here, far more at small n;
@@ -38,6 +39,7 @@ use common::{device, k_cache_bf16, poisoned, round_bf16, time_op, v_cache_bf16, 
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use lily_cuda::ops::attn_prep::{self, AttnDims};
+use lily_cuda::ops::attn_prefill::Kernel;
 use lily_cuda::ops::{attention, attn_prefill, Scalar};
 use lily_cuda::Device;
 
@@ -249,15 +251,16 @@ fn prep_rejects_bad_shapes() {
 // prefill
 
 /// The f64 loop of `lily_cpu::attention::forward`'s softmax part: T queries at positions pos0.., causal.
-/// With `emulate`, the kernel's arithmetic instead: q rounded to bf16, the online softmax over tiles
-/// of 32 positions, each p = e^(s − m) rounded to bf16 (through f32) in o's sum but not in l's; and,
-/// per output element, the slack of the p whose rounding is uncertain (see the module doc).
+/// With `emulate` = Some(tile), the kernel's arithmetic instead: q rounded to bf16, the online softmax
+/// over tiles of `tile` positions (the kernel's KV tile: 32 for the mma.sync form, 64 for wgmma), each
+/// p = e^(s − m) rounded to bf16 (through f32) in o's sum but not in l's; and, per output element, the
+/// slack of the p whose rounding is uncertain (see the module doc).
 #[allow(clippy::too_many_arguments)]
-fn cpu_prefill(q: &[f32], k: &[f32], v: &[f32], gate: Option<&[f32]>, nh: usize, kvh: usize, hd: usize, pos0: usize, t: usize, emulate: bool) -> (Vec<f64>, Vec<f64>) {
+fn cpu_prefill(q: &[f32], k: &[f32], v: &[f32], gate: Option<&[f32]>, nh: usize, kvh: usize, hd: usize, pos0: usize, t: usize, emulate: Option<usize>) -> (Vec<f64>, Vec<f64>) {
     let group = nh / kvh;
     let scale = 1.0 / (hd as f64).sqrt();
     let scale32 = 1.0f32 / (hd as f32).sqrt();
-    let q: Vec<f32> = if emulate { round_bf16(q) } else { q.to_vec() };
+    let q: Vec<f32> = if emulate.is_some() { round_bf16(q) } else { q.to_vec() };
     let mut o = vec![0.0f64; t * nh * hd];
     let mut slack = vec![0.0f64; t * nh * hd];
     let mut scores = Vec::new();
@@ -271,15 +274,14 @@ fn cpu_prefill(q: &[f32], k: &[f32], v: &[f32], gate: Option<&[f32]>, nh: usize,
             scores.extend((0..n).map(|p| {
                 let kr = &k[(p * kvh + kv) * hd..(p * kvh + kv + 1) * hd];
                 let dot = qv.iter().zip(kr).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>();
-                if emulate { dot * scale32 as f64 } else { dot * scale }
+                if emulate.is_some() { dot * scale32 as f64 } else { dot * scale }
             }));
             let out = &mut o[i * hd..(i + 1) * hd];
             let sl = &mut slack[i * hd..(i + 1) * hd];
             let vrow = |p: usize| &v[(p * kvh + kv) * hd..(p * kvh + kv + 1) * hd];
-            if emulate {
+            if let Some(tile) = emulate {
                 let (mut m, mut l) = (f64::NEG_INFINITY, 0.0f64);
-                for tile in scores.chunks(32).enumerate() {
-                    let (j, s) = tile;
+                for (j, s) in scores.chunks(tile).enumerate() {
                     let mn = s.iter().copied().fold(m, f64::max);
                     let alpha = (m - mn).exp();
                     l *= alpha;
@@ -291,7 +293,7 @@ fn cpu_prefill(q: &[f32], k: &[f32], v: &[f32], gate: Option<&[f32]>, nh: usize,
                         let pb = bf16::from_f32(pv as f32).to_f64();
                         let (lo, hi) = (bf16::from_f32((pv * (1.0 - 2e-5)) as f32).to_f64(), bf16::from_f32((pv * (1.0 + 2e-5)) as f32).to_f64());
                         let unsure = hi - lo;
-                        for ((a, e), b) in out.iter_mut().zip(sl.iter_mut()).zip(vrow(32 * j + c)) {
+                        for ((a, e), b) in out.iter_mut().zip(sl.iter_mut()).zip(vrow(tile * j + c)) {
                             *a += pb * *b as f64;
                             *e += unsure * (*b as f64).abs();
                         }
@@ -345,8 +347,18 @@ fn cap_for(n: usize) -> usize {
     (n + 5).div_ceil(32) * 32
 }
 
+/// The forms a head dim has: mma.sync for every one, wgmma for 128 and 256.
+fn kernels(hd: usize) -> &'static [Kernel] {
+    if hd == 128 || hd == 256 { &[Kernel::Mma, Kernel::Wgmma] } else { &[Kernel::Mma] }
+}
+
+/// The KV tile of a form (the emulation's online-softmax tile).
+fn kv_tile(kernel: Kernel) -> usize {
+    if kernel == Kernel::Wgmma { attn_prefill::WG_KV_TILE } else { attn_prefill::KV_TILE }
+}
+
 #[allow(clippy::too_many_arguments)]
-fn check_prefill(dev: &Device, nh: usize, kvh: usize, hd: usize, gated: bool, pos0: usize, t: usize, seed: u64) -> (f64, f64) {
+fn check_prefill(dev: &Device, kernel: Kernel, nh: usize, kvh: usize, hd: usize, gated: bool, pos0: usize, t: usize, seed: u64) -> (f64, f64) {
     let mut rng = Rng::new(seed);
     let end = pos0 + t;
     let cap = cap_for(end);
@@ -356,15 +368,15 @@ fn check_prefill(dev: &Device, nh: usize, kvh: usize, hd: usize, gated: bool, po
     let v = nan_tail_cache(&mut rng, end, cap, kvh * hd);
     let gate = rng.normals(t * nh * hd, 2.0);
     let g = gated.then_some(&gate[..]);
-    let (emu, slack) = cpu_prefill(&q, &k, &v, g, nh, kvh, hd, pos0, t, true);
-    let (exact, _) = cpu_prefill(&q, &k, &v, g, nh, kvh, hd, pos0, t, false);
+    let (emu, slack) = cpu_prefill(&q, &k, &v, g, nh, kvh, hd, pos0, t, Some(kv_tile(kernel)));
+    let (exact, _) = cpu_prefill(&q, &k, &v, g, nh, kvh, hd, pos0, t, None);
     let (qd, gd) = (dev.upload(&q).unwrap(), dev.upload(&gate).unwrap());
     let kd = dev.upload(&k_cache_bf16(&k)).unwrap();
     let vd = dev.upload(&v_cache_bf16(&v, cap, kvh, hd)).unwrap();
     let mut out = poisoned(dev, t * nh * hd);
-    attn_prefill::prefill(dev, &qd, &kd, &vd, cap, gated.then_some(&gd), nh, kvh, hd, pos0, t, &mut out).unwrap();
+    attn_prefill::prefill_with(dev, kernel, &qd, &kd, &vd, cap, gated.then_some(&gd), nh, kvh, hd, pos0, t, &mut out).unwrap();
     let got = dev.download(&out).unwrap();
-    let what = format!("prefill nh {nh} kvh {kvh} hd {hd} gated {gated} pos0 {pos0} t {t}");
+    let what = format!("prefill {kernel:?} nh {nh} kvh {kvh} hd {hd} gated {gated} pos0 {pos0} t {t}");
     let e = row_err_with_slack(&got, &emu, &slack, hd, &what);
     let x = row_rel_err(&got, &exact, hd, &what);
     assert!(e <= TOL_EMU, "{what}: relative max error {e:.3e} vs the emulation > {TOL_EMU:.0e}");
@@ -378,11 +390,13 @@ const POS0S: [usize; 3] = [0, 31, 777];
 #[test]
 fn prefill_real_shape_matches_cpu() {
     let Some(dev) = device() else { return };
-    for gated in [true, false] {
-        for (a, &pos0) in POS0S.iter().enumerate() {
-            for (b, &t) in TS.iter().enumerate() {
-                let (e, x) = check_prefill(&dev, 16, 2, 256, gated, pos0, t, 1000 + 100 * gated as u64 + 10 * a as u64 + b as u64);
-                println!("prefill nh 16 kvh 2 hd 256 gated {gated:5} pos0 {pos0:4} t {t:3}: rel err {e:.2e} (emulation), {x:.2e} (exact)");
+    for &kernel in kernels(256) {
+        for gated in [true, false] {
+            for (a, &pos0) in POS0S.iter().enumerate() {
+                for (b, &t) in TS.iter().enumerate() {
+                    let (e, x) = check_prefill(&dev, kernel, 16, 2, 256, gated, pos0, t, 1000 + 100 * gated as u64 + 10 * a as u64 + b as u64);
+                    println!("prefill {kernel:?} nh 16 kvh 2 hd 256 gated {gated:5} pos0 {pos0:4} t {t:3}: rel err {e:.2e} (emulation), {x:.2e} (exact)");
+                }
             }
         }
     }
@@ -391,7 +405,8 @@ fn prefill_real_shape_matches_cpu() {
 #[test]
 fn prefill_small_odd_shapes_match_cpu() {
     let Some(dev) = device() else { return };
-    // (nh, kvh, hd, gated): G = 1, 2, 4, 8, 3, 16 over all four head dims.
+    // (nh, kvh, hd, gated): G = 1, 2, 4, 8, 3, 16 over all four head dims (the wgmma form: G = 1, 2, 3
+    // and 16 at head dims 128 and 256).
     let shapes = [
         (4, 4, 64, false),
         (8, 4, 128, true),
@@ -401,12 +416,16 @@ fn prefill_small_odd_shapes_match_cpu() {
         (6, 2, 128, false),
         (2, 1, 256, true),
         (16, 1, 32, true),
+        (4, 4, 128, false),
+        (16, 1, 256, true),
     ];
     for (j, &(nh, kvh, hd, gated)) in shapes.iter().enumerate() {
-        for (a, &pos0) in [0usize, 63, 777].iter().enumerate() {
-            for (b, &t) in [1usize, 7, 64, 65, 200].iter().enumerate() {
-                let (e, x) = check_prefill(&dev, nh, kvh, hd, gated, pos0, t, 5000 + 100 * j as u64 + 10 * a as u64 + b as u64);
-                println!("prefill nh {nh:2} kvh {kvh} hd {hd:3} gated {gated:5} pos0 {pos0:4} t {t:3}: rel err {e:.2e} / {x:.2e}");
+        for &kernel in kernels(hd) {
+            for (a, &pos0) in [0usize, 63, 777].iter().enumerate() {
+                for (b, &t) in [1usize, 7, 64, 65, 200].iter().enumerate() {
+                    let (e, x) = check_prefill(&dev, kernel, nh, kvh, hd, gated, pos0, t, 5000 + 100 * j as u64 + 10 * a as u64 + b as u64);
+                    println!("prefill {kernel:?} nh {nh:2} kvh {kvh} hd {hd:3} gated {gated:5} pos0 {pos0:4} t {t:3}: rel err {e:.2e} / {x:.2e}");
+                }
             }
         }
     }
@@ -436,12 +455,16 @@ fn prefill_rejects_bad_shapes() {
     assert!(run(&qv, none, 32, nh, 48, 0, 3).is_err()); // hd
     let q_off = q.slice(1..);
     assert!(run(&q_off, none, 32, nh, hd, 0, 1).is_err()); // misaligned
+    // The wgmma form at a head dim it lacks (64), refused; the mma.sync form takes it.
+    let mut wg = |k: Kernel| attn_prefill::prefill_with(&dev, k, &qv, &kc, &vc, 32, none, nh, kvh, hd, 0, 3, &mut out);
+    assert!(wg(Kernel::Wgmma).is_err());
+    assert!(wg(Kernel::Mma).is_ok());
     dev.synchronize().unwrap();
 }
 
 /// prep + prefill of T tokens at once against T single-token steps of prep + decode (gate fused).
 #[allow(clippy::too_many_arguments)]
-fn check_chunked_vs_step(dev: &Device, d: AttnDims, pos0: usize, t: usize, seed: u64) -> f64 {
+fn check_chunked_vs_step(dev: &Device, kernel: Kernel, d: AttnDims, pos0: usize, t: usize, seed: u64) -> f64 {
     let (nh, kvh, hd) = (d.nh, d.kvh, d.hd);
     let mut rng = Rng::new(seed);
     let per_head = if d.gated { 2 * hd } else { hd };
@@ -462,7 +485,7 @@ fn check_chunked_vs_step(dev: &Device, d: AttnDims, pos0: usize, t: usize, seed:
     let mut g1 = poisoned(dev, n);
     let mut o1 = poisoned(dev, n);
     attn_prep::prep(dev, &qg, &k, &v, &qn, &kn, d, Scalar::Host(pos0), t, &mut q1, d.gated.then_some(&mut g1), &mut kc1, &mut vc1, cap).unwrap();
-    attn_prefill::prefill(dev, &q1, &kc1, &vc1, cap, d.gated.then_some(&g1), nh, kvh, hd, pos0, t, &mut o1).unwrap();
+    attn_prefill::prefill_with(dev, kernel, &q1, &kc1, &vc1, cap, d.gated.then_some(&g1), nh, kvh, hd, pos0, t, &mut o1).unwrap();
 
     // Stepped: per token, prep of one token, then decode over pos0+i+1 positions (gate fused).
     let (mut kc2, mut vc2) = (dev.upload(&prefix_k).unwrap(), dev.upload(&prefix_v).unwrap());
@@ -482,7 +505,7 @@ fn check_chunked_vs_step(dev: &Device, d: AttnDims, pos0: usize, t: usize, seed:
         attention::decode(dev, &q_i, &kc2, &vc2, cap, Scalar::Host(pos0 + i + 1), nh, kvh, hd, d.gated.then_some(&g_view), &mut o_i, &mut scratch).unwrap();
     }
 
-    let what = format!("chunked vs step nh {nh} kvh {kvh} hd {hd} gated {} pos0 {pos0} t {t}", d.gated);
+    let what = format!("chunked vs step ({kernel:?}) nh {nh} kvh {kvh} hd {hd} gated {} pos0 {pos0} t {t}", d.gated);
     let bits = |x: Vec<bf16>| x.into_iter().map(|b| b.to_bits()).collect::<Vec<_>>();
     let (kc1h, kc2h) = (bits(dev.download(&kc1).unwrap()), bits(dev.download(&kc2).unwrap()));
     let (vc1h, vc2h) = (bits(dev.download(&vc1).unwrap()), bits(dev.download(&vc2).unwrap()));
@@ -508,8 +531,10 @@ fn prefill_chunked_matches_decode_steps() {
         (dims(4, 4, 128, 32, true), 5, 9),
     ];
     for (i, &(d, pos0, t)) in cases.iter().enumerate() {
-        let e = check_chunked_vs_step(&dev, d, pos0, t, 9000 + i as u64);
-        println!("chunked vs step nh {:2} kvh {} hd {:3} pos0 {pos0:3} t {t:2}: rel err {e:.2e}", d.nh, d.kvh, d.hd);
+        for &kernel in kernels(d.hd) {
+            let e = check_chunked_vs_step(&dev, kernel, d, pos0, t, 9000 + i as u64);
+            println!("chunked vs step ({kernel:?}) nh {:2} kvh {} hd {:3} pos0 {pos0:3} t {t:2}: rel err {e:.2e}", d.nh, d.kvh, d.hd);
+        }
     }
 }
 
@@ -534,13 +559,15 @@ fn bench_attn_prefill() {
         let g = dev.upload(&rng.normals(t * nh * hd, 1.0)).unwrap();
         let mut out = dev.zeros::<f32>(t * nh * hd).unwrap();
         let reps = if end > 8192 || t > 1024 { 5 } else { 9 };
-        let (secs, spread) = time_op(&dev, reps, 3, |_| {
-            attn_prefill::prefill(&dev, &q, &k, &v, cap, Some(&g), nh, kvh, hd, pos0, t, &mut out).unwrap();
-        });
-        let pairs = (t * pos0 + t * (t + 1) / 2) as f64;
-        let flops = 4.0 * (hd * nh) as f64 * pairs;
-        println!("  pos0 {pos0:6} T {t:4}: {:10.1} µs  {:6.1} TFLOP/s  (spread {spread:.2})", secs * 1e6, flops / secs / 1e12);
-        assert!(dev.download(&out).unwrap().iter().all(|x| x.is_finite()));
+        for &kernel in kernels(hd) {
+            let (secs, spread) = time_op(&dev, reps, 3, |_| {
+                attn_prefill::prefill_with(&dev, kernel, &q, &k, &v, cap, Some(&g), nh, kvh, hd, pos0, t, &mut out).unwrap();
+            });
+            let pairs = (t * pos0 + t * (t + 1) / 2) as f64;
+            let flops = 4.0 * (hd * nh) as f64 * pairs;
+            println!("  {kernel:6?} pos0 {pos0:6} T {t:4}: {:10.1} µs  {:6.1} TFLOP/s  (spread {spread:.2})", secs * 1e6, flops / secs / 1e12);
+            assert!(dev.download(&out).unwrap().iter().all(|x| x.is_finite()));
+        }
     }
     // prep of one 512-token chunk, for scale.
     let t = 512;

@@ -9,6 +9,12 @@
 //! tile of 32 positions is loaded into shared memory once for all the group's heads and 64/G tokens;
 //! online softmax; no split over the KV length. The head-dim-256 variant needs 106 KiB of dynamic
 //! shared memory ([`configure`] raises the limit at device open); two blocks fit an SM.
+//!
+//! A second form on Hopper's warpgroup MMA ([`Kernel::Wgmma`], head dims 128 and 256): one block of two
+//! warpgroups per tile of 128 rows, K/V tiles of 64 positions in wgmma's swizzled layout, S = Q·Kᵀ with
+//! both operands from shared memory and O += P·V with P from registers (193 KiB of shared memory at
+//! head dim 256, one block an SM). [`Kernel::Auto`] takes it only with `LILY_ATTN_WGMMA=1` until it is
+//! measured against the mma.sync form on a GPU.
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -45,12 +51,43 @@ const VARIANTS: [(usize, &str); 4] = [
     (256, "attn_prefill_d256"),
 ];
 
+/// (head dim, kernel) of the wgmma form.
+const WG_VARIANTS: [(usize, &str); 2] = [(128, "attn_prefill_wg_d128"), (256, "attn_prefill_wg_d256")];
+
 pub(crate) const KERNELS: &[&str] = &[
     "attn_prefill_d32",
     "attn_prefill_d64",
     "attn_prefill_d128",
     "attn_prefill_d256",
+    "attn_prefill_wg_d128",
+    "attn_prefill_wg_d256",
 ];
+
+/// Which kernel form runs the attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// The mma.sync form, or the wgmma form where `LILY_ATTN_WGMMA=1` and the head dim has one.
+    Auto,
+    /// mma.sync m16n8k16, 64 rows a block (every head dim).
+    Mma,
+    /// wgmma, 128 rows a block (head dims 128 and 256).
+    Wgmma,
+}
+
+impl Kernel {
+    fn resolve(self, hd: usize) -> Kernel {
+        match self {
+            Kernel::Auto if wgmma_opted_in() && WG_VARIANTS.iter().any(|(d, _)| *d == hd) => Kernel::Wgmma,
+            Kernel::Auto => Kernel::Mma,
+            k => k,
+        }
+    }
+}
+
+fn wgmma_opted_in() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_ATTN_WGMMA").is_ok_and(|v| v == "1"))
+}
 
 /// Query rows ((token, head) pairs of one GQA group) per block.
 pub const ROWS_PER_BLOCK: usize = 64;
@@ -65,12 +102,25 @@ pub fn smem_bytes(hd: usize) -> usize {
     ROWS_PER_BLOCK * row + 2 * (KV_TILE * row + hd * (2 * KV_TILE + 16))
 }
 
+/// Query rows per block of the wgmma form (two warpgroups of 64).
+pub const WG_ROWS_PER_BLOCK: usize = 128;
+/// KV positions per tile of the wgmma form.
+pub const WG_KV_TILE: usize = 64;
+const WG_THREADS: u32 = 256;
+
+/// Dynamic shared memory of the wgmma form at head dim `hd`: Q [128][hd] and two stages of K [64][hd]
+/// and Vᵀ [hd][64], bf16 without padding (the swizzle spreads the banks), plus 1 KiB to align the tiles
+/// to 1024 bytes.
+pub fn wg_smem_bytes(hd: usize) -> usize {
+    2 * hd * WG_ROWS_PER_BLOCK + 2 * (2 * 2 * hd * WG_KV_TILE) + 1024
+}
+
 /// One-time function attributes (called by `Device::open`): lets each variant use the dynamic shared
 /// memory it needs (above the default 48 KiB). A variant that does not fit this GPU is left as is;
 /// [`prefill`] then refuses it.
 pub(crate) fn configure(dev: &Device) -> Result<()> {
-    for (hd, name) in VARIANTS {
-        let need = smem_bytes(hd);
+    let all = VARIANTS.iter().map(|&(hd, n)| (smem_bytes(hd), n));
+    for (need, name) in all.chain(WG_VARIANTS.iter().map(|&(hd, n)| (wg_smem_bytes(hd), n))) {
         if need <= dev.max_smem_optin() as usize {
             dev.function(name)?.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -87,11 +137,38 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
 /// `sigmoid(gate[t, h])` elementwise when `gate` [T, nh, hd] is given. Caches (bf16): K [cap, kvh, hd],
 /// V [kvh, hd, cap], cap ≥ pos0+t a multiple of 32; positions past pos0+t are never read. hd ∈ {32, 64,
 /// 128, 256}; nh a multiple of kvh; all buffers 16-byte aligned (any `CudaSlice`, or a view at a multiple
-/// of 4 elements).
+/// of 4 elements). Runs [`Kernel::Auto`]'s form.
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.85
 pub fn prefill<Q, K, V, G, O>(
     dev: &Device,
+    q: &Q,
+    k_cache: &K,
+    v_cache: &V,
+    cap: usize,
+    gate: Option<&G>,
+    nh: usize,
+    kvh: usize,
+    hd: usize,
+    pos0: usize,
+    t: usize,
+    out: &mut O,
+) -> Result<()>
+where
+    Q: DevicePtr<f32>,
+    K: DevicePtr<half::bf16>,
+    V: DevicePtr<half::bf16>,
+    G: DevicePtr<f32>,
+    O: DevicePtrMut<f32>,
+{
+    prefill_with(dev, Kernel::Auto, q, k_cache, v_cache, cap, gate, nh, kvh, hd, pos0, t, out)
+}
+
+/// [`prefill`] in the given form; [`Kernel::Wgmma`] refuses head dims other than 128 and 256.
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.85
+pub fn prefill_with<Q, K, V, G, O>(
+    dev: &Device,
+    kernel: Kernel,
     q: &Q,
     k_cache: &K,
     v_cache: &V,
@@ -116,8 +193,14 @@ where
             "attention prefill: {why} (nh {nh}, kvh {kvh}, hd {hd}, pos0 {pos0}, t {t})"
         )))
     };
-    let Some(&(_, name)) = VARIANTS.iter().find(|(d, _)| *d == hd) else {
-        return bad("head dim must be 32, 64, 128 or 256");
+    let wg = kernel.resolve(hd) == Kernel::Wgmma;
+    let (variants, rows_per_block, threads, smem): (&[(usize, &str)], _, _, _) = if wg {
+        (&WG_VARIANTS, WG_ROWS_PER_BLOCK, WG_THREADS, wg_smem_bytes(hd))
+    } else {
+        (&VARIANTS, ROWS_PER_BLOCK, THREADS, smem_bytes(hd))
+    };
+    let Some(&(_, name)) = variants.iter().find(|(d, _)| *d == hd) else {
+        return bad(if wg { "the wgmma form takes head dims 128 and 256" } else { "head dim must be 32, 64, 128 or 256" });
     };
     if t == 0 || nh == 0 || kvh == 0 || nh % kvh != 0 {
         return bad("t, nh, kvh must be > 0 and nh a multiple of kvh");
@@ -131,14 +214,13 @@ where
     if end > cap || cap % KV_TILE != 0 || cap.checked_mul(kvh * hd).is_none_or(|c| c > i32::MAX as usize) {
         return bad(&format!("cache capacity {cap} (a multiple of {KV_TILE}, at least pos0 + t)"));
     }
-    let ntiles = rows.div_ceil(ROWS_PER_BLOCK);
+    let ntiles = rows.div_ceil(rows_per_block);
     if ntiles
         .checked_mul(kvh)
         .is_none_or(|b| b > i32::MAX as usize)
     {
         return bad("too many blocks");
     }
-    let smem = smem_bytes(hd);
     if smem > dev.max_smem_optin() as usize {
         return bad(&format!(
             "needs {smem} B of shared memory, this GPU allows {}",
@@ -170,7 +252,7 @@ where
     }
     let cfg = LaunchConfig {
         grid_dim: ((ntiles * kvh) as u32, 1, 1),
-        block_dim: (THREADS, 1, 1),
+        block_dim: (threads, 1, 1),
         shared_mem_bytes: smem as u32,
     };
     launch(dev, name, cfg, &p)
