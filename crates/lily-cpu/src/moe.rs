@@ -24,20 +24,38 @@ pub fn dense_mlp(w: &DenseMlpWeights, x: &[f32]) -> Buf {
 }
 
 /// Per token: the chosen experts and their weights. logits: [T, E].
+///
+/// The weights are the softmax over all E experts of the chosen ones, p_i = e^(l_i − m) / Σ_j
+/// e^(l_j − m) (m the largest logit), and the k chosen are the k largest p, ties to the lower index.
+/// With `renormalise` (the model's `norm_topk_prob`) each is divided by the chosen ones' sum, where
+/// the softmax's denominator cancels: w_i = e^(l_i − m) / Σ_{chosen j} e^(l_j − m), and the k
+/// largest p are the k largest logits. So that form computes k exponentials, not E, and picks by
+/// logit (f32 total order, ties to the lower index; the same picks as by p except where distinct
+/// logits round to equal probabilities, e.g. both underflowing to 0, where the larger logit wins);
+/// the chosen exponentials are summed in pick order. The CUDA kernels (`route.cuh`) follow both
+/// forms bit for bit.
 pub fn route(logits: &[f32], e: usize, k: usize, renormalise: bool) -> Vec<Vec<(usize, f32)>> {
     logits
         .chunks_exact(e)
         .map(|row| {
+            let mut idx: Vec<usize> = (0..e).collect();
+            if renormalise {
+                // Largest logit first; ties to the lower index.
+                idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+                idx.truncate(k);
+                let m = row[idx[0]];
+                let ex: Vec<f32> = idx.iter().map(|&i| (row[i] - m).exp()).collect();
+                let total: f32 = ex.iter().sum();
+                return idx.into_iter().zip(ex).map(|(i, x)| (i, x / total)).collect();
+            }
             let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let ex: Vec<f32> = row.iter().map(|v| (v - m).exp()).collect();
             let sum: f32 = ex.iter().sum();
             let p: Vec<f32> = ex.iter().map(|v| v / sum).collect();
-            let mut idx: Vec<usize> = (0..e).collect();
             // Largest first; ties to the lower index.
             idx.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
             idx.truncate(k);
-            let total: f32 = idx.iter().map(|&i| p[i]).sum();
-            idx.into_iter().map(|i| (i, if renormalise { p[i] / total } else { p[i] })).collect()
+            idx.into_iter().map(|i| (i, p[i])).collect()
         })
         .collect()
 }

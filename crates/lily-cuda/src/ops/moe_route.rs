@@ -1,8 +1,9 @@
-//! The MoE router's selection (`kernels/moe_route.cu`), matching `lily_cpu::moe::route`: per token,
-//! softmax (f32) over all E router logits, the top k by probability (ties to the lower index, best
-//! first), divided by the sum of the k chosen probabilities when renormalising (`norm_topk_prob`).
-//! The kernel ranks the probabilities computed as the CPU computes them (sum in index order, IEEE
-//! division), so equal probabilities from distinct logits pick the same experts as the CPU.
+//! The MoE router's selection (`kernels/moe_route.cu`), matching `lily_cpu::moe::route` bit for bit:
+//! per token, the top k of the softmax (f32) over all E router logits (ties to the lower index, best
+//! first). Renormalised (`norm_topk_prob`, the model's case) the softmax's denominator cancels: the k
+//! largest logits, each weighted e^(l − m) over the sum of the k chosen (k exponentials, not E).
+//! Plain: the probabilities computed as the CPU computes them (sum in index order, IEEE division), so
+//! equal probabilities from distinct logits pick the same experts as the CPU.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
