@@ -29,6 +29,8 @@
 // m64n128k16, P from registers as the A fragments, O [64 × HD] f32 in registers: 128 a thread at 256).
 // Exponentials in base 2 with the scale's log2(e) folded into the scores. K/V tiles double-buffered by
 // cp.async from all 256 threads, the next tile's copy in flight during this tile's MMAs.
+// attn_prefill_wgo_d{128,256}: the same with each tile's softmax overlapped with the previous tile's
+// P·V on the tensor cores (see attn_prefill_wg's OVERLAP).
 
 #include "mma.cuh"
 #include "pdl.cuh"
@@ -273,7 +275,12 @@ __device__ __forceinline__ uint32_t sw128_at(int r, int ch, int atom) {
     return (uint32_t)((ch >> 3) * atom + r * 128 + (((ch & 7) ^ (r & 7)) << 4));
 }
 
-template <int HD>
+// OVERLAP = false: per KV tile j, S_j = Q·K_jᵀ, wait, softmax, O += P_j·V_j, wait (the two warpgroups
+// overlap each other's softmax with their MMAs). OVERLAP = true (FlashAttention-3's intra-warpgroup
+// pipelining): S_j = Q·K_jᵀ and O += P_{j-1}·V_{j-1} are issued together, and the softmax of S_j runs
+// on the CUDA cores while the P·V product is on the tensor cores; O's rescale by tile j's max waits
+// for it. The V tiles then lag the K tiles by one: the copy issued at tile j brings K_{j+1} and V_j.
+template <int HD, bool OVERLAP>
 __device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
     using L = WgLayout<HD>;
     constexpr int NH2 = HD / 128;  // m64n128 halves of O
@@ -294,32 +301,36 @@ __device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
     const int ntile_kv = (kv_end + WG_BK - 1) / WG_BK;
     const int qpos_min = p.pos0 + r0 / G;  // tiles wholly at or before it need no mask
 
-    // K [64][HD]: chunk ch of position row r -> atom ch / 8; Vᵀ [HD][64]: chunk ch (8 positions) of dim d.
-    // Positions at or past kv_end are zero-filled (never read: the cache may hold anything there).
-    auto issue = [&](int j, int buf) {
-        const uint32_t ks = stage0 + buf * L::STAGE, vs = ks + L::K_BYTES;
-        const int pbase = j * WG_BK;
-        constexpr int KCH = HD / 8;
+    // K [64][HD] of tile j into stage `buf`: chunk ch of position row r -> atom ch / 8. Vᵀ [HD][64]: chunk
+    // ch (8 positions) of dim d. Positions at or past kv_end are zero-filled (never read: the cache may
+    // hold anything there).
+    // Thread tid copies K rows tid / KCH + KPASS·i (chunk tid % KCH) and Vᵀ rows tid / 8 + 32·i (chunk
+    // tid % 8): one base pointer each, strided (fewer live registers than a pointer a copy).
+    constexpr int KCH = HD / 8, KPASS = WG_THREADS / KCH;
+    const int kr = tid / KCH, kch = tid % KCH, vd = tid >> 3, vch = tid & 7;
+    const uint16_t* kbase = p.k + ((long long)kr * p.kvh + kv) * HD + kch * 8;
+    const long long kstride = (long long)KPASS * p.kvh * HD, kstep = (long long)WG_BK * p.kvh * HD;
+    const uint16_t* vbase = p.vt + ((long long)kv * HD + vd) * p.cap + vch * 8;
+    const long long vstride = 32LL * p.cap;
+    auto issue_k = [&](int j, int buf) {
+        const uint32_t ks = stage0 + buf * L::STAGE;
+        const uint16_t* src = kbase + j * kstep;
 #pragma unroll
-        for (int i = 0; i < WG_BK * KCH / WG_THREADS; ++i) {
-            const int c = tid + i * WG_THREADS;
-            const int r = c / KCH, ch = c % KCH;
-            const int pos = pbase + r;
-            const bool ok = pos < kv_end;
-            const uint16_t* src = ok ? p.k + ((long long)pos * p.kvh + kv) * HD + ch * 8 : p.k;
-            cp_async16z(ks + sw128_at(r, ch, L::K_ATOM), src, ok ? 16 : 0);
-        }
-#pragma unroll
-        for (int i = 0; i < HD * 8 / WG_THREADS; ++i) {
-            const int c = tid + i * WG_THREADS;
-            const int d = c >> 3, ch = c & 7;
-            const int pos = pbase + ch * 8;
-            const int valid = min(max(kv_end - pos, 0), 8);
-            const uint16_t* src = valid > 0 ? p.vt + ((long long)kv * HD + d) * p.cap + pos : p.vt;
-            cp_async16z(vs + sw128_at(d, ch, 0), src, valid * 2);
+        for (int i = 0; i < WG_BK / KPASS; ++i) {
+            const int r = kr + KPASS * i;
+            const bool ok = j * WG_BK + r < kv_end;
+            cp_async16z(ks + sw128_at(r, kch, L::K_ATOM), ok ? src + i * kstride : p.k, ok ? 16 : 0);
         }
     };
-    issue(0, 0);
+    auto issue_v = [&](int j, int buf) {
+        const uint32_t vs = stage0 + buf * L::STAGE + L::K_BYTES;
+        const int valid = min(max(kv_end - (j * WG_BK + vch * 8), 0), 8);
+        const uint16_t* src = vbase + j * WG_BK;
+#pragma unroll
+        for (int i = 0; i < HD / 32; ++i) cp_async16z(vs + sw128_at(vd + 32 * i, vch, 0), valid > 0 ? src + i * vstride : p.vt, valid * 2);
+    };
+    issue_k(0, 0);
+    if (!OVERLAP) issue_v(0, 0);
     cp_async_commit_group();
 
     // Q tile -> bf16 (rows past the last (token, head) pair are zeros), then visible to wgmma.
@@ -354,19 +365,9 @@ __device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
     // This warpgroup's Q rows: atom a at qs + a·Q_ATOM + wg·64 rows.
     const uint64_t qdesc = wgmma_desc_sw128(qs + wg * 64 * 128);
 
-#pragma unroll 1
-    for (int j = 0; j < ntile_kv; ++j) {
-        cp_async_wait_group<0>();
-        fence_proxy_async();
-        __syncthreads();  // tile j in place for all; every warpgroup done with tile j - 1's buffer
-        if (j + 1 < ntile_kv) issue(j + 1, (j + 1) & 1);
-        cp_async_commit_group();
-        const uint32_t ks = stage0 + (j & 1) * L::STAGE, vs = ks + L::K_BYTES;
-        const uint64_t kdesc = wgmma_desc_sw128(ks), vdesc = wgmma_desc_sw128(vs);
-
-        // S = Q·Kᵀ [64 × 64]: k-step kk is 32·(kk % 4) bytes into atom kk / 4 of both tiles.
-        float s[32];
-        wgmma_fence();
+    // S = Q·K_bufᵀ [64 × 64], issued (not waited for): k-step kk is 32·(kk % 4) bytes into atom kk / 4.
+    auto issue_qk = [&](float (&s)[32], int buf) {
+        const uint64_t kdesc = wgmma_desc_sw128(stage0 + buf * L::STAGE);
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             const uint64_t ad = qdesc + (uint64_t)(((kk >> 2) * L::Q_ATOM + (kk & 3) * 32) >> 4);
@@ -374,14 +375,23 @@ __device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
             wgmma_m64n64k16_ss(s, ad, bd, kk > 0);
         }
         wgmma_commit();
-        wgmma_wait<0>();
-        wgmma_pin(s);
-
-        // Scale (base 2), mask, online softmax: row g in s[4i + e], row g + 8 in s[4i + 2 + e], column
-        // 8i + 2·q4 + e (i = 0..7).
+    };
+    // O += P·V_buf, issued: k-step k2 covers positions 16·k2.. (S columns 8·(2k2) .. 8·(2k2+1)+7), 32·k2
+    // bytes into each Vᵀ row; half hh is Vᵀ rows 128·hh.. (16 KB further).
+    auto issue_pv = [&](const uint32_t (&pa)[4][4], int buf) {
+        const uint64_t vdesc = wgmma_desc_sw128(stage0 + buf * L::STAGE + L::K_BYTES);
+#pragma unroll
+        for (int k2 = 0; k2 < 4; ++k2)
+#pragma unroll
+            for (int hh = 0; hh < NH2; ++hh)
+                wgmma_m64n128k16_rs(o[hh], pa[k2], vdesc + (uint64_t)((hh * 128 * 128 + k2 * 32) >> 4), 1);
+        wgmma_commit();
+    };
+    // Scale (base 2), mask, online softmax of tile j's S in place (row g in s[4i + e], row g + 8 in
+    // s[4i + 2 + e], column 8i + 2·q4 + e, i = 0..7); returns O's rescale factors.
+    auto softmax = [&](float (&s)[32], int j, float (&alpha)[2]) {
         const int pbase = j * WG_BK;
         const bool mask = pbase + WG_BK - 1 > qpos_min;
-        float alpha[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float mx = -INFINITY;
@@ -410,6 +420,8 @@ __device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
             l[h] = l[h] * alpha[h] + ps;
             m[h] = mn;
         }
+    };
+    auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
         for (int hh = 0; hh < NH2; ++hh)
 #pragma unroll
@@ -419,10 +431,10 @@ __device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
                 o[hh][4 * i + 2] *= alpha[1];
                 o[hh][4 * i + 3] *= alpha[1];
             }
-
-        // O += P·V: k-step ks2 covers positions 16·ks2.. (S columns 8·(2ks2) .. 8·(2ks2+1)+7), 32·ks2 bytes
-        // into each Vᵀ row; half hh is Vᵀ rows 128·hh.. (16 KB further).
-        uint32_t pa[4][4];
+    };
+    // P as the A fragments of the P·V k-steps (wgmma.cuh's register layout), settled with O before the
+    // fence that precedes the MMAs reading them (else ptxas injects one per MMA).
+    auto pack_p = [&](const float (&s)[32], uint32_t (&pa)[4][4]) {
 #pragma unroll
         for (int k2 = 0; k2 < 4; ++k2) {
             pa[k2][0] = pack_bf16(s[8 * k2], s[8 * k2 + 1]);
@@ -430,20 +442,79 @@ __device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
             pa[k2][2] = pack_bf16(s[8 * k2 + 4], s[8 * k2 + 5]);
             pa[k2][3] = pack_bf16(s[8 * k2 + 6], s[8 * k2 + 7]);
         }
-        // The rescaled O and the packed P settle before the fence (else ptxas injects one per MMA).
 #pragma unroll
         for (int hh = 0; hh < NH2; ++hh) wgmma_pin(o[hh]);
 #pragma unroll
         for (int k2 = 0; k2 < 4; ++k2)
 #pragma unroll
             for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(pa[k2][i])::"memory");
+    };
+    // Tile j's copies in place for every thread, and every warpgroup past the MMAs that read the
+    // buffers the next copies refill.
+    auto arrive = [&]() {
+        cp_async_wait_group<0>();
+        fence_proxy_async();
+        __syncthreads();
+    };
+
+    float s[32];
+    uint32_t pa[4][4];
+    float alpha[2];
+    if constexpr (!OVERLAP) {
+#pragma unroll 1
+        for (int j = 0; j < ntile_kv; ++j) {
+            arrive();
+            if (j + 1 < ntile_kv) {
+                issue_k(j + 1, (j + 1) & 1);
+                issue_v(j + 1, (j + 1) & 1);
+            }
+            cp_async_commit_group();
+            wgmma_fence();
+            issue_qk(s, j & 1);
+            wgmma_wait<0>();
+            wgmma_pin(s);
+            softmax(s, j, alpha);
+            rescale(alpha);
+            pack_p(s, pa);
+            wgmma_fence();
+            issue_pv(pa, j & 1);
+            wgmma_wait<0>();
+#pragma unroll
+            for (int hh = 0; hh < NH2; ++hh) wgmma_pin(o[hh]);
+        }
+    } else {
+        // Tile 0: its S and P (O is zero: no rescale). The copy group of tile j brings K_{j+1}, V_j.
+        arrive();
+        if (1 < ntile_kv) issue_k(1, 1);
+        issue_v(0, 0);
+        cp_async_commit_group();
         wgmma_fence();
+        issue_qk(s, 0);
+        wgmma_wait<0>();
+        wgmma_pin(s);
+        softmax(s, 0, alpha);
+        pack_p(s, pa);
+#pragma unroll 1
+        for (int j = 1; j < ntile_kv; ++j) {
+            arrive();  // K_j and V_{j-1} landed; K_{j-1} (QK of tile j-1) and V_{j-2} (P·V of tile j-2) free
+            if (j + 1 < ntile_kv) issue_k(j + 1, (j + 1) & 1);
+            issue_v(j, j & 1);
+            cp_async_commit_group();
+            wgmma_fence();
+            issue_qk(s, j & 1);
+            issue_pv(pa, (j - 1) & 1);
+            wgmma_wait<1>();  // S_j done; the P·V of tile j-1 may still run
+            wgmma_pin(s);
+            softmax(s, j, alpha);
+            wgmma_wait<0>();
 #pragma unroll
-        for (int k2 = 0; k2 < 4; ++k2)
-#pragma unroll
-            for (int hh = 0; hh < NH2; ++hh)
-                wgmma_m64n128k16_rs(o[hh], pa[k2], vdesc + (uint64_t)((hh * 128 * 128 + k2 * 32) >> 4), 1);
-        wgmma_commit();
+            for (int hh = 0; hh < NH2; ++hh) wgmma_pin(o[hh]);
+            rescale(alpha);
+            pack_p(s, pa);
+        }
+        arrive();  // V of the last tile
+        wgmma_fence();
+        issue_pv(pa, (ntile_kv - 1) & 1);
         wgmma_wait<0>();
 #pragma unroll
         for (int hh = 0; hh < NH2; ++hh) wgmma_pin(o[hh]);
@@ -476,5 +547,7 @@ __device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_prefill_wg_d128(const AttnPrefillParams p) { pdl_enter(); attn_prefill_wg<128>(p); }
-extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_prefill_wg_d256(const AttnPrefillParams p) { pdl_enter(); attn_prefill_wg<256>(p); }
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_prefill_wg_d128(const AttnPrefillParams p) { pdl_enter(); attn_prefill_wg<128, false>(p); }
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_prefill_wg_d256(const AttnPrefillParams p) { pdl_enter(); attn_prefill_wg<256, false>(p); }
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_prefill_wgo_d128(const AttnPrefillParams p) { pdl_enter(); attn_prefill_wg<128, true>(p); }
+extern "C" __global__ void __launch_bounds__(WG_THREADS, 1) attn_prefill_wgo_d256(const AttnPrefillParams p) { pdl_enter(); attn_prefill_wg<256, true>(p); }

@@ -1,7 +1,7 @@
 //! CPU-vs-GPU tests of the full-attention preparation (`kernels/attn_prep.cu`, `ops::attn_prep`: q/k
 //! RMSNorm, partial RoPE, gate split, bf16 KV-cache append, the cache copy) and of causal prefill
-//! attention on the tensor cores (`kernels/attn_prefill.cu`, `ops::attn_prefill`: both forms, mma.sync
-//! and wgmma, each held to the CPU), plus a timing at the real shape (`bench_attn_prefill`, ignored by
+//! attention on the tensor cores (`kernels/attn_prefill.cu`, `ops::attn_prefill`: every form, mma.sync
+//! and the two wgmma ones, each held to the CPU), plus a timing at the real shape (`bench_attn_prefill`, ignored by
 //! default).
 //!
 //! References: `lily_cpu::norm::rms_norm_inplace` and `lily_cpu::attention::rope` on the same inputs for
@@ -347,14 +347,14 @@ fn cap_for(n: usize) -> usize {
     (n + 5).div_ceil(32) * 32
 }
 
-/// The forms a head dim has: mma.sync for every one, wgmma for 128 and 256.
+/// The forms a head dim has: mma.sync for every one, the two wgmma forms for 128 and 256.
 fn kernels(hd: usize) -> &'static [Kernel] {
-    if hd == 128 || hd == 256 { &[Kernel::Mma, Kernel::Wgmma] } else { &[Kernel::Mma] }
+    if hd == 128 || hd == 256 { &[Kernel::Mma, Kernel::Wgmma, Kernel::WgmmaOverlap] } else { &[Kernel::Mma] }
 }
 
 /// The KV tile of a form (the emulation's online-softmax tile).
 fn kv_tile(kernel: Kernel) -> usize {
-    if kernel == Kernel::Wgmma { attn_prefill::WG_KV_TILE } else { attn_prefill::KV_TILE }
+    if kernel == Kernel::Mma { attn_prefill::KV_TILE } else { attn_prefill::WG_KV_TILE }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -455,9 +455,10 @@ fn prefill_rejects_bad_shapes() {
     assert!(run(&qv, none, 32, nh, 48, 0, 3).is_err()); // hd
     let q_off = q.slice(1..);
     assert!(run(&q_off, none, 32, nh, hd, 0, 1).is_err()); // misaligned
-    // The wgmma form at a head dim it lacks (64), refused; the mma.sync form takes it.
+    // The wgmma forms at a head dim they lack (64), refused; the mma.sync form takes it.
     let mut wg = |k: Kernel| attn_prefill::prefill_with(&dev, k, &qv, &kc, &vc, 32, none, nh, kvh, hd, 0, 3, &mut out);
     assert!(wg(Kernel::Wgmma).is_err());
+    assert!(wg(Kernel::WgmmaOverlap).is_err());
     assert!(wg(Kernel::Mma).is_ok());
     dev.synchronize().unwrap();
 }
@@ -565,7 +566,7 @@ fn bench_attn_prefill() {
             });
             let pairs = (t * pos0 + t * (t + 1) / 2) as f64;
             let flops = 4.0 * (hd * nh) as f64 * pairs;
-            println!("  {kernel:6?} pos0 {pos0:6} T {t:4}: {:10.1} µs  {:6.1} TFLOP/s  (spread {spread:.2})", secs * 1e6, flops / secs / 1e12);
+            println!("  {kernel:12?} pos0 {pos0:6} T {t:4}: {:10.1} µs  {:6.1} TFLOP/s  (spread {spread:.2})", secs * 1e6, flops / secs / 1e12);
             assert!(dev.download(&out).unwrap().iter().all(|x| x.is_finite()));
         }
     }

@@ -14,7 +14,8 @@
 //! warpgroups per tile of 128 rows, K/V tiles of 64 positions in wgmma's swizzled layout, S = Q·Kᵀ with
 //! both operands from shared memory and O += P·V with P from registers (193 KiB of shared memory at
 //! head dim 256, one block an SM). [`Kernel::Auto`] takes it only with `LILY_ATTN_WGMMA=1` until it is
-//! measured against the mma.sync form on a GPU.
+//! measured against the mma.sync form on a GPU; [`Kernel::WgmmaOverlap`] is the same with each
+//! tile's softmax overlapped with the previous tile's P·V (`LILY_ATTN_WGMMA=2`).
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -51,8 +52,9 @@ const VARIANTS: [(usize, &str); 4] = [
     (256, "attn_prefill_d256"),
 ];
 
-/// (head dim, kernel) of the wgmma form.
+/// (head dim, kernel) of the wgmma forms: MMAs and softmax in turn, and overlapped.
 const WG_VARIANTS: [(usize, &str); 2] = [(128, "attn_prefill_wg_d128"), (256, "attn_prefill_wg_d256")];
+const WGO_VARIANTS: [(usize, &str); 2] = [(128, "attn_prefill_wgo_d128"), (256, "attn_prefill_wgo_d256")];
 
 pub(crate) const KERNELS: &[&str] = &[
     "attn_prefill_d32",
@@ -61,32 +63,43 @@ pub(crate) const KERNELS: &[&str] = &[
     "attn_prefill_d256",
     "attn_prefill_wg_d128",
     "attn_prefill_wg_d256",
+    "attn_prefill_wgo_d128",
+    "attn_prefill_wgo_d256",
 ];
 
 /// Which kernel form runs the attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
-    /// The mma.sync form, or the wgmma form where `LILY_ATTN_WGMMA=1` and the head dim has one.
+    /// The mma.sync form, or a wgmma form where the head dim has one and `LILY_ATTN_WGMMA` asks for
+    /// it (`1`: [`Kernel::Wgmma`], `2`: [`Kernel::WgmmaOverlap`]).
     Auto,
     /// mma.sync m16n8k16, 64 rows a block (every head dim).
     Mma,
-    /// wgmma, 128 rows a block (head dims 128 and 256).
+    /// wgmma, 128 rows a block (head dims 128 and 256): per KV tile S = Q·Kᵀ, softmax, O += P·V in turn.
     Wgmma,
+    /// As [`Kernel::Wgmma`], with each tile's softmax overlapped with the previous tile's P·V
+    /// (FlashAttention-3's intra-warpgroup pipelining).
+    WgmmaOverlap,
 }
 
 impl Kernel {
     fn resolve(self, hd: usize) -> Kernel {
         match self {
-            Kernel::Auto if wgmma_opted_in() && WG_VARIANTS.iter().any(|(d, _)| *d == hd) => Kernel::Wgmma,
+            Kernel::Auto if WG_VARIANTS.iter().any(|(d, _)| *d == hd) => wgmma_opted_in().unwrap_or(Kernel::Mma),
             Kernel::Auto => Kernel::Mma,
             k => k,
         }
     }
 }
 
-fn wgmma_opted_in() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_ATTN_WGMMA").is_ok_and(|v| v == "1"))
+/// The wgmma form `LILY_ATTN_WGMMA` asks for (read once), until measurement picks the default.
+fn wgmma_opted_in() -> Option<Kernel> {
+    static ON: std::sync::OnceLock<Option<Kernel>> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("LILY_ATTN_WGMMA").as_deref() {
+        Ok("1") => Some(Kernel::Wgmma),
+        Ok("2") => Some(Kernel::WgmmaOverlap),
+        _ => None,
+    })
 }
 
 /// Query rows ((token, head) pairs of one GQA group) per block.
@@ -120,7 +133,8 @@ pub fn wg_smem_bytes(hd: usize) -> usize {
 /// [`prefill`] then refuses it.
 pub(crate) fn configure(dev: &Device) -> Result<()> {
     let all = VARIANTS.iter().map(|&(hd, n)| (smem_bytes(hd), n));
-    for (need, name) in all.chain(WG_VARIANTS.iter().map(|&(hd, n)| (wg_smem_bytes(hd), n))) {
+    let wg = WG_VARIANTS.iter().chain(&WGO_VARIANTS).map(|&(hd, n)| (wg_smem_bytes(hd), n));
+    for (need, name) in all.chain(wg) {
         if need <= dev.max_smem_optin() as usize {
             dev.function(name)?.set_attribute(
                 CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -193,11 +207,12 @@ where
             "attention prefill: {why} (nh {nh}, kvh {kvh}, hd {hd}, pos0 {pos0}, t {t})"
         )))
     };
-    let wg = kernel.resolve(hd) == Kernel::Wgmma;
-    let (variants, rows_per_block, threads, smem): (&[(usize, &str)], _, _, _) = if wg {
-        (&WG_VARIANTS, WG_ROWS_PER_BLOCK, WG_THREADS, wg_smem_bytes(hd))
-    } else {
-        (&VARIANTS, ROWS_PER_BLOCK, THREADS, smem_bytes(hd))
+    let kernel = kernel.resolve(hd);
+    let wg = kernel != Kernel::Mma;
+    let (variants, rows_per_block, threads, smem): (&[(usize, &str)], _, _, _) = match kernel {
+        Kernel::Wgmma => (&WG_VARIANTS, WG_ROWS_PER_BLOCK, WG_THREADS, wg_smem_bytes(hd)),
+        Kernel::WgmmaOverlap => (&WGO_VARIANTS, WG_ROWS_PER_BLOCK, WG_THREADS, wg_smem_bytes(hd)),
+        _ => (&VARIANTS, ROWS_PER_BLOCK, THREADS, smem_bytes(hd)),
     };
     let Some(&(_, name)) = variants.iter().find(|(d, _)| *d == hd) else {
         return bad(if wg { "the wgmma form takes head dims 128 and 256" } else { "head dim must be 32, 64, 128 or 256" });
