@@ -8,7 +8,9 @@
 // Split-KV (flash-decoding), two launches:
 //   attn_decode_d{HD}: grid (max_splits, kvh, ceil(G/8)), NW warps. Block (s, kv, z) takes stages of 32
 //     positions [s·per·32, ...) of KV head kv for query heads kv·G + 8z .. +8 (G = nh/kvh), through a
-//     2-stage cp.async ring in shared memory (K [32][hd], Vᵀ [hd][32]; positions ≥ n zero-filled).
+//     cp.async ring of NS stages in shared memory (K [32][hd], Vᵀ [hd][32]; positions ≥ n zero-filled):
+//     NS = 2, or 3 in attn_decode_d{128,256}_s3 (two stages in flight: more bytes in flight per SM at
+//     long contexts, where the kernel streams the cache).
 //     Tensor cores, near-f32: q is split into bf16 hi + lo, which fill the 16 rows of the MMA's A
 //     (rows 0-7 hi of the 8 heads, rows 8-15 lo), so S = Q·Kᵀ comes out as row g + row g+8 of one
 //     m16n8k16 product; p = e^(s-m) is split the same way and O += V·p runs as two MMAs (hi, lo) with the
@@ -60,7 +62,7 @@ __device__ __forceinline__ AdSplit ad_split(const AttnDecodeParams& p) {
     return AdSplit{n, stages, per, (stages + per - 1) / per};
 }
 
-template <int HD, int NW>
+template <int HD, int NW, int NS>
 __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
     constexpr int MTW = HD / 16 / NW;  // m-tiles (16 dims) of O per warp
     static_assert(MTW >= 1 && MTW * NW * 16 == HD, "dims split over warps");
@@ -127,13 +129,20 @@ __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
 #pragma unroll
     for (int i = 0; i < MTW; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 
-    issue(st_begin, 0);
+    // The ring: NS - 1 stages in flight while one is computed (buf: this stage's buffer, nxt: the one
+    // refilled now, read by the previous stage and freed by the barrier at its end).
+    issue(st_begin, 0);  // every split has a stage
     cp_async_commit_group();
-    int buf = 0;
-    for (int st = st_begin; st < st_end; ++st) {
-        if (st + 1 < st_end) issue(st + 1, buf ^ 1);
+#pragma unroll
+    for (int i = 1; i < NS - 1; ++i) {
+        if (st_begin + i < st_end) issue(st_begin + i, i);
         cp_async_commit_group();
-        cp_async_wait_group<1>();
+    }
+    int buf = 0, nxt = NS - 1;
+    for (int st = st_begin; st < st_end; ++st) {
+        if (st + NS - 1 < st_end) issue(st + NS - 1, NS == 2 ? buf ^ 1 : nxt);
+        cp_async_commit_group();
+        cp_async_wait_group<NS - 1>();
         __syncthreads();
         const uint32_t ks = sbase + buf * (KSTAGE + VSTAGE), vs = ks + KSTAGE;
         const int base = st * AD_STAGE;
@@ -204,7 +213,12 @@ __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
             mma_bf16(o[mt], va.z, vb.z, va.w, vb.w, pl[1][0], pl[1][1]);
         }
         __syncthreads();  // this buffer is refilled next iteration
-        buf ^= 1;
+        if constexpr (NS == 2) {
+            buf ^= 1;
+        } else {
+            nxt = buf;
+            buf = buf + 1 == NS ? 0 : buf + 1;
+        }
     }
     cp_async_wait_group<0>();
 
@@ -230,14 +244,17 @@ __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
     }
 }
 
-#define AD_ENTRY(HD, NW)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(NW * 32) attn_decode_d##HD(const AttnDecodeParams p) { pdl_enter(); \
-        attn_decode<HD, NW>(p);                                                                               \
+#define AD_ENTRY(name, HD, NW, NS)                                                                            \
+    extern "C" __global__ void __launch_bounds__(NW * 32) name(const AttnDecodeParams p) { pdl_enter();        \
+        attn_decode<HD, NW, NS>(p);                                                                           \
     }
-AD_ENTRY(32, 2)
-AD_ENTRY(64, 4)
-AD_ENTRY(128, 4)
-AD_ENTRY(256, 4)
+AD_ENTRY(attn_decode_d32, 32, 2, 2)
+AD_ENTRY(attn_decode_d64, 64, 4, 2)
+AD_ENTRY(attn_decode_d128, 128, 4, 2)
+AD_ENTRY(attn_decode_d256, 256, 4, 2)
+// Three-stage rings (two stages in flight), opt-in: ops::attention::Ring.
+AD_ENTRY(attn_decode_d128_s3, 128, 4, 3)
+AD_ENTRY(attn_decode_d256_s3, 256, 4, 3)
 
 // Block (h, dims 64y..64y+64), 256 threads: the split weights e^(m_s−M) once in shared memory, then
 // 4 groups of 64 threads sum over splits s ≡ group (mod 4) for one dim each.

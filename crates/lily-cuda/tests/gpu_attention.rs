@@ -1,7 +1,8 @@
 //! CPU-vs-GPU tests of decode attention over the bf16 KV cache (`kernels/attention.cu`,
 //! `ops::attention`) against an f64 loop of the maths of `lily_cpu::attention::forward` after RoPE
 //! (query head h reads KV head h / (nh/kvh), scores (q·k)/√hd over positions 0..n, softmax, Σ p·v, the
-//! sigmoid gate) on the same bf16-rounded K and V, plus a timing at the real shape
+//! sigmoid gate) on the same bf16-rounded K and V, with each ring depth the kernel has (`Ring::Two`,
+//! and `Ring::Three` at head dims 128 and 256), plus a timing at the real shape
 //! (`bench_attention_decode`, ignored by default).
 //!
 //! Each test skips (prints "no GPU, skipped") when `probe(0)` fails. Inputs are fresh pseudo-random
@@ -15,6 +16,7 @@
 mod common;
 
 use common::{device, k_cache_bf16, poisoned, round_bf16, time_op, v_cache_bf16, Rng};
+use lily_cuda::ops::attention::Ring;
 use lily_cuda::ops::{attention, Scalar};
 use lily_cuda::Device;
 
@@ -72,7 +74,13 @@ fn cache(rng: &mut Rng, n: usize, cap: usize, kvh: usize, hd: usize, std: f64) -
     c
 }
 
-fn check(dev: &Device, nh: usize, kvh: usize, hd: usize, n: usize, gated: bool, device_n: bool, seed: u64) -> f64 {
+/// The ring depths a head dim has: two stages for every one, three for 128 and 256.
+fn rings(hd: usize) -> &'static [Ring] {
+    if hd == 128 || hd == 256 { &[Ring::Two, Ring::Three] } else { &[Ring::Two] }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn check(dev: &Device, ring: Ring, nh: usize, kvh: usize, hd: usize, n: usize, gated: bool, device_n: bool, seed: u64) -> f64 {
     let mut rng = Rng::new(seed);
     let cap = (n + 3).div_ceil(attention::STAGE) * attention::STAGE;
     // q and k are RMS-normed in the model (elements ~1); scores (q·k)/√hd then have std ~1.
@@ -89,9 +97,9 @@ fn check(dev: &Device, nh: usize, kvh: usize, hd: usize, n: usize, gated: bool, 
     let n_arg = if device_n { Scalar::Device { at: &nv, max: cap } } else { Scalar::Host(n) };
     let mut out = poisoned(dev, nh * hd);
     let mut scratch = poisoned(dev, attention::scratch_len(nh, hd));
-    attention::decode(dev, &qd, &kd, &vd, cap, n_arg, nh, kvh, hd, gated.then_some(&gd), &mut out, &mut scratch).unwrap();
+    attention::decode_with(dev, ring, &qd, &kd, &vd, cap, n_arg, nh, kvh, hd, gated.then_some(&gd), &mut out, &mut scratch).unwrap();
     let got = dev.download(&out).unwrap();
-    let what = format!("nh {nh} kvh {kvh} hd {hd} n {n} gated {gated} device n {device_n}");
+    let what = format!("{ring:?} ring: nh {nh} kvh {kvh} hd {hd} n {n} gated {gated} device n {device_n}");
     let e = rel_err(&got, &want, &what);
     assert!(e <= TOL, "{what}: relative max error {e:.3e} > {TOL:.0e}");
     e
@@ -102,10 +110,12 @@ const NS: [usize; 7] = [1, 7, 32, 33, 64, 1000, 4096];
 #[test]
 fn attention_real_shape_matches_cpu() {
     let Some(dev) = device() else { return };
-    for (i, n) in NS.iter().chain(&[20_000]).enumerate() {
-        for (j, (gated, dn)) in [(true, false), (false, true), (true, true)].into_iter().enumerate() {
-            let e = check(&dev, 16, 2, 256, *n, gated, dn, 10 + 3 * i as u64 + j as u64);
-            println!("nh 16 kvh 2 hd 256 n {n:5} gated {gated} device n {dn}: rel err {e:.2e}");
+    for &ring in rings(256) {
+        for (i, n) in NS.iter().chain(&[20_000]).enumerate() {
+            for (j, (gated, dn)) in [(true, false), (false, true), (true, true)].into_iter().enumerate() {
+                let e = check(&dev, ring, 16, 2, 256, *n, gated, dn, 10 + 3 * i as u64 + j as u64);
+                println!("{ring:?} ring: nh 16 kvh 2 hd 256 n {n:5} gated {gated} device n {dn}: rel err {e:.2e}");
+            }
         }
     }
 }
@@ -116,9 +126,11 @@ fn attention_small_odd_shapes_match_cpu() {
     // G = 2, 8, 4, 16 (two blocks of 8 heads per KV slice), 3 (partial head block), 1; all four head dims.
     let shapes = [(4, 2, 64), (8, 1, 32), (8, 2, 128), (32, 2, 128), (6, 2, 256), (2, 2, 64), (4, 4, 32)];
     for (j, &(nh, kvh, hd)) in shapes.iter().enumerate() {
-        for (i, n) in NS.iter().chain(&[257, 8191]).enumerate() {
-            let e = check(&dev, nh, kvh, hd, *n, i % 2 == 0, i % 3 == 0, 1000 + 100 * j as u64 + i as u64);
-            println!("nh {nh:2} kvh {kvh} hd {hd:3} n {n:5}: rel err {e:.2e}");
+        for &ring in rings(hd) {
+            for (i, n) in NS.iter().chain(&[257, 8191]).enumerate() {
+                let e = check(&dev, ring, nh, kvh, hd, *n, i % 2 == 0, i % 3 == 0, 1000 + 100 * j as u64 + i as u64);
+                println!("{ring:?} ring: nh {nh:2} kvh {kvh} hd {hd:3} n {n:5}: rel err {e:.2e}");
+            }
         }
     }
 }
@@ -144,6 +156,10 @@ fn attention_rejects_bad_shapes() {
     assert!(run(8, 32, 4, 48, &mut s).is_err()); // hd
     let mut small = dev.zeros::<f32>(attention::scratch_len(4, 64) - 1).unwrap();
     assert!(run(8, 32, 4, 64, &mut small).is_err());
+    // The three-stage ring at a head dim it lacks (64), refused; the two-stage one takes it.
+    let mut ring = |r: Ring| attention::decode_with(&dev, r, &q, &k, &v, 32, Scalar::Host(8), 4, 2, 64, none, &mut out, &mut s);
+    assert!(ring(Ring::Three).is_err());
+    assert!(ring(Ring::Two).is_ok());
     dev.synchronize().unwrap();
 }
 
@@ -176,19 +192,21 @@ fn bench_attention_decode() {
         let host = k_cache_bf16(&rng.normals(n * kvh * hd, 1.0));
         let k: Vec<_> = (0..layers).map(|_| dev.upload(&host).unwrap()).collect();
         let v: Vec<_> = (0..layers).map(|_| dev.upload(&host).unwrap()).collect();
-        let (t, spread) = time_op(&dev, 15, 2 * layers, |i| {
-            let l = i % layers;
-            attention::decode(&dev, &q, &k[l], &v[l], n, Scalar::Host(n), nh, kvh, hd, Some(&gate), &mut out, &mut scratch).unwrap();
-        });
-        let bytes = 2.0 * (kvh * hd * 2 * n) as f64;
-        let bw = bytes / t / 1e12;
-        println!(
-            "  n {n:6} (splits {:?}): {:8.2} µs/call, K+V {:.1} MB → {bw:.2} TB/s ({:.0}% of 4.3 TB/s; spread {spread:.2})",
-            attention::splits_for(n, attention::max_splits(&dev, kvh, 1)),
-            t * 1e6,
-            bytes / 1e6,
-            bw / 4.3 * 100.0
-        );
-        assert!(dev.download(&out).unwrap().iter().all(|x| x.is_finite()));
+        for &ring in rings(hd) {
+            let (t, spread) = time_op(&dev, 15, 2 * layers, |i| {
+                let l = i % layers;
+                attention::decode_with(&dev, ring, &q, &k[l], &v[l], n, Scalar::Host(n), nh, kvh, hd, Some(&gate), &mut out, &mut scratch).unwrap();
+            });
+            let bytes = 2.0 * (kvh * hd * 2 * n) as f64;
+            let bw = bytes / t / 1e12;
+            println!(
+                "  {ring:?} ring, n {n:6} (splits {:?}): {:8.2} µs/call, K+V {:.1} MB → {bw:.2} TB/s ({:.0}% of 4.3 TB/s; spread {spread:.2})",
+                attention::splits_for(n, attention::max_splits(&dev, kvh, 1)),
+                t * 1e6,
+                bytes / 1e6,
+                bw / 4.3 * 100.0
+            );
+            assert!(dev.download(&out).unwrap().iter().all(|x| x.is_finite()));
+        }
     }
 }

@@ -45,7 +45,44 @@ unsafe impl DeviceRepr for AttnDecodeParams {}
 const VARIANTS: [(usize, u32, &str); 4] =
     [(32, 2, "attn_decode_d32"), (64, 4, "attn_decode_d64"), (128, 4, "attn_decode_d128"), (256, 4, "attn_decode_d256")];
 
-pub(crate) const KERNELS: &[&str] = &["attn_decode_d32", "attn_decode_d64", "attn_decode_d128", "attn_decode_d256", "attn_decode_combine"];
+/// (head dim, warps, kernel) with a three-stage ring.
+const VARIANTS_S3: [(usize, u32, &str); 2] = [(128, 4, "attn_decode_d128_s3"), (256, 4, "attn_decode_d256_s3")];
+
+pub(crate) const KERNELS: &[&str] = &[
+    "attn_decode_d32",
+    "attn_decode_d64",
+    "attn_decode_d128",
+    "attn_decode_d256",
+    "attn_decode_d128_s3",
+    "attn_decode_d256_s3",
+    "attn_decode_combine",
+];
+
+/// The depth of the decode kernel's cp.async ring (stages of [`STAGE`] positions).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ring {
+    /// Two stages, or three where `LILY_ATTN_STAGES=3` (read once) and the head dim has that variant:
+    /// an A/B switch until the three-stage ring is measured on a GPU.
+    Auto,
+    /// Two stages: one in flight while one is computed (every head dim).
+    Two,
+    /// Three stages: two in flight (head dims 128 and 256).
+    Three,
+}
+
+impl Ring {
+    fn resolve(self, hd: usize) -> Ring {
+        static THREE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        match self {
+            Ring::Auto if *THREE.get_or_init(|| std::env::var("LILY_ATTN_STAGES").is_ok_and(|v| v == "3")) && VARIANTS_S3.iter().any(|v| v.0 == hd) => Ring::Three,
+            Ring::Auto => Ring::Two,
+            r => r,
+        }
+    }
+    const fn stages(self) -> usize {
+        if matches!(self, Ring::Three) { 3 } else { 2 }
+    }
+}
 
 /// The most KV splits of one call (bounds the scratch).
 pub const MAX_SPLITS: usize = 256;
@@ -54,7 +91,8 @@ pub const STAGE: usize = 32;
 /// Query heads per block (a larger group takes several blocks per KV slice).
 const MAX_GROUP_PER_BLOCK: usize = 8;
 
-/// Dynamic shared memory of the head-dim-`hd` kernel: two stages of K [32][hd] (rows padded) and Vᵀ [hd][32].
+/// Dynamic shared memory of the head-dim-`hd` kernel with the two-stage ring: two stages of K [32][hd]
+/// (rows padded) and Vᵀ [hd][32]; [`Ring::Three`] takes 3/2 of it.
 pub fn smem_bytes(hd: usize) -> usize {
     let kp = 2 * hd + if (hd / 2) % 32 == 0 { 64 } else { 0 };
     2 * (STAGE * kp + hd * 2 * STAGE)
@@ -64,6 +102,10 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     for (hd, _, name) in VARIANTS {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(hd) as i32)?;
+    }
+    for (hd, _, name) in VARIANTS_S3 {
+        dev.function(name)?
+            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (smem_bytes(hd) / 2 * 3) as i32)?;
     }
     Ok(())
 }
@@ -122,9 +164,43 @@ where
     O: DevicePtrMut<f32>,
     S: DevicePtrMut<f32>,
 {
+    decode_with(dev, Ring::Auto, q, k_cache, v_cache, cap, n, nh, kvh, hd, gate, out, scratch)
+}
+
+/// [`decode`] with the given ring depth; [`Ring::Three`] refuses head dims other than 128 and 256.
+#[allow(clippy::too_many_arguments)]
+#[allow(clippy::manual_is_multiple_of)]
+pub fn decode_with<Q, K, V, G, O, S>(
+    dev: &Device,
+    ring: Ring,
+    q: &Q,
+    k_cache: &K,
+    v_cache: &V,
+    cap: usize,
+    n: Scalar<'_>,
+    nh: usize,
+    kvh: usize,
+    hd: usize,
+    gate: Option<&G>,
+    out: &mut O,
+    scratch: &mut S,
+) -> Result<()>
+where
+    Q: DevicePtr<f32>,
+    K: DevicePtr<bf16>,
+    V: DevicePtr<bf16>,
+    G: DevicePtr<f32>,
+    O: DevicePtrMut<f32>,
+    S: DevicePtrMut<f32>,
+{
     let (n, n_dev) = n.split(dev, "attention decode n")?;
-    let Some(&(_, warps, name)) = VARIANTS.iter().find(|v| v.0 == hd) else {
-        return Err(CudaError::Shape(format!("attention decode: head dim {hd} (32, 64, 128 or 256)")));
+    let ring = ring.resolve(hd);
+    let variants: &[(usize, u32, &str)] = if ring == Ring::Three { &VARIANTS_S3 } else { &VARIANTS };
+    let Some(&(_, warps, name)) = variants.iter().find(|v| v.0 == hd) else {
+        return Err(CudaError::Shape(format!(
+            "attention decode: head dim {hd} ({})",
+            if ring == Ring::Three { "the three-stage ring takes 128 or 256" } else { "32, 64, 128 or 256" }
+        )));
     };
     if n == 0 || n > cap || cap % STAGE != 0 || nh == 0 || kvh == 0 || nh % kvh != 0 || cap.checked_mul(kvh * hd).is_none_or(|c| c > i32::MAX as usize) {
         return Err(CudaError::Shape(format!("attention decode: n {n}, cap {cap}, nh {nh}, kvh {kvh}, hd {hd}")));
@@ -161,7 +237,7 @@ where
     let cfg = LaunchConfig {
         grid_dim: (if n_dev != 0 { max_splits } else { splits } as u32, kvh as u32, z as u32),
         block_dim: (32 * warps, 1, 1),
-        shared_mem_bytes: smem_bytes(hd) as u32,
+        shared_mem_bytes: (smem_bytes(hd) / 2 * ring.stages()) as u32,
     };
     launch(dev, name, cfg, &p)?;
     let cfg = LaunchConfig { grid_dim: (nh as u32, hd.div_ceil(64) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
