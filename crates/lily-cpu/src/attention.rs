@@ -127,7 +127,7 @@ pub fn attend(isa: Isa, q: &[f32], kc: &[f32], vc: &[f32], pos0: usize, nh: usiz
     assert_eq!(q.len(), t * nh * hd, "attend: q is not [T, {nh}, {hd}]");
     assert_eq!(o.len(), q.len(), "attend: o is not like q");
     assert!(kc.len() >= (pos0 + t) * kvh * hd && vc.len() == kc.len(), "attend: the cache lacks the new rows");
-    assert!(kvh > 0 && nh % kvh == 0, "attend: {nh} query heads over {kvh} KV heads");
+    assert!(kvh > 0 && nh.is_multiple_of(kvh), "attend: {nh} query heads over {kvh} KV heads");
     if t == 0 {
         return;
     }

@@ -137,7 +137,7 @@ pub fn dots(isa: Isa, a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb:
 /// rows share each value row read).
 #[allow(clippy::too_many_arguments)]
 pub fn weighted_sum(isa: Isa, w: &[f32], sw: usize, n: usize, v: &[f32], sv: usize, out: &mut [f32], rows: usize) {
-    assert!(rows > 0 && out.len() % rows == 0, "weighted_sum: out is not [rows, d]");
+    assert!(rows > 0 && out.len().is_multiple_of(rows), "weighted_sum: out is not [rows, d]");
     let d = out.len() / rows;
     assert!(n == 0 || ((rows - 1) * sw + n <= w.len() && (n - 1) * sv + d <= v.len()), "weighted_sum: w or v too short");
     match isa {
@@ -1034,7 +1034,7 @@ mod avx512 {
                 }
                 let half = |r: usize| {
                     let v = acc[r / 2];
-                    if r % 2 == 0 {
+                    if r.is_multiple_of(2) {
                         _mm512_castps512_ps256(v)
                     } else {
                         _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)))
@@ -1101,7 +1101,7 @@ mod avx512 {
     #[inline(always)]
     fn packed_dots(a: &[f32], sa: usize, na: usize, b: &[f32], sb: usize, nb: usize, d: usize, out: &mut [f32], os: usize, pack: &mut [f32]) {
         let full_r = na / 8 * 8;
-        if d % 8 != 0 || full_r == 0 || nb == 0 {
+        if !d.is_multiple_of(8) || full_r == 0 || nb == 0 {
             return dots_tiled::<Avx2, 4, 2>(a, sa, na, b, sb, nb, d, out, os);
         }
         assert!(pack.len() >= full_r * d && (na - 1) * sa + d <= a.len() && (nb - 1) * sb + d <= b.len());
@@ -1137,6 +1137,7 @@ mod avx512 {
     ///
     /// SAFETY: `pk` holds 8·cols floats, x rows u0..u0+U, out U-1 strides and 8; AVX-512F.
     #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // acc is read as acc[p][j] across p for each j
     unsafe fn tile8<const U: usize>(pk: &[f32], x: &[f32], sx: usize, u0: usize, cols: usize, out: &mut [f32], os: usize) {
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); U]; 4];

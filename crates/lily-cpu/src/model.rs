@@ -153,7 +153,7 @@ impl CpuModel {
         state.pos += t;
 
         rms_norm(&x, &self.w.final_norm, cfg.rms_norm_eps, &mut normed);
-        if let Some(tr) = trace.as_deref_mut() {
+        if let Some(tr) = trace {
             tr.final_norm = normed.to_vec();
         }
         let rows: &[f32] = match want {

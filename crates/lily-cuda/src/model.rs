@@ -122,11 +122,13 @@ struct AttnLayer {
     qkv_fused: Option<DeviceMatrix>,
 }
 
+#[allow(clippy::large_enum_variant)] // one a layer, built once at load: the size difference costs nothing
 enum DevMixer {
     Gdn(GdnLayer),
     Attn(AttnLayer),
 }
 
+#[allow(clippy::large_enum_variant)] // one a layer, built once at load: the size difference costs nothing
 enum DevMlp {
     Moe {
         router: DeviceMatrix, // [E, H]
@@ -139,6 +141,7 @@ enum DevMlp {
 }
 
 /// Where the shared expert lives.
+#[allow(clippy::large_enum_variant)] // one a layer, built once at load: the size difference costs nothing
 enum Shared {
     None,
     /// Its own matrices, and its gate [1, H].
@@ -315,7 +318,7 @@ impl CudaModel {
         let cfg = w.config.clone();
         let max_chunk = max_chunk.max(1);
         let d = GdnDims::from_config(&cfg);
-        if cfg.layer_types.iter().any(|k| *k == LayerKind::LinearAttention) && !d.is_valid() {
+        if cfg.layer_types.contains(&LayerKind::LinearAttention) && !d.is_valid() {
             return Err(CudaError::Shape(format!("GDN sizes {d:?} are not valid")));
         }
         let total: u64 = count_bytes(w);
@@ -1262,8 +1265,8 @@ impl Activations {
     fn new(dev: &Device, cfg: &ModelConfig, t: usize) -> Result<(Self, usize)> {
         let d = GdnDims::from_config(cfg);
         let h = cfg.hidden_size;
-        let has_gdn = cfg.layer_types.iter().any(|k| *k == LayerKind::LinearAttention);
-        let has_attn = cfg.layer_types.iter().any(|k| *k == LayerKind::FullAttention);
+        let has_gdn = cfg.layer_types.contains(&LayerKind::LinearAttention);
+        let has_attn = cfg.layer_types.contains(&LayerKind::FullAttention);
         let (c, vd, hv) = if has_gdn { (d.conv_dim(), d.value_dim(), d.num_v_heads) } else { (1, 1, 1) };
         let (nh, kvh, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
         let qg = if has_attn { nh * hd * if cfg.attn_output_gate { 2 } else { 1 } } else { 1 };

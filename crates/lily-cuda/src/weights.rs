@@ -161,7 +161,7 @@ impl<'d> Uploader<'d> {
         let n = m.count * m.rows * m.cols;
         let storage = match &m.storage {
             Storage::Affine { params, packed, scales, biases } => {
-                if !params.is_supported() || m.cols % params.group_size != 0 {
+                if !params.is_supported() || !m.cols.is_multiple_of(params.group_size) {
                     return Err(CudaError::Shape(format!(
                         "affine matrix [{}, {}, {}] with {params:?} is not supported (bits 4/8, group 32/64/128 dividing cols)",
                         m.count, m.rows, m.cols

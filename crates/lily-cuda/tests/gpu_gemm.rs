@@ -239,8 +239,7 @@ impl RefMat {
             Precision::Fast => dot_rows(&self.fast, self.cols, &xr),
             Precision::Bf16x => {
                 let mut y = dot_rows(&self.exact, self.cols, &xr);
-                if self.gs > 0 {
-                    let groups = self.cols / self.gs;
+                if let Some(groups) = self.cols.checked_div(self.gs) {
                     let lost: Vec<f64> = (0..groups)
                         .map(|g| (g * self.gs..(g + 1) * self.gs).map(|i| x[i] as f64 - xr[i] as f64).sum())
                         .collect();

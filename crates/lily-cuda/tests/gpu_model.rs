@@ -18,6 +18,7 @@
 //! - `forward_pick` greedy == argmax of the same step's logits; a state clone resumes identically.
 //! - a reserved session decodes without allocating; caches grown inside a decode step and compact
 //!   clones give the same logits.
+//!
 //! Skips without a GPU.
 #![cfg(feature = "cuda")]
 

@@ -335,11 +335,9 @@ fn an_untyped_call_body_ends_at_its_function_tag_and_forced_tokens_never_fail() 
         let forced = s.forced();
         if !forced.is_empty() {
             // What the grammar forces is what the call holds next.
-            for f in forced {
-                assert_eq!(Some(f), if f == t { Some(t) } else { None }, "forced {:?} where the call has {:?}", tokenizer().decode(&[f], false), tokenizer().decode(&[t], false));
-                s.commit(f).unwrap();
-                break;
-            }
+            let f = forced[0];
+            assert_eq!(f, t, "forced {:?} where the call has {:?}", tokenizer().decode(&[f], false), tokenizer().decode(&[t], false));
+            s.commit(f).unwrap();
             continue;
         }
         if s.masks_next() {

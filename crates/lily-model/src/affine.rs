@@ -57,7 +57,7 @@ impl AffineParams {
     }
     /// Whether a row of `cols` elements can be quantised (MLX leaves such modules in bf16 otherwise).
     pub fn fits(&self, cols: usize) -> bool {
-        cols > 0 && cols % self.group_size == 0
+        cols > 0 && cols.is_multiple_of(self.group_size)
     }
 }
 

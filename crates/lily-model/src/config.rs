@@ -215,7 +215,7 @@ impl ModelConfig {
             return Err(Error::key(path, text.name("partial_rotary_factor"), format!("{partial} is not in (0, 1]")));
         }
         let rotary_dim = (head_dim as f64 * partial) as usize;
-        if rotary_dim % 2 != 0 || rotary_dim == 0 {
+        if !rotary_dim.is_multiple_of(2) || rotary_dim == 0 {
             return Err(Error::key(
                 path,
                 text.name("partial_rotary_factor"),
@@ -325,14 +325,14 @@ impl ModelConfig {
                 return Err(Error::key(p, text.name(k), "must be positive"));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(Error::key(
                 p,
                 text.name("num_key_value_heads"),
                 format!("{} does not divide num_attention_heads ({})", self.num_key_value_heads, self.num_attention_heads),
             ));
         }
-        if self.linear_num_value_heads % self.linear_num_key_heads != 0 {
+        if !self.linear_num_value_heads.is_multiple_of(self.linear_num_key_heads) {
             return Err(Error::key(
                 p,
                 text.name("linear_num_key_heads"),

@@ -48,10 +48,9 @@ impl GdnDims {
         j / (self.num_v_heads / self.num_k_heads)
     }
     /// Non-empty, and Hv a multiple of Hk.
-    #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.85
     pub fn is_valid(&self) -> bool {
         self.num_k_heads > 0
-            && self.num_v_heads % self.num_k_heads == 0
+            && self.num_v_heads.is_multiple_of(self.num_k_heads)
             && self.head_k_dim > 0
             && self.head_v_dim > 0
             && self.conv_kernel > 0

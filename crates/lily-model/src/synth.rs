@@ -574,13 +574,13 @@ impl Planner {
     ) -> Result<()> {
         let mut shape: Vec<usize> = lead.to_vec();
         shape.push(out);
-        if inp % self.group_size != 0 {
+        if !inp.is_multiple_of(self.group_size) {
             shape.push(inp);
             self.normal(format!("{path}.weight"), shape, 0.0, std);
             return Ok(());
         }
         let (bits, gs) = special.unwrap_or((self.bits, self.group_size));
-        if inp % gs != 0 {
+        if !inp.is_multiple_of(gs) {
             return Err(Error::Invalid(format!(
                 "{path}: input dim {inp} is a multiple of the group size {} but not of {gs}, which mlx-lm uses for this module",
                 self.group_size
@@ -765,7 +765,7 @@ fn fill_bytes(t: &TensorPlan, byte0: usize, out: &mut [u8]) {
                         c.copy_from_slice(&cp.word(w, word(w)).to_le_bytes());
                     }
                 }
-                None if e0 % 2 == 0 => {
+                None if e0.is_multiple_of(2) => {
                     let n_pairs = out.len() / 8;
                     let mut pairs = out.chunks_exact_mut(8);
                     for (k, c) in (&mut pairs).enumerate() {

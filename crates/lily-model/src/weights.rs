@@ -97,6 +97,7 @@ pub struct DenseMlpWeights {
     pub down_proj: Matrix, // [H, I]
 }
 
+#[allow(clippy::large_enum_variant)] // one a layer, built once at load: the size difference costs nothing
 #[derive(Clone, Debug)]
 pub enum Mlp {
     Moe(MoeWeights),
@@ -285,7 +286,7 @@ impl Loader<'_> {
     /// qwen3_5's `quant_predicate`); None when it stays dense.
     fn at_load_params(&self, short: &str, cols: usize) -> Option<AffineParams> {
         let HfWeights::Quantize(p) = self.opts.hf else { return None };
-        if self.layout.kind != LayoutKind::Hf || cols % p.group_size != 0 {
+        if self.layout.kind != LayoutKind::Hf || !cols.is_multiple_of(p.group_size) {
             return None;
         }
         if self.cfg.num_experts > 0 && (short == "mlp.gate" || short == "shared_expert_gate") {
@@ -351,8 +352,8 @@ impl Loader<'_> {
         let nd = lead.len() + 2;
         let words = *ws.last().unwrap_or(&0);
         let groups = *ss.last().unwrap_or(&0);
-        let bits = if cols > 0 && (words * 32) % cols == 0 { (words * 32 / cols) as u32 } else { 0 };
-        let group_size = if groups > 0 && cols % groups == 0 { cols / groups } else { 0 };
+        let bits = if cols > 0 && (words * 32).is_multiple_of(cols) { (words * 32 / cols) as u32 } else { 0 };
+        let group_size = if groups > 0 && cols.is_multiple_of(groups) { cols / groups } else { 0 };
         let prefix_ok = |s: &[usize]| s.len() == nd && s[..nd - 1] == lead.iter().copied().chain([rows]).collect::<Vec<_>>()[..];
         if !prefix_ok(ws) || ![4, 8].contains(&bits) {
             return Err(shape_err(weight, &format!("{:?} + [{rows}, {cols}·bits/32] with 4 or 8 bits", lead)));

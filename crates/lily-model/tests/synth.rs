@@ -57,7 +57,7 @@ fn expected(cfg: &ModelConfig, bits: usize, gs: usize) -> BTreeMap<String, Spec>
         |m: &mut BTreeMap<String, Spec>, path: String, lead: &[usize], out: usize, inp: usize, router: bool| {
             let mut shape: Vec<usize> = lead.to_vec();
             shape.push(out);
-            if inp % gs != 0 {
+            if !inp.is_multiple_of(gs) {
                 shape.push(inp);
                 m.insert(format!("{path}.weight"), Spec { dtype: Dtype::BF16, shape });
                 return;
@@ -289,7 +289,7 @@ fn check_layout(config: Value, dir: &Path) -> (ModelConfig, Loaded) {
         assert_eq!(vocab.len(), 248_044);
     } else {
         // Cut down: the config's own special ids follow it.
-        assert_eq!(cfg.eos_token_ids.iter().map(|&i| json!(i)).collect::<Vec<_>>().contains(&eot), true, "{:?}", cfg.eos_token_ids);
+        assert!(cfg.eos_token_ids.iter().map(|&i| json!(i)).collect::<Vec<_>>().contains(&eot), "{:?}", cfg.eos_token_ids);
         assert_eq!(vocab.len() + added.len(), cfg.vocab_size);
     }
     (cfg, l)

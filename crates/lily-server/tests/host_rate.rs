@@ -110,7 +110,7 @@ fn prose(words: usize, seed: u64) -> String {
         x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let p = PIECES[(x >> 33) as usize % PIECES.len()];
         s.push_str(p);
-        s.push_str(if (x >> 20) % 3 == 0 { "\n\n" } else { " " });
+        s.push_str(if (x >> 20).is_multiple_of(3) { "\n\n" } else { " " });
         n += p.split_whitespace().count();
     }
     s

@@ -102,7 +102,7 @@ fn rewrite(dir: &Path, name: &str, edit: impl Fn(&str, safetensors::Dtype, Vec<u
     for path in safetensors_files(dir) {
         let bytes = std::fs::read(&path).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        if !st.names().iter().any(|n| *n == name) {
+        if !st.names().contains(&name) {
             continue;
         }
         let mut kept = Vec::new();

@@ -520,7 +520,7 @@ where
         params.gate_logit = addr(dev, g, 1, "down_mix gate logit")?;
         params.mix_shared = 1;
     }
-    let tc = tensor_cores && affine_gemv_tc::enabled() && affine_gemv_tc::fits(w.bits(), w.group_size().unwrap_or(0), cols) && params.x % 16 == 0;
+    let tc = tensor_cores && affine_gemv_tc::enabled() && affine_gemv_tc::fits(w.bits(), w.group_size().unwrap_or(0), cols) && params.x.is_multiple_of(16);
     if let Some((name, grid, smem)) = if tc { affine_gemv_tc::plan_mix(dev, rows, cols, ns)? } else { None } {
         let cfg = LaunchConfig { grid_dim: (grid, 1, 1), block_dim: (affine_gemv_tc::THREADS, 1, 1), shared_mem_bytes: smem };
         return launch(dev, name, cfg, &params);
@@ -751,7 +751,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         return Err(CudaError::Shape("gemv: accumulating into its own input".into()));
     }
     // x (and the norm weight) are read as float4s by the tensor-core kernels.
-    if let Some(ks) = tc_ks.filter(|_| (params.x | params.norm_w) % 16 == 0) {
+    if let Some(ks) = tc_ks.filter(|_| (params.x | params.norm_w).is_multiple_of(16)) {
         let (name, grid, smem) = affine_gemv_tc::plan(dev, rows, cols, slots, swiglu, ks)?;
         let cfg = LaunchConfig { grid_dim: (grid, slots as u32, 1), block_dim: (affine_gemv_tc::THREADS, 1, 1), shared_mem_bytes: smem };
         return launch(dev, name, cfg, &params);

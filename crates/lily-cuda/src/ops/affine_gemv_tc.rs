@@ -37,7 +37,7 @@ pub(crate) fn enabled() -> bool {
 
 /// Whether a shape fits the kernels: 4-bit, group 64, whole rounds of 128 columns.
 pub(crate) fn fits(bits: u32, group: usize, cols: usize) -> bool {
-    bits == 4 && group == 64 && cols > 0 && cols % ROUND_COLS == 0
+    bits == 4 && group == 64 && cols > 0 && cols.is_multiple_of(ROUND_COLS)
 }
 
 /// Whether the automatic choice takes them for a shape that fits: rows of up to 2048 columns, or
@@ -72,7 +72,7 @@ pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu:
     let ks = if ks == 0 {
         let mut pick = 1;
         for k in [1usize, 2, 4, 8] {
-            if rounds % k != 0 || (k > 1 && rounds / k < 2) {
+            if !rounds.is_multiple_of(k) || (k > 1 && rounds / k < 2) {
                 break;
             }
             pick = k;
@@ -82,7 +82,7 @@ pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu:
         }
         pick
     } else {
-        if ![1, 2, 4, 8].contains(&ks) || rounds % ks != 0 {
+        if ![1, 2, 4, 8].contains(&ks) || !rounds.is_multiple_of(ks) {
             return Err(CudaError::Shape(format!("gemv (tensor cores): a K split of {ks} for {rounds} rounds of 128 columns")));
         }
         ks

@@ -94,7 +94,7 @@ const MAX_GROUP_PER_BLOCK: usize = 8;
 /// Dynamic shared memory of the head-dim-`hd` kernel with the two-stage ring: two stages of K [32][hd]
 /// (rows padded) and Vᵀ [hd][32]; [`Ring::Three`] takes 3/2 of it.
 pub fn smem_bytes(hd: usize) -> usize {
-    let kp = 2 * hd + if (hd / 2) % 32 == 0 { 64 } else { 0 };
+    let kp = 2 * hd + if (hd / 2).is_multiple_of(32) { 64 } else { 0 };
     2 * (STAGE * kp + hd * 2 * STAGE)
 }
 
@@ -141,7 +141,6 @@ pub fn scratch_len(nh: usize, hd: usize) -> usize {
 /// alias the inputs. n may be read on the device instead ([`Scalar::Device`], bounded by `max` ≤ cap);
 /// the grid then covers the split cap, and blocks past the device n's split count exit at once.
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::manual_is_multiple_of)]
 pub fn decode<Q, K, V, G, O, S>(
     dev: &Device,
     q: &Q,
@@ -169,7 +168,6 @@ where
 
 /// [`decode`] with the given ring depth; [`Ring::Three`] refuses head dims other than 128 and 256.
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::manual_is_multiple_of)]
 pub fn decode_with<Q, K, V, G, O, S>(
     dev: &Device,
     ring: Ring,
@@ -202,7 +200,7 @@ where
             if ring == Ring::Three { "the three-stage ring takes 128 or 256" } else { "32, 64, 128 or 256" }
         )));
     };
-    if n == 0 || n > cap || cap % STAGE != 0 || nh == 0 || kvh == 0 || nh % kvh != 0 || cap.checked_mul(kvh * hd).is_none_or(|c| c > i32::MAX as usize) {
+    if n == 0 || n > cap || !cap.is_multiple_of(STAGE) || nh == 0 || kvh == 0 || !nh.is_multiple_of(kvh) || cap.checked_mul(kvh * hd).is_none_or(|c| c > i32::MAX as usize) {
         return Err(CudaError::Shape(format!("attention decode: n {n}, cap {cap}, nh {nh}, kvh {kvh}, hd {hd}")));
     }
     let z = (nh / kvh).div_ceil(MAX_GROUP_PER_BLOCK);

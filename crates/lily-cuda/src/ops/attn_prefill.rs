@@ -179,7 +179,6 @@ where
 
 /// [`prefill`] in the given form; [`Kernel::Wgmma`] refuses head dims other than 128 and 256.
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.85
 pub fn prefill_with<Q, K, V, G, O>(
     dev: &Device,
     kernel: Kernel,
@@ -217,7 +216,7 @@ where
     let Some(&(_, name)) = variants.iter().find(|(d, _)| *d == hd) else {
         return bad(if wg { "the wgmma form takes head dims 128 and 256" } else { "head dim must be 32, 64, 128 or 256" });
     };
-    if t == 0 || nh == 0 || kvh == 0 || nh % kvh != 0 {
+    if t == 0 || nh == 0 || kvh == 0 || !nh.is_multiple_of(kvh) {
         return bad("t, nh, kvh must be > 0 and nh a multiple of kvh");
     }
     let group = nh / kvh;
@@ -226,7 +225,7 @@ where
     let (Some(rows), Some(end)) = (rows, end) else {
         return bad("too many tokens or positions");
     };
-    if end > cap || cap % KV_TILE != 0 || cap.checked_mul(kvh * hd).is_none_or(|c| c > i32::MAX as usize) {
+    if end > cap || !cap.is_multiple_of(KV_TILE) || cap.checked_mul(kvh * hd).is_none_or(|c| c > i32::MAX as usize) {
         return bad(&format!("cache capacity {cap} (a multiple of {KV_TILE}, at least pos0 + t)"));
     }
     let ntiles = rows.div_ceil(rows_per_block);

@@ -96,7 +96,6 @@ pub const MAX_HEAD_DIM: usize = 1024;
 /// weights. hd ≤ [`MAX_HEAD_DIM`], rot even and ≤ hd. The position may be read on the device instead
 /// ([`Scalar::Device`], bounded by `max`: the capacity must then be at least `max + t`).
 #[allow(clippy::too_many_arguments)]
-#[allow(clippy::manual_is_multiple_of)]
 pub fn prep<QG, K, V, QN, KN, QO, GO, KC, VC>(
     dev: &Device,
     qg: &QG,

@@ -55,7 +55,7 @@ pub fn embed<I: DevicePtr<u32>, Y: DevicePtrMut<f32>>(dev: &Device, table: &Devi
             p.bits = params.bits as i32;
             p.group_shift = params.group_size.trailing_zeros() as i32;
             // Rows start 16-byte aligned when the base is (cols is a multiple of 32 for affine tables).
-            p.vec = (p.out % 16 == 0) as i32;
+            p.vec = p.out.is_multiple_of(16) as i32;
             "embed_affine"
         }
         DeviceStorage::Dense { data } => {

@@ -111,7 +111,7 @@ fn step_slices(dims: &GdnDims) -> usize {
     static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let cap = *CAP.get_or_init(|| std::env::var("LILY_GDN_SLICES").ok().and_then(|v| v.parse().ok()).unwrap_or(8));
     let ratio = dims.num_v_heads / dims.num_k_heads;
-    [8usize, 4, 2, 1].into_iter().find(|&s| s <= cap && ratio * s <= 8 && dims.head_v_dim % (8 * s) == 0).unwrap_or(1)
+    [8usize, 4, 2, 1].into_iter().find(|&s| s <= cap && ratio * s <= 8 && dims.head_v_dim.is_multiple_of(8 * s)).unwrap_or(1)
 }
 
 /// Must match `struct GdnGatedNormParams` in `kernels/gdn.cu`.
@@ -308,7 +308,7 @@ where
     if tiled {
         // A prompt chunk: parallel over tokens, then the state and the gates. The per-warp kernel
         // moves x in 16-byte pieces: every head's first channel and every row 4-float aligned.
-        let aligned = dims.head_k_dim % 4 == 0 && dims.head_v_dim % 4 == 0 && ins.x_stride % 4 == 0 && p.x % 16 == 0 && p.out % 16 == 0 && p.conv_state % 16 == 0;
+        let aligned = dims.head_k_dim.is_multiple_of(4) && dims.head_v_dim.is_multiple_of(4) && ins.x_stride.is_multiple_of(4) && p.x.is_multiple_of(16) && p.out.is_multiple_of(16) && p.conv_state.is_multiple_of(16);
         if ins.kernel == ConvKernel::Auto && width <= 128 && aligned {
             const WARPS: usize = 4;
             let warps = t_len.div_ceil(CONV_TILE) * heads;

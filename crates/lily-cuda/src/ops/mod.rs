@@ -133,7 +133,7 @@ fn launch_programmatic<P: DeviceRepr>(dev: &Device, f: &cudarc::driver::CudaFunc
 /// [`launch`] in thread-block clusters of `cluster` consecutive blocks along x (grid x must be a
 /// multiple of it), with programmatic dependent launch when the device has it on.
 pub(crate) fn launch_cluster<P: DeviceRepr>(dev: &Device, name: &'static str, cfg: LaunchConfig, cluster: u32, params: &P) -> Result<()> {
-    if cluster == 0 || cfg.grid_dim.0 % cluster != 0 {
+    if cluster == 0 || !cfg.grid_dim.0.is_multiple_of(cluster) {
         return Err(CudaError::Shape(format!("{name}: a grid of {} blocks in clusters of {cluster}", cfg.grid_dim.0)));
     }
     let f = dev.function(name)?;

@@ -201,7 +201,7 @@ where
         renorm: renorm as i32,
     };
     // x, norm_w and act are read as float4s.
-    if (p.x | p.norm_w | p.act) % 16 != 0 {
+    if !(p.x | p.norm_w | p.act).is_multiple_of(16) {
         return Err(CudaError::Shape("moe_decode: x, the norm weight and act must be 16-byte aligned".into()));
     }
     let cfg = LaunchConfig { grid_dim: (plan.grid, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: plan.smem };

@@ -76,7 +76,7 @@ fn run(dev: &Device, mut p: RmsNormParams, rows: usize, n: usize, eps: f32) -> R
     p.n = n as i32;
     p.eps = eps;
     let aligned = [p.x, p.residual, p.residual_out, p.w, p.y].iter().all(|a| a % 16 == 0);
-    let vec = n % 4 == 0 && aligned;
+    let vec = n.is_multiple_of(4) && aligned;
     let (name, per) = if vec { ("rmsnorm_f32_v4", n / 4) } else { ("rmsnorm_f32", n) };
     let threads = per.div_ceil(32).clamp(1, 32) as u32 * 32;
     let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };

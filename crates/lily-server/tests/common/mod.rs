@@ -125,7 +125,6 @@ impl Scripted {
             PLAIN_SCRIPT
         };
         // Forced to call some function (tool_choice): the script's call, under that name.
-        let mut text = text;
         if script == TOOL_SCRIPT {
             if let Some(i) = text.rfind("<function=") {
                 if let Some(j) = text[i..].find('>') {
