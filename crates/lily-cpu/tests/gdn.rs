@@ -12,37 +12,12 @@ use lily_cpu::gdn::{
 };
 use lily_cpu::kernels::Isa;
 
+mod common;
+
+use common::Rng;
+
 // ---------------------------------------------------------------------------------------------
-// Helpers: a tiny xorshift generator and comparisons.
-
-/// xorshift64* with Box–Muller normals.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    /// U(0, 1), never 0.
-    fn uniform(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    }
-    fn range(&mut self, lo: f64, hi: f64) -> f32 {
-        (lo + (hi - lo) * self.uniform()) as f32
-    }
-    fn normal(&mut self, std: f64) -> f32 {
-        let (u1, u2) = (self.uniform(), self.uniform());
-        (std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
-    fn normals(&mut self, n: usize, std: f64) -> Vec<f32> {
-        (0..n).map(|_| self.normal(std)).collect()
-    }
-}
+// Helpers: comparisons.
 
 fn max_abs(x: &[f32]) -> f32 {
     x.iter().fold(0f32, |m, v| m.max(v.abs()))

@@ -10,28 +10,14 @@
 
 use lily_cpu::moe::route;
 
-/// xorshift64* with Box–Muller normals.
-struct Rng(u64);
+mod common;
 
-impl Rng {
-    fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-    fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-    fn normal(&mut self, std: f64) -> f32 {
-        let u1 = ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
-        let u2 = ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
-        let v = (std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32;
-        if v == 0.0 { 0.375 } else { v }
-    }
+use common::Rng;
+
+/// A normal draw, never zero (the row styles need no exact zeros).
+fn nonzero_normal(rng: &mut Rng, std: f64) -> f32 {
+    let v = rng.normal(std);
+    if v == 0.0 { 0.375 } else { v }
 }
 
 /// The definition in f64: (expert, weight) of the k largest softmax probabilities, best first, ties
@@ -65,7 +51,7 @@ fn route_matches_the_softmax_definition() {
     for (e, k) in [(256usize, 8usize), (64, 4), (8, 2), (8, 8), (1, 1)] {
         for case in 0..40 {
             let std = [1.0, 3.0, 0.1][case % 3];
-            let mut row: Vec<f32> = (0..e).map(|_| rng.normal(std)).collect();
+            let mut row: Vec<f32> = (0..e).map(|_| nonzero_normal(&mut rng, std)).collect();
             if case % 2 == 1 && e > 1 {
                 // Exact ties: the largest at a lower and a higher index, and copies elsewhere.
                 let am = (0..e).fold(0, |b, i| if row[i] > row[b] { i } else { b });
@@ -90,7 +76,7 @@ fn renormalised_route_picks_by_logit_where_probabilities_underflow() {
     // renormalised form still picks the k largest logits, best first, and weighs the underflowed ones 0.
     let mut rng = Rng::new(5);
     for _ in 0..20 {
-        let row: Vec<f32> = (0..256).map(|_| rng.normal(1000.0)).collect();
+        let row: Vec<f32> = (0..256).map(|_| nonzero_normal(&mut rng, 1000.0)).collect();
         let got = &route(&row, 256, 8, true)[0];
         let mut by_logit: Vec<usize> = (0..256).collect();
         by_logit.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));

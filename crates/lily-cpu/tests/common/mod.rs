@@ -1,5 +1,6 @@
 //! Shared helpers for the CPU backend's tests: the reference fixtures (made by
-//! `tools/make_fixtures.py` with MLX-LM and transformers) and comparison metrics.
+//! `tools/make_fixtures.py` with MLX-LM and transformers), comparison metrics and the inputs'
+//! random generator.
 #![allow(dead_code)]
 
 use std::path::PathBuf;
@@ -72,4 +73,37 @@ pub fn cpu_seconds() -> f64 {
     let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
     assert_eq!(rc, 0, "clock_gettime failed");
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// xorshift64* with Box–Muller normals: the tests' inputs, the same stream for a seed on every machine.
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    /// U(0, 1), never 0.
+    pub fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    pub fn range(&mut self, lo: f64, hi: f64) -> f32 {
+        (lo + (hi - lo) * self.uniform()) as f32
+    }
+    /// 0..n.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+    pub fn normal(&mut self, std: f64) -> f32 {
+        let (u1, u2) = (self.uniform(), self.uniform());
+        (std * (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+    }
+    pub fn normals(&mut self, n: usize, std: f64) -> Vec<f32> {
+        (0..n).map(|_| self.normal(std)).collect()
+    }
 }
