@@ -129,8 +129,10 @@ __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
 #pragma unroll
     for (int i = 0; i < MTW; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 
-    // The ring: NS - 1 stages in flight while one is computed (buf: this stage's buffer, nxt: the one
-    // refilled now, read by the previous stage and freed by the barrier at its end).
+    // The ring: NS - 1 stages in flight while one is computed. buf is this stage's buffer; the one
+    // refilled now is the previous stage's (its reads ended at the barrier closing that stage).
+    auto prev = [](int b) { return NS == 2 ? b ^ 1 : (b == 0 ? NS - 1 : b - 1); };
+    auto next = [](int b) { return NS == 2 ? b ^ 1 : (b + 1 == NS ? 0 : b + 1); };
     issue(st_begin, 0);  // every split has a stage
     cp_async_commit_group();
 #pragma unroll
@@ -138,9 +140,9 @@ __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
         if (st_begin + i < st_end) issue(st_begin + i, i);
         cp_async_commit_group();
     }
-    int buf = 0, nxt = NS - 1;
+    int buf = 0;
     for (int st = st_begin; st < st_end; ++st) {
-        if (st + NS - 1 < st_end) issue(st + NS - 1, NS == 2 ? buf ^ 1 : nxt);
+        if (st + NS - 1 < st_end) issue(st + NS - 1, prev(buf));
         cp_async_commit_group();
         cp_async_wait_group<NS - 1>();
         __syncthreads();
@@ -213,12 +215,7 @@ __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
             mma_bf16(o[mt], va.z, vb.z, va.w, vb.w, pl[1][0], pl[1][1]);
         }
         __syncthreads();  // this buffer is refilled next iteration
-        if constexpr (NS == 2) {
-            buf ^= 1;
-        } else {
-            nxt = buf;
-            buf = buf + 1 == NS ? 0 : buf + 1;
-        }
+        buf = next(buf);
     }
     cp_async_wait_group<0>();
 

@@ -52,6 +52,40 @@ struct AttnPrefillParams {
     int pad_;
 };
 
+// Shared by both forms. The offset of row gr (token gr / G, head kv·G + gr % G) in q, gate and out.
+template <int HD>
+__device__ __forceinline__ long long pf_row_off(const AttnPrefillParams& p, int gr, int G, int kv) {
+    return ((long long)(gr / G) * p.nh + kv * G + gr % G) * HD;
+}
+
+// The block's Q tile (ROWS rows from r0) as bf16, chunk ch (8 values) of row r stored at dst(r, ch);
+// rows past the last (token, head) pair are zeros.
+template <int HD, int ROWS, int THREADS, typename Dst>
+__device__ __forceinline__ void pf_stage_q(const AttnPrefillParams& p, int r0, int nrows, int G, int kv, Dst dst) {
+    for (int c = threadIdx.x; c < ROWS * (HD / 8); c += THREADS) {
+        const int r = c / (HD / 8), ch = c % (HD / 8);
+        const int gr = r0 + r;
+        uint4 w = make_uint4(0, 0, 0, 0);
+        if (gr < nrows) {
+            const float* src = p.q + pf_row_off<HD>(p, gr, G, kv) + ch * 8;
+            const float4 a = __ldg(reinterpret_cast<const float4*>(src));
+            const float4 b = __ldg(reinterpret_cast<const float4*>(src + 4));
+            w = make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
+        }
+        sts128(dst(r, ch), w);
+    }
+}
+
+// out[off + d .. + 1] = (y0, y1), times sigmoid(gate) there when the attention is gated.
+__device__ __forceinline__ void pf_store_pair(const AttnPrefillParams& p, long long off, int d, float y0, float y1) {
+    if (p.gate) {
+        const float2 gt = *reinterpret_cast<const float2*>(p.gate + off + d);
+        y0 = y0 * (1.0f / (1.0f + expf(-gt.x)));
+        y1 = y1 * (1.0f / (1.0f + expf(-gt.y)));
+    }
+    *reinterpret_cast<float2*>(p.out + off + d) = make_float2(y0, y1);
+}
+
 #define PF_BR 64  // query rows per block (= ops::attn_prefill::ROWS_PER_BLOCK)
 #define PF_BK 32  // positions per KV tile (= ops::attn_prefill::KV_TILE)
 #define PF_THREADS 128
@@ -107,19 +141,8 @@ __device__ __forceinline__ void attn_prefill(const AttnPrefillParams& p) {
     issue(0, 0);
     cp_async_commit_group();
 
-    // Q tile -> bf16 in shared memory (rows past the last (token, head) pair are zeros).
-    for (int c = threadIdx.x; c < PF_BR * (HD / 8); c += PF_THREADS) {
-        const int r = c / (HD / 8), ch = c % (HD / 8);
-        const int gr = r0 + r;
-        uint4 w = make_uint4(0, 0, 0, 0);
-        if (gr < nrows) {
-            const float* src = p.q + ((long long)(gr / G) * p.nh + kv * G + gr % G) * HD + ch * 8;
-            const float4 a = __ldg(reinterpret_cast<const float4*>(src));
-            const float4 b = __ldg(reinterpret_cast<const float4*>(src + 4));
-            w = make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
-        }
-        sts128(qs + r * L::QP + ch * 16, w);
-    }
+    // Q tile -> bf16 in shared memory.
+    pf_stage_q<HD, PF_BR, PF_THREADS>(p, r0, nrows, G, kv, [&](int r, int ch) { return qs + r * L::QP + ch * 16; });
 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     // This lane's two rows (g and g + 8 of the warp's 16) and their query positions.
@@ -232,19 +255,10 @@ __device__ __forceinline__ void attn_prefill(const AttnPrefillParams& p) {
         L2 += __shfl_xor_sync(0xffffffffu, L2, 2);
         const int gr = r0 + warp * 16 + g + 8 * h;
         if (gr >= nrows) continue;
-        const long long off = ((long long)(gr / G) * p.nh + kv * G + gr % G) * HD;
+        const long long off = pf_row_off<HD>(p, gr, G, kv);
         const float inv = 1.0f / L2;
 #pragma unroll
-        for (int i = 0; i < NT; ++i) {
-            const int d = 8 * i + 2 * t;
-            float y0 = o[i][2 * h] * inv, y1 = o[i][2 * h + 1] * inv;
-            if (p.gate) {
-                const float2 gt = *reinterpret_cast<const float2*>(p.gate + off + d);
-                y0 = y0 * (1.0f / (1.0f + expf(-gt.x)));
-                y1 = y1 * (1.0f / (1.0f + expf(-gt.y)));
-            }
-            *reinterpret_cast<float2*>(p.out + off + d) = make_float2(y0, y1);
-        }
+        for (int i = 0; i < NT; ++i) pf_store_pair(p, off, 8 * i + 2 * t, o[i][2 * h] * inv, o[i][2 * h + 1] * inv);
     }
 }
 
@@ -333,19 +347,8 @@ __device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
     if (!OVERLAP) issue_v(0, 0);
     cp_async_commit_group();
 
-    // Q tile -> bf16 (rows past the last (token, head) pair are zeros), then visible to wgmma.
-    for (int c = tid; c < WG_BR * (HD / 8); c += WG_THREADS) {
-        const int r = c / (HD / 8), ch = c % (HD / 8);
-        const int gr = r0 + r;
-        uint4 w = make_uint4(0, 0, 0, 0);
-        if (gr < nrows) {
-            const float* src = p.q + ((long long)(gr / G) * p.nh + kv * G + gr % G) * HD + ch * 8;
-            const float4 a = __ldg(reinterpret_cast<const float4*>(src));
-            const float4 b = __ldg(reinterpret_cast<const float4*>(src + 4));
-            w = make_uint4(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w), pack_bf16(b.x, b.y), pack_bf16(b.z, b.w));
-        }
-        sts128(qs + sw128_at(r, ch, L::Q_ATOM), w);
-    }
+    // Q tile -> bf16, then visible to wgmma.
+    pf_stage_q<HD, WG_BR, WG_THREADS>(p, r0, nrows, G, kv, [&](int r, int ch) { return qs + sw128_at(r, ch, L::Q_ATOM); });
     fence_proxy_async();
 
     // This lane's two rows (g and g + 8 of its warp's 16, in its warpgroup's 64) and their positions.
@@ -529,21 +532,13 @@ __device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
         L2 += __shfl_xor_sync(0xffffffffu, L2, 2);
         const int gr = r0 + 64 * wg + 16 * warp + g + 8 * h;
         if (gr >= nrows) continue;
-        const long long off = ((long long)(gr / G) * p.nh + kv * G + gr % G) * HD;
+        const long long off = pf_row_off<HD>(p, gr, G, kv);
         const float inv = 1.0f / L2;
 #pragma unroll
         for (int hh = 0; hh < NH2; ++hh)
 #pragma unroll
-            for (int i = 0; i < 16; ++i) {
-                const int d = 128 * hh + 8 * i + 2 * q4;
-                float y0 = o[hh][4 * i + 2 * h] * inv, y1 = o[hh][4 * i + 2 * h + 1] * inv;
-                if (p.gate) {
-                    const float2 gt = *reinterpret_cast<const float2*>(p.gate + off + d);
-                    y0 = y0 * (1.0f / (1.0f + expf(-gt.x)));
-                    y1 = y1 * (1.0f / (1.0f + expf(-gt.y)));
-                }
-                *reinterpret_cast<float2*>(p.out + off + d) = make_float2(y0, y1);
-            }
+            for (int i = 0; i < 16; ++i)
+                pf_store_pair(p, off, 128 * hh + 8 * i + 2 * q4, o[hh][4 * i + 2 * h] * inv, o[hh][4 * i + 2 * h + 1] * inv);
     }
 }
 

@@ -31,6 +31,18 @@ __device__ __forceinline__ float route_unkey(uint32_t k) {
     return __uint_as_float((k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k);
 }
 
+// The renormalised weight of pick `lane` (lane < k) of a warp whose lane r holds pick r's logit l
+// (best first, so lane 0's is the largest): e^(l - m) over the k picks' sum, added in pick order.
+// Every lane of the warp calls it; lanes >= k get 0.
+__device__ __forceinline__ float route_renorm_weight(float l, int k) {
+    const int lane = threadIdx.x & 31;
+    const float m = __shfl_sync(0xffffffffu, l, 0);
+    const float ex = lane < k ? (float)exp((double)(l - m)) : 0.0f;
+    float total = 0.0f;
+    for (int r = 0; r < k; r++) total = total + __shfl_sync(0xffffffffu, ex, r);
+    return lane < k ? ex / total : 0.0f;
+}
+
 // s[0] + s[1] + ... + s[e-1] in index order (the CPU's), 32 values loaded ahead of their adds where s
 // is 16-byte aligned. Every lane that calls it gets the same sum.
 __device__ __forceinline__ float route_sum(const float* s, int e) {
@@ -112,15 +124,8 @@ __device__ __forceinline__ void route_row(const float* row, int e, int k, int re
         }
     }
 
-    float out = route_unkey(mine_key);  // plain: the pick's p
-    if (renorm) {
-        // The picks' exps relative to the largest logit (pick 0's), summed in pick order.
-        const float m = __shfl_sync(0xffffffffu, out, 0);
-        const float ex = lane < k ? (float)exp((double)(out - m)) : 0.0f;
-        float total = 0.0f;
-        for (int r = 0; r < k; r++) total = total + __shfl_sync(0xffffffffu, ex, r);
-        out = ex / total;
-    }
+    float out = route_unkey(mine_key);  // the pick's logit (renormalised) or p (plain)
+    if (renorm) out = route_renorm_weight(out, k);
     if (lane < k) {
         idx_out[lane] = (uint32_t)mine_i;
         w_out[lane] = out;
@@ -201,13 +206,9 @@ __device__ __forceinline__ void route_block(const float* row, int e, int k, int 
     }
     __syncthreads();
     if (renorm && warp == 0) {
-        // The picks' exps relative to the largest logit (pick 0's), summed in pick order.
-        const float m = w_out[0];
-        const float ex = lane < k ? (float)exp((double)(w_out[lane] - m)) : 0.0f;
-        float total = 0.0f;
-        for (int r = 0; r < k; r++) total = total + __shfl_sync(0xffffffffu, ex, r);
+        const float w = route_renorm_weight(lane < k ? w_out[lane] : 0.0f, k);
         __syncwarp();
-        if (lane < k) w_out[lane] = ex / total;
+        if (lane < k) w_out[lane] = w;
     }
     __syncthreads();
 }

@@ -908,7 +908,7 @@ fn attn_mixer(
         let seen = tt * p0 + tt * (tt + 1) / 2;
         let (nh, kvh, hd) = (dims.nh as u64, dims.kvh as u64, dims.hd as u64);
         dev.mark("attn.core", 4 * tt * nh * hd * 3 + KV_BYTES * 2 * (p0 + tt) * kvh * hd, 4 * nh * hd * seen)?;
-        attn_prefill::prefill(dev, &a.q, kc, vc, cap, gate, dims.nh, dims.kvh, dims.hd, pos0, t, &mut a.att)?; // [T, nh, hd]
+        attn_prefill::prefill(dev, attn_prefill::Kernel::Auto, &a.q, kc, vc, cap, gate, dims.nh, dims.kvh, dims.hd, pos0, t, &mut a.att)?; // [T, nh, hd]
         mark_linear(dev, "attn.o_proj", &w.o, t)?;
         return linear(dev, &w.o, &a.att, t, &mut a.mix);
     };
@@ -946,7 +946,7 @@ fn attn_mixer(
         dev.mark("attn.core", 8 * nh * hd + KV_BYTES * 2 * n * kvh * hd, 4 * nh * hd * n)?;
     }
     let gate = if dims.gated { Some(&a.gate) } else { None };
-    attention::decode(dev, &a.q, kc, vc, cap, n, dims.nh, dims.kvh, dims.hd, gate, &mut a.att, &mut a.att_scratch)?;
+    attention::decode(dev, attention::Ring::Auto, &a.q, kc, vc, cap, n, dims.nh, dims.kvh, dims.hd, gate, &mut a.att, &mut a.att_scratch)?;
     mark_linear(dev, "attn.o_proj", &w.o, 1)?;
     affine_gemv::gemv_fused(dev, &w.o, Select::matrix(0), &a.att, false, &mut a.x, affine_gemv::Fuse::none().accumulate()) // x += [H]
 }

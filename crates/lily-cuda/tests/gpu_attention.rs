@@ -97,7 +97,7 @@ fn check(dev: &Device, ring: Ring, nh: usize, kvh: usize, hd: usize, n: usize, g
     let n_arg = if device_n { Scalar::Device { at: &nv, max: cap } } else { Scalar::Host(n) };
     let mut out = poisoned(dev, nh * hd);
     let mut scratch = poisoned(dev, attention::scratch_len(nh, hd));
-    attention::decode_with(dev, ring, &qd, &kd, &vd, cap, n_arg, nh, kvh, hd, gated.then_some(&gd), &mut out, &mut scratch).unwrap();
+    attention::decode(dev, ring, &qd, &kd, &vd, cap, n_arg, nh, kvh, hd, gated.then_some(&gd), &mut out, &mut scratch).unwrap();
     let got = dev.download(&out).unwrap();
     let what = format!("{ring:?} ring: nh {nh} kvh {kvh} hd {hd} n {n} gated {gated} device n {device_n}");
     let e = rel_err(&got, &want, &what);
@@ -145,7 +145,7 @@ fn attention_rejects_bad_shapes() {
     let mut s = dev.zeros::<f32>(attention::scratch_len(4, 64)).unwrap();
     let none: Option<&cudarc::driver::CudaSlice<f32>> = None;
     let mut run = |n: usize, cap: usize, nh: usize, hd: usize, s: &mut cudarc::driver::CudaSlice<f32>| {
-        attention::decode(&dev, &q, &k, &v, cap, Scalar::Host(n), nh, 2, hd, none, &mut out, s)
+        attention::decode(&dev, Ring::Auto, &q, &k, &v, cap, Scalar::Host(n), nh, 2, hd, none, &mut out, s)
     };
     assert!(run(8, 32, 4, 64, &mut s).is_ok());
     assert!(run(33, 32, 4, 64, &mut s).is_err()); // n beyond the capacity
@@ -157,7 +157,7 @@ fn attention_rejects_bad_shapes() {
     let mut small = dev.zeros::<f32>(attention::scratch_len(4, 64) - 1).unwrap();
     assert!(run(8, 32, 4, 64, &mut small).is_err());
     // The three-stage ring at a head dim it lacks (64), refused; the two-stage one takes it.
-    let mut ring = |r: Ring| attention::decode_with(&dev, r, &q, &k, &v, 32, Scalar::Host(8), 4, 2, 64, none, &mut out, &mut s);
+    let mut ring = |r: Ring| attention::decode(&dev, r, &q, &k, &v, 32, Scalar::Host(8), 4, 2, 64, none, &mut out, &mut s);
     assert!(ring(Ring::Three).is_err());
     assert!(ring(Ring::Two).is_ok());
     dev.synchronize().unwrap();
@@ -195,7 +195,7 @@ fn bench_attention_decode() {
         for &ring in rings(hd) {
             let (t, spread) = time_op(&dev, 15, 2 * layers, |i| {
                 let l = i % layers;
-                attention::decode_with(&dev, ring, &q, &k[l], &v[l], n, Scalar::Host(n), nh, kvh, hd, Some(&gate), &mut out, &mut scratch).unwrap();
+                attention::decode(&dev, ring, &q, &k[l], &v[l], n, Scalar::Host(n), nh, kvh, hd, Some(&gate), &mut out, &mut scratch).unwrap();
             });
             let bytes = 2.0 * (kvh * hd * 2 * n) as f64;
             let bw = bytes / t / 1e12;

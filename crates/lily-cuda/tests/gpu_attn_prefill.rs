@@ -374,7 +374,7 @@ fn check_prefill(dev: &Device, kernel: Kernel, nh: usize, kvh: usize, hd: usize,
     let kd = dev.upload(&k_cache_bf16(&k)).unwrap();
     let vd = dev.upload(&v_cache_bf16(&v, cap, kvh, hd)).unwrap();
     let mut out = poisoned(dev, t * nh * hd);
-    attn_prefill::prefill_with(dev, kernel, &qd, &kd, &vd, cap, gated.then_some(&gd), nh, kvh, hd, pos0, t, &mut out).unwrap();
+    attn_prefill::prefill(dev, kernel, &qd, &kd, &vd, cap, gated.then_some(&gd), nh, kvh, hd, pos0, t, &mut out).unwrap();
     let got = dev.download(&out).unwrap();
     let what = format!("prefill {kernel:?} nh {nh} kvh {kvh} hd {hd} gated {gated} pos0 {pos0} t {t}");
     let e = row_err_with_slack(&got, &emu, &slack, hd, &what);
@@ -441,7 +441,7 @@ fn prefill_rejects_bad_shapes() {
     let mut out = dev.zeros::<f32>(3 * nh * hd).unwrap();
     let none = None::<&CudaSlice<f32>>;
     let mut run = |q: &cudarc::driver::CudaView<f32>, g: Option<&CudaSlice<f32>>, cap: usize, nh: usize, hd: usize, pos0: usize, t: usize| {
-        attn_prefill::prefill(&dev, q, &kc, &vc, cap, g, nh, kvh, hd, pos0, t, &mut out)
+        attn_prefill::prefill(&dev, Kernel::Auto, q, &kc, &vc, cap, g, nh, kvh, hd, pos0, t, &mut out)
     };
     let qv = q.slice(0..);
     assert!(run(&qv, none, 32, nh, hd, 7, 3).is_ok());
@@ -456,7 +456,7 @@ fn prefill_rejects_bad_shapes() {
     let q_off = q.slice(1..);
     assert!(run(&q_off, none, 32, nh, hd, 0, 1).is_err()); // misaligned
     // The wgmma forms at a head dim they lack (64), refused; the mma.sync form takes it.
-    let mut wg = |k: Kernel| attn_prefill::prefill_with(&dev, k, &qv, &kc, &vc, 32, none, nh, kvh, hd, 0, 3, &mut out);
+    let mut wg = |k: Kernel| attn_prefill::prefill(&dev, k, &qv, &kc, &vc, 32, none, nh, kvh, hd, 0, 3, &mut out);
     assert!(wg(Kernel::Wgmma).is_err());
     assert!(wg(Kernel::WgmmaOverlap).is_err());
     assert!(wg(Kernel::Mma).is_ok());
@@ -486,7 +486,7 @@ fn check_chunked_vs_step(dev: &Device, kernel: Kernel, d: AttnDims, pos0: usize,
     let mut g1 = poisoned(dev, n);
     let mut o1 = poisoned(dev, n);
     attn_prep::prep(dev, &qg, &k, &v, &qn, &kn, d, Scalar::Host(pos0), t, &mut q1, d.gated.then_some(&mut g1), &mut kc1, &mut vc1, cap).unwrap();
-    attn_prefill::prefill_with(dev, kernel, &q1, &kc1, &vc1, cap, d.gated.then_some(&g1), nh, kvh, hd, pos0, t, &mut o1).unwrap();
+    attn_prefill::prefill(dev, kernel, &q1, &kc1, &vc1, cap, d.gated.then_some(&g1), nh, kvh, hd, pos0, t, &mut o1).unwrap();
 
     // Stepped: per token, prep of one token, then decode over pos0+i+1 positions (gate fused).
     let (mut kc2, mut vc2) = (dev.upload(&prefix_k).unwrap(), dev.upload(&prefix_v).unwrap());
@@ -503,7 +503,7 @@ fn check_chunked_vs_step(dev: &Device, kernel: Kernel, d: AttnDims, pos0: usize,
         attn_prep::prep(dev, &qg_i, &k_i, &v_i, &qn, &kn, d, Scalar::Host(pos0 + i), 1, &mut q_i, d.gated.then_some(&mut g_i), &mut kc2, &mut vc2, cap).unwrap();
         let mut o_i = o2.slice_mut(i * hr..(i + 1) * hr);
         let g_view = g2.slice(i * hr..(i + 1) * hr);
-        attention::decode(dev, &q_i, &kc2, &vc2, cap, Scalar::Host(pos0 + i + 1), nh, kvh, hd, d.gated.then_some(&g_view), &mut o_i, &mut scratch).unwrap();
+        attention::decode(dev, attention::Ring::Auto, &q_i, &kc2, &vc2, cap, Scalar::Host(pos0 + i + 1), nh, kvh, hd, d.gated.then_some(&g_view), &mut o_i, &mut scratch).unwrap();
     }
 
     let what = format!("chunked vs step ({kernel:?}) nh {nh} kvh {kvh} hd {hd} gated {} pos0 {pos0} t {t}", d.gated);
@@ -562,7 +562,7 @@ fn bench_attn_prefill() {
         let reps = if end > 8192 || t > 1024 { 5 } else { 9 };
         for &kernel in kernels(hd) {
             let (secs, spread) = time_op(&dev, reps, 3, |_| {
-                attn_prefill::prefill_with(&dev, kernel, &q, &k, &v, cap, Some(&g), nh, kvh, hd, pos0, t, &mut out).unwrap();
+                attn_prefill::prefill(&dev, kernel, &q, &k, &v, cap, Some(&g), nh, kvh, hd, pos0, t, &mut out).unwrap();
             });
             let pairs = (t * pos0 + t * (t + 1) / 2) as f64;
             let flops = 4.0 * (hd * nh) as f64 * pairs;

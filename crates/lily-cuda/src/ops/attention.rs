@@ -91,21 +91,18 @@ pub const STAGE: usize = 32;
 /// Query heads per block (a larger group takes several blocks per KV slice).
 const MAX_GROUP_PER_BLOCK: usize = 8;
 
-/// Dynamic shared memory of the head-dim-`hd` kernel with the two-stage ring: two stages of K [32][hd]
-/// (rows padded) and Vᵀ [hd][32]; [`Ring::Three`] takes 3/2 of it.
-pub fn smem_bytes(hd: usize) -> usize {
+/// Dynamic shared memory of the head-dim-`hd` kernel with `ring`'s depth: a stage holds K [32][hd] (rows
+/// padded) and Vᵀ [hd][32].
+pub fn smem_bytes(hd: usize, ring: Ring) -> usize {
     let kp = 2 * hd + if (hd / 2).is_multiple_of(32) { 64 } else { 0 };
-    2 * (STAGE * kp + hd * 2 * STAGE)
+    ring.stages() * (STAGE * kp + hd * 2 * STAGE)
 }
 
 pub(crate) fn configure(dev: &Device) -> Result<()> {
-    for (hd, _, name) in VARIANTS {
-        dev.function(name)?
-            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(hd) as i32)?;
-    }
-    for (hd, _, name) in VARIANTS_S3 {
-        dev.function(name)?
-            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, (smem_bytes(hd) / 2 * 3) as i32)?;
+    let two = VARIANTS.iter().map(|&(hd, _, name)| (smem_bytes(hd, Ring::Two), name));
+    let three = VARIANTS_S3.iter().map(|&(hd, _, name)| (smem_bytes(hd, Ring::Three), name));
+    for (need, name) in two.chain(three) {
+        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, need as i32)?;
     }
     Ok(())
 }
@@ -140,35 +137,10 @@ pub fn scratch_len(nh: usize, hd: usize) -> usize {
 /// hd ∈ {32, 64, 128, 256}; nh a multiple of kvh; 1 ≤ n ≤ cap; cap a multiple of 32. `out` must not
 /// alias the inputs. n may be read on the device instead ([`Scalar::Device`], bounded by `max` ≤ cap);
 /// the grid then covers the split cap, and blocks past the device n's split count exit at once.
+/// `ring` picks the pipeline depth ([`Ring::Auto`]: the default); [`Ring::Three`] refuses head dims
+/// other than 128 and 256.
 #[allow(clippy::too_many_arguments)]
 pub fn decode<Q, K, V, G, O, S>(
-    dev: &Device,
-    q: &Q,
-    k_cache: &K,
-    v_cache: &V,
-    cap: usize,
-    n: Scalar<'_>,
-    nh: usize,
-    kvh: usize,
-    hd: usize,
-    gate: Option<&G>,
-    out: &mut O,
-    scratch: &mut S,
-) -> Result<()>
-where
-    Q: DevicePtr<f32>,
-    K: DevicePtr<bf16>,
-    V: DevicePtr<bf16>,
-    G: DevicePtr<f32>,
-    O: DevicePtrMut<f32>,
-    S: DevicePtrMut<f32>,
-{
-    decode_with(dev, Ring::Auto, q, k_cache, v_cache, cap, n, nh, kvh, hd, gate, out, scratch)
-}
-
-/// [`decode`] with the given ring depth; [`Ring::Three`] refuses head dims other than 128 and 256.
-#[allow(clippy::too_many_arguments)]
-pub fn decode_with<Q, K, V, G, O, S>(
     dev: &Device,
     ring: Ring,
     q: &Q,
@@ -235,7 +207,7 @@ where
     let cfg = LaunchConfig {
         grid_dim: (if n_dev != 0 { max_splits } else { splits } as u32, kvh as u32, z as u32),
         block_dim: (32 * warps, 1, 1),
-        shared_mem_bytes: (smem_bytes(hd) / 2 * ring.stages()) as u32,
+        shared_mem_bytes: smem_bytes(hd, ring) as u32,
     };
     launch(dev, name, cfg, &p)?;
     let cfg = LaunchConfig { grid_dim: (nh as u32, hd.div_ceil(64) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };

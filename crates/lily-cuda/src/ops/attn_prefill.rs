@@ -151,35 +151,10 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
 /// `sigmoid(gate[t, h])` elementwise when `gate` [T, nh, hd] is given. Caches (bf16): K [cap, kvh, hd],
 /// V [kvh, hd, cap], cap ≥ pos0+t a multiple of 32; positions past pos0+t are never read. hd ∈ {32, 64,
 /// 128, 256}; nh a multiple of kvh; all buffers 16-byte aligned (any `CudaSlice`, or a view at a multiple
-/// of 4 elements). Runs [`Kernel::Auto`]'s form.
+/// of 4 elements). `kernel` picks the form ([`Kernel::Auto`]: the default); the wgmma forms refuse head
+/// dims other than 128 and 256.
 #[allow(clippy::too_many_arguments)]
 pub fn prefill<Q, K, V, G, O>(
-    dev: &Device,
-    q: &Q,
-    k_cache: &K,
-    v_cache: &V,
-    cap: usize,
-    gate: Option<&G>,
-    nh: usize,
-    kvh: usize,
-    hd: usize,
-    pos0: usize,
-    t: usize,
-    out: &mut O,
-) -> Result<()>
-where
-    Q: DevicePtr<f32>,
-    K: DevicePtr<half::bf16>,
-    V: DevicePtr<half::bf16>,
-    G: DevicePtr<f32>,
-    O: DevicePtrMut<f32>,
-{
-    prefill_with(dev, Kernel::Auto, q, k_cache, v_cache, cap, gate, nh, kvh, hd, pos0, t, out)
-}
-
-/// [`prefill`] in the given form; [`Kernel::Wgmma`] refuses head dims other than 128 and 256.
-#[allow(clippy::too_many_arguments)]
-pub fn prefill_with<Q, K, V, G, O>(
     dev: &Device,
     kernel: Kernel,
     q: &Q,
