@@ -35,6 +35,20 @@ pub(crate) fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_GEMV").map(|v| v != "ffma").unwrap_or(true))
 }
 
+/// Whether the GEMVs whose matrix is known before the PDL wait prefetch the first tile's later rounds
+/// into L2 then (`LILY_GEMV_PREFETCH=1`, read once; opt-in until measured in the decode graph).
+pub(crate) fn prefetch() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_GEMV_PREFETCH").is_ok_and(|v| v == "1"))
+}
+
+/// The K split the SwiGLU GEMVs over several slots (the MoE gate/up) take instead of `plan`'s choice:
+/// `LILY_SWIGLU_KS` = 1, 2, 4 or 8 (read once; for A/B runs), else 0.
+fn swiglu_ks() -> usize {
+    static KS: OnceLock<usize> = OnceLock::new();
+    *KS.get_or_init(|| std::env::var("LILY_SWIGLU_KS").ok().and_then(|v| v.parse().ok()).filter(|k| [1, 2, 4, 8].contains(k)).unwrap_or(0))
+}
+
 /// Whether a shape fits the kernels: 4-bit, group 64, whole rounds of 128 columns.
 pub(crate) fn fits(bits: u32, group: usize, cols: usize) -> bool {
     bits == 4 && group == 64 && cols > 0 && cols.is_multiple_of(ROUND_COLS)
@@ -69,6 +83,7 @@ pub(crate) fn plan_mix(dev: &Device, rows: usize, cols: usize, ns: usize) -> Res
 pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu: bool, ks: usize) -> Result<(&'static str, u32, u32)> {
     let rounds = cols / ROUND_COLS;
     let tiles = rows.div_ceil(16);
+    let ks = if ks == 0 && swiglu && slots > 1 && rounds.is_multiple_of(swiglu_ks().max(1)) { swiglu_ks() } else { ks };
     let ks = if ks == 0 {
         let mut pick = 1;
         for k in [1usize, 2, 4, 8] {
