@@ -33,8 +33,7 @@
 // Work split: a block of 8 warps takes RT = 8/KS tiles of 16 rows; the KS warps of a tile split its
 // rounds (split-K, summed through shared memory in a fixed order: deterministic). Blocks stride over
 // row tiles (x staged once per block). Each warp keeps the next round's loads in flight while it
-// computes the current one; the first round's are issued before the PDL wait, and with p.prefetch
-// (a matrix known before the wait) the first tile's other rounds are prefetched into L2 then. (Issuing all of a
+// computes the current one; the first round's are issued before the PDL wait. (Issuing all of a
 // warp's rounds at once, tried, needed ~110 registers a thread and lost in the decode graph.)
 
 #include <stdint.h>
@@ -90,10 +89,6 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
     for (int mm = 0; mm < NW; ++mm) {
         R[mm] = rows_of(tile0, mm);
         R[mm].load(A[mm], r0);  // weights may be read before the wait
-        // With p.prefetch (no indices: the matrix is known), the first tile's later rounds head for L2
-        // too, so that after the wait they are L2 hits rather than one HBM round trip each.
-        if (p.prefetch && !p.idx)
-            for (int r = r0 + 1; r < r1; ++r) R[mm].prefetch(r);
     }
     pdl_enter();
     const float inv = tc_stage(p, x, xs, Xs, cols);

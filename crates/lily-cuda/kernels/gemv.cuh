@@ -21,7 +21,7 @@ struct GemvParams {
     int count;
     int group_shift;          // log2(group size); unused for dense
     int matrix;
-    int prefetch;             // tensor-core GEMVs without indices: the warp's later rounds into L2 before the PDL wait
+    int pad_;
     // Fusions (all off when zero/null; see "Fusions" at the top):
     const float* norm_w;      // [cols] or null: the product uses RMSNorm(x) * norm_w (a shared x only)
     float norm_eps;

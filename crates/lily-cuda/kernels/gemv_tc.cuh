@@ -88,12 +88,6 @@ struct TcRows {
         return R;
     }
 
-    // Round r's codes of both rows into L2 (a hint: nothing reaches the thread, nothing can fault).
-    __device__ __forceinline__ void prefetch(int r) const {
-        if (v0) asm volatile("prefetch.global.L2 [%0];" ::"l"(w0 + 4 * r));
-        if (v1) asm volatile("prefetch.global.L2 [%0];" ::"l"(w0 + wstep + 4 * r));
-    }
-
     __device__ __forceinline__ void load(TcLoad& L, int r) const {
         const uint4 z = make_uint4(0, 0, 0, 0);
         L.w0 = v0 ? ld_stream(w0 + 4 * r) : z;

@@ -33,7 +33,7 @@ struct GemvParams {
     count: i32,
     group_shift: i32,
     matrix: i32,
-    prefetch: i32,
+    pad: i32,
     norm_w: u64,
     norm_eps: f32,
     accumulate: i32,
@@ -753,7 +753,6 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     // x (and the norm weight) are read as float4s by the tensor-core kernels.
     if let Some(ks) = tc_ks.filter(|_| (params.x | params.norm_w).is_multiple_of(16)) {
         let (name, grid, smem) = affine_gemv_tc::plan(dev, rows, cols, slots, swiglu, ks)?;
-        params.prefetch = affine_gemv_tc::prefetch() as i32;
         let cfg = LaunchConfig { grid_dim: (grid, slots as u32, 1), block_dim: (affine_gemv_tc::THREADS, 1, 1), shared_mem_bytes: smem };
         return launch(dev, name, cfg, &params);
     }

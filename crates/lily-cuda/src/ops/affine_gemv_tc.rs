@@ -35,20 +35,6 @@ pub(crate) fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_GEMV").map(|v| v != "ffma").unwrap_or(true))
 }
 
-/// Whether the GEMVs whose matrix is known before the PDL wait prefetch the first tile's later rounds
-/// into L2 then (`LILY_GEMV_PREFETCH=1`, read once; opt-in until measured in the decode graph).
-pub(crate) fn prefetch() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_GEMV_PREFETCH").is_ok_and(|v| v == "1"))
-}
-
-/// The K split the SwiGLU GEMVs over several slots (the MoE gate/up) take instead of `plan`'s choice:
-/// `LILY_SWIGLU_KS` = 1, 2, 4 or 8 (read once; for A/B runs), else 0.
-fn swiglu_ks() -> usize {
-    static KS: OnceLock<usize> = OnceLock::new();
-    *KS.get_or_init(|| std::env::var("LILY_SWIGLU_KS").ok().and_then(|v| v.parse().ok()).filter(|k| [1, 2, 4, 8].contains(k)).unwrap_or(0))
-}
-
 /// Whether a shape fits the kernels: 4-bit, group 64, whole rounds of 128 columns.
 pub(crate) fn fits(bits: u32, group: usize, cols: usize) -> bool {
     bits == 4 && group == 64 && cols > 0 && cols.is_multiple_of(ROUND_COLS)
@@ -83,8 +69,8 @@ pub(crate) fn plan_mix(dev: &Device, rows: usize, cols: usize, ns: usize) -> Res
 pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu: bool, ks: usize) -> Result<(&'static str, u32, u32)> {
     let rounds = cols / ROUND_COLS;
     let tiles = rows.div_ceil(16);
-    let ks = if ks == 0 && swiglu && slots > 1 && rounds.is_multiple_of(swiglu_ks().max(1)) { swiglu_ks() } else { ks };
-    let ks = if ks == 0 {
+    let auto = ks == 0;
+    let ks = if auto {
         let mut pick = 1;
         for k in [1usize, 2, 4, 8] {
             if !rounds.is_multiple_of(k) || (k > 1 && rounds / k < 2) {
@@ -102,15 +88,27 @@ pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu:
         }
         ks
     };
-    let i = ks.trailing_zeros() as usize;
-    let name = if swiglu { SWIGLU[i] } else { GEMV[i] };
     let nw = if swiglu { 2 } else { 1 };
     let smem = rounds * ROUND_BYTES + 4 * (cols / 64) + 4 * 8 * nw * 16;
     if smem > dev.max_smem_optin() as usize - 1024 {
         return Err(CudaError::Shape(format!("gemv (tensor cores): cols {cols} needs {smem} bytes of shared memory")));
     }
-    let per_block = 16 * (8 / ks);
-    let want = rows.div_ceil(per_block);
-    let cap = (dev.resident_blocks(name, THREADS, smem as u32)? as usize / slots).max(1);
+    let launch = |ks: usize| -> Result<(&'static str, usize, usize)> {
+        let i = ks.trailing_zeros() as usize;
+        let name = if swiglu { SWIGLU[i] } else { GEMV[i] };
+        let want = rows.div_ceil(16 * (8 / ks));
+        let cap = (dev.resident_blocks(name, THREADS, smem as u32)? as usize / slots).max(1);
+        Ok((name, want, cap))
+    };
+    let (mut name, mut want, mut cap) = launch(ks)?;
+    // A chosen split whose blocks do not all fit at once leaves some blocks two tiles in series: half
+    // the split (each block then takes twice the tiles, every warp twice the rounds, in one pass) while
+    // that fits better. The MoE gate/up (9 slots of 32 tiles, 127 registers a thread: 29 blocks a slot
+    // fit) goes from 8 to 4: +1–2% decode tok/s at 4K–128K (docs/PERF.md, 2026-12-05 tenth session).
+    let mut k = ks;
+    while want > cap && auto && k > 1 {
+        k /= 2;
+        (name, want, cap) = launch(k)?;
+    }
     Ok((name, want.min(cap) as u32, smem as u32))
 }

@@ -61,8 +61,8 @@ pub(crate) const KERNELS: &[&str] = &[
 /// The depth of the decode kernel's cp.async ring (stages of [`STAGE`] positions).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Ring {
-    /// Two stages, or three where `LILY_ATTN_STAGES=3` (read once) and the head dim has that variant:
-    /// an A/B switch until the three-stage ring is measured on a GPU.
+    /// Three stages where the head dim has them (128, 256: measured faster from 32K, even at 4K,
+    /// docs/PERF.md 2026-12-05 tenth session), else two; `LILY_ATTN_STAGES=2` (read once) keeps two.
     Auto,
     /// Two stages: one in flight while one is computed (every head dim).
     Two,
@@ -74,7 +74,7 @@ impl Ring {
     fn resolve(self, hd: usize) -> Ring {
         static THREE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         match self {
-            Ring::Auto if *THREE.get_or_init(|| std::env::var("LILY_ATTN_STAGES").is_ok_and(|v| v == "3")) && VARIANTS_S3.iter().any(|v| v.0 == hd) => Ring::Three,
+            Ring::Auto if *THREE.get_or_init(|| std::env::var("LILY_ATTN_STAGES").map_or(true, |v| v != "2")) && VARIANTS_S3.iter().any(|v| v.0 == hd) => Ring::Three,
             Ring::Auto => Ring::Two,
             r => r,
         }

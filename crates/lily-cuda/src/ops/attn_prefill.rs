@@ -13,9 +13,9 @@
 //! A second form on Hopper's warpgroup MMA ([`Kernel::Wgmma`], head dims 128 and 256): one block of two
 //! warpgroups per tile of 128 rows, K/V tiles of 64 positions in wgmma's swizzled layout, S = Q·Kᵀ with
 //! both operands from shared memory and O += P·V with P from registers (193 KiB of shared memory at
-//! head dim 256, one block an SM). [`Kernel::Auto`] takes it only with `LILY_ATTN_WGMMA=1` until it is
-//! measured against the mma.sync form on a GPU; [`Kernel::WgmmaOverlap`] is the same with each
-//! tile's softmax overlapped with the previous tile's P·V (`LILY_ATTN_WGMMA=2`).
+//! head dim 256, one block an SM); [`Kernel::WgmmaOverlap`] is the same with each tile's softmax
+//! overlapped with the previous tile's P·V, and what [`Kernel::Auto`] takes at those head dims (one
+//! H200: 1.7× the mma.sync form's speed over a 128K prompt; `LILY_ATTN_WGMMA=0|1` for A/B runs).
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -70,8 +70,8 @@ pub(crate) const KERNELS: &[&str] = &[
 /// Which kernel form runs the attention.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
-    /// The mma.sync form, or a wgmma form where the head dim has one and `LILY_ATTN_WGMMA` asks for
-    /// it (`1`: [`Kernel::Wgmma`], `2`: [`Kernel::WgmmaOverlap`]).
+    /// [`Kernel::WgmmaOverlap`] where the head dim has the wgmma forms (128, 256), else [`Kernel::Mma`];
+    /// `LILY_ATTN_WGMMA` (read once, for A/B runs) picks another: `0` mma.sync, `1` wgmma, `2` overlapped.
     Auto,
     /// mma.sync m16n8k16, 64 rows a block (every head dim).
     Mma,
@@ -85,20 +85,21 @@ pub enum Kernel {
 impl Kernel {
     fn resolve(self, hd: usize) -> Kernel {
         match self {
-            Kernel::Auto if WG_VARIANTS.iter().any(|(d, _)| *d == hd) => wgmma_opted_in().unwrap_or(Kernel::Mma),
+            Kernel::Auto if WG_VARIANTS.iter().any(|(d, _)| *d == hd) => auto_form(),
             Kernel::Auto => Kernel::Mma,
             k => k,
         }
     }
 }
 
-/// The wgmma form `LILY_ATTN_WGMMA` asks for (read once), until measurement picks the default.
-fn wgmma_opted_in() -> Option<Kernel> {
-    static ON: std::sync::OnceLock<Option<Kernel>> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| match std::env::var("LILY_ATTN_WGMMA").as_deref() {
-        Ok("1") => Some(Kernel::Wgmma),
-        Ok("2") => Some(Kernel::WgmmaOverlap),
-        _ => None,
+/// The form [`Kernel::Auto`] takes where the head dim has the wgmma forms: the overlapped one (measured
+/// fastest at every length, docs/PERF.md 2026-12-05 tenth session), or what `LILY_ATTN_WGMMA` asks for.
+fn auto_form() -> Kernel {
+    static FORM: std::sync::OnceLock<Kernel> = std::sync::OnceLock::new();
+    *FORM.get_or_init(|| match std::env::var("LILY_ATTN_WGMMA").as_deref() {
+        Ok("0") => Kernel::Mma,
+        Ok("1") => Kernel::Wgmma,
+        _ => Kernel::WgmmaOverlap,
     })
 }
 
