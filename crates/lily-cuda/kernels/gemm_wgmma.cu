@@ -46,8 +46,8 @@
 // (p: folded with 1 or 2 planes; h: half, 128 or 256 weight rows), gemm_wgmma_plain_n{64, 128}_h128_q8
 // (8-bit codes); dynamic shared memory: see smem_bytes in ops/gemm_wgmma.rs. Launch bounds: n128_p* one
 // block an SM (up to 255 registers), n64_p* two, n128_h128* two, n64_h128 three (ptxas serialises its
-// MMAs for registers at that bound: n64_h128b2 is the same tile at two, opt-in, and n64_h128_q8 takes
-// two), *_h256 (512 threads) one.
+// MMAs for registers at that bound; the same tile at two blocks measured even, docs/PERF.md 2026-12-05;
+// n64_h128_q8 takes two), *_h256 (512 threads) one.
 
 #include <stdint.h>
 #include <cuda_bf16.h>
@@ -533,8 +533,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     WG_ENTRY(prefix##_n128_h128, 128, 1, NUM_HALF, 5, SWIGLU, GROUPED, 2)         \
     WG_ENTRY(prefix##_n64_h128, 64, 1, NUM_HALF, 4, SWIGLU, GROUPED, 3)           \
     WG_ENTRY_W(prefix##_n128_h256, 128, 1, NUM_HALF, 6, 4, SWIGLU, GROUPED, 1)    \
-    WG_ENTRY_W(prefix##_n64_h256, 64, 1, NUM_HALF, 6, 4, SWIGLU, GROUPED, 1)    \
-    WG_ENTRY(prefix##_n64_h128b2, 64, 1, NUM_HALF, 4, SWIGLU, GROUPED, 2)
+    WG_ENTRY_W(prefix##_n64_h256, 64, 1, NUM_HALF, 6, 4, SWIGLU, GROUPED, 1)
 
 WG_FORM(gemm_wgmma_plain, false, false)
 WG_FORM(gemm_wgmma_swiglu, true, false)

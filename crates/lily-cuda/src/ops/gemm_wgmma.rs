@@ -92,25 +92,14 @@ macro_rules! forms {
     };
 }
 const NAMES: [&str; 4 * VARIANTS] = forms!("plain", "swiglu", "grouped", "grouped_swiglu");
-/// Variant 5 (64 tokens, half, 128 rows) at two blocks an SM instead of three, one name a form: at
-/// three ptxas serialises the kernels' MMAs for registers (`LILY_WG64_BLOCKS=2`, read once: an A/B
-/// experiment at the dispatch boundary).
-const NAMES_B2: [&str; 4] =
-    ["gemm_wgmma_plain_n64_h128b2", "gemm_wgmma_swiglu_n64_h128b2", "gemm_wgmma_grouped_n64_h128b2", "gemm_wgmma_grouped_swiglu_n64_h128b2"];
-
-fn wg64_two_blocks() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_WG64_BLOCKS").is_ok_and(|v| v == "2"))
-}
-
 /// The 8-bit plain half kernels: 128 tokens, then 64 (variants 4 and 5 of the 4-bit forms, one ring
 /// stage shallower).
 const NAMES_Q8: [&str; 2] = ["gemm_wgmma_plain_n128_h128_q8", "gemm_wgmma_plain_n64_h128_q8"];
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 
-const fn all_kernels() -> [&'static str; 4 * VARIANTS + 8] {
-    let mut out = [""; 4 * VARIANTS + 8];
+const fn all_kernels() -> [&'static str; 4 * VARIANTS + 4] {
+    let mut out = [""; 4 * VARIANTS + 4];
     let mut i = 0;
     while i < 4 * VARIANTS {
         out[i] = NAMES[i];
@@ -120,14 +109,9 @@ const fn all_kernels() -> [&'static str; 4 * VARIANTS + 8] {
     out[4 * VARIANTS + 1] = STAGE_HALF_KERNEL;
     out[4 * VARIANTS + 2] = NAMES_Q8[0];
     out[4 * VARIANTS + 3] = NAMES_Q8[1];
-    let mut j = 0;
-    while j < 4 {
-        out[4 * VARIANTS + 4 + j] = NAMES_B2[j];
-        j += 1;
-    }
     out
 }
-const ALL: [&str; 4 * VARIANTS + 8] = all_kernels();
+const ALL: [&str; 4 * VARIANTS + 4] = all_kernels();
 pub(crate) const KERNELS: &[&str] = &ALL;
 
 /// A kernel variant: tokens a block, numerics, ring stages, warpgroups (of 64 weight rows each), bits
@@ -197,10 +181,6 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     for (i, name) in NAMES.iter().enumerate() {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(i)) as i32)?;
-    }
-    for name in NAMES_B2 {
-        dev.function(name)?
-            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(5)) as i32)?;
     }
     for (i, name) in NAMES_Q8.iter().enumerate() {
         dev.function(name)?
@@ -315,8 +295,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
         (NAMES_Q8[i], variant_q8(i))
     } else {
         let vi = variant_index(bt, num, wrows);
-        let name = if vi == 5 && wg64_two_blocks() { NAMES_B2[form] } else { NAMES[form * VARIANTS + vi] };
-        (name, variant(vi))
+        (NAMES[form * VARIANTS + vi], variant(vi))
     };
     debug_assert_eq!((v.bt, v.num, v.rows()), (bt, num, wrows));
     let out_per_block = if swiglu { wrows / 2 } else { wrows };
