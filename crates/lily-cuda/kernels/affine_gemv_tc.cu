@@ -42,18 +42,20 @@
 #include "gemv.cuh"
 #include "gemv_tc.cuh"
 
-template <int KS, bool SWIGLU>
+template <int KS, bool SWIGLU, bool I8>
 __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
     constexpr int RT = TC_WARPS / KS;  // row tiles per block
     constexpr int NW = SWIGLU ? 2 : 1;
+    constexpr int ROUND_BYTES = I8 ? I8_ROUND : TC_ROUND;
     extern __shared__ __align__(16) unsigned char tc_smem[];
     const int rows = p.rows, cols = p.cols;
     const int nch = cols >> 5;          // 16-byte chunks per row
     const int groups = cols >> 6;
     const int nr = cols >> 7;           // rounds
     unsigned char* xs = tc_smem;
-    float* Xs = reinterpret_cast<float*>(tc_smem + nr * TC_ROUND);
-    float* red = Xs + groups;           // [TC_WARPS][NW][16] split-K partials
+    float* Xs = reinterpret_cast<float*>(tc_smem + nr * ROUND_BYTES);
+    float* sig = Xs + groups;           // I8: each group's σ
+    float* red = Xs + (I8 ? 2 : 1) * groups;  // [TC_WARPS][NW][16] split-K partials
 
     const int slot = blockIdx.y;
     if (p.idx) pdl_wait();  // the indices come from the router, a predecessor
@@ -72,7 +74,7 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
 
     // B operand: column g is part g % 4 of group g / 4 (part 3: zero); 12 lanes read x planes.
     const bool breal = tc_breal(g, t);
-    const uint4* xlane = tc_xlane(xs, g, t);
+    const uint4* xlane = I8 ? i8_xlane(xs, g, t) : tc_xlane(xs, g, t);
 
     auto rows_of = [&](int tile, int mm) {
         const uint4* w = mm == 0 ? p.w : p.w2;
@@ -91,18 +93,30 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
         R[mm].load(A[mm], r0);  // weights may be read before the wait
     }
     pdl_enter();
-    const float inv = tc_stage(p, x, xs, Xs, cols);
+    const float inv = I8 ? i8_stage(p, x, xs, Xs, sig, cols) : tc_stage(p, x, xs, Xs, cols);
     const uint32_t k16 = opaque(0x41804180u);  // the bf16x2 (16, 16)
 
     // One round: B from the planes, the 8 mmas and the affine map per matrix.
     auto round = [&](int r, const TcLoad (&L)[NW], float (&acc)[NW][2]) {
-        uint4 xb[4];
-        const float X = tc_round_b(xb, xlane, Xs, r, breal, t);
+        if constexpr (I8) {
+            uint4 xb[2];
+            float k0, k1;
+            const float X = i8_round_b(xb, xlane, Xs, sig, r, breal, t, k0, k1);
 #pragma unroll
-        for (int mm = 0; mm < NW; ++mm) {
-            float c[4];
-            tc_mmas(c, L[mm], xb, k16);
-            tc_affine(acc[mm][0], acc[mm][1], c, L[mm], X);
+            for (int mm = 0; mm < NW; ++mm) {
+                int c[4];
+                i8_mmas(c, L[mm], xb);
+                i8_affine(acc[mm][0], acc[mm][1], c, L[mm], k0, k1, X);
+            }
+        } else {
+            uint4 xb[4];
+            const float X = tc_round_b(xb, xlane, Xs, r, breal, t);
+#pragma unroll
+            for (int mm = 0; mm < NW; ++mm) {
+                float c[4];
+                tc_mmas(c, L[mm], xb, k16);
+                tc_affine(acc[mm][0], acc[mm][1], c, L[mm], X);
+            }
         }
     };
 
@@ -273,14 +287,23 @@ MIX_TC_ENTRY(affine_mix_tc_q4_u2, 2)
 MIX_TC_ENTRY(affine_mix_tc_q4_u5, 5)
 MIX_TC_ENTRY(affine_mix_tc_q4_u8, 8)
 
-#define GEMV_TC_ENTRY(name, KS, SW) \
-    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, SW>(p); }
+#define GEMV_TC_ENTRY(name, KS, SW, I8) \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, SW, I8>(p); }
 
-GEMV_TC_ENTRY(affine_gemv_tc_q4_k1, 1, false)
-GEMV_TC_ENTRY(affine_gemv_tc_q4_k2, 2, false)
-GEMV_TC_ENTRY(affine_gemv_tc_q4_k4, 4, false)
-GEMV_TC_ENTRY(affine_gemv_tc_q4_k8, 8, false)
-GEMV_TC_ENTRY(affine_swiglu_tc_q4_k1, 1, true)
-GEMV_TC_ENTRY(affine_swiglu_tc_q4_k2, 2, true)
-GEMV_TC_ENTRY(affine_swiglu_tc_q4_k4, 4, true)
-GEMV_TC_ENTRY(affine_swiglu_tc_q4_k8, 8, true)
+GEMV_TC_ENTRY(affine_gemv_tc_q4_k1, 1, false, false)
+GEMV_TC_ENTRY(affine_gemv_tc_q4_k2, 2, false, false)
+GEMV_TC_ENTRY(affine_gemv_tc_q4_k4, 4, false, false)
+GEMV_TC_ENTRY(affine_gemv_tc_q4_k8, 8, false, false)
+GEMV_TC_ENTRY(affine_swiglu_tc_q4_k1, 1, true, false)
+GEMV_TC_ENTRY(affine_swiglu_tc_q4_k2, 2, true, false)
+GEMV_TC_ENTRY(affine_swiglu_tc_q4_k4, 4, true, false)
+GEMV_TC_ENTRY(affine_swiglu_tc_q4_k8, 8, true, false)
+// The integer form (gemv_tc.cuh): x as three byte planes, int8 mmas.
+GEMV_TC_ENTRY(affine_gemv_i8_q4_k1, 1, false, true)
+GEMV_TC_ENTRY(affine_gemv_i8_q4_k2, 2, false, true)
+GEMV_TC_ENTRY(affine_gemv_i8_q4_k4, 4, false, true)
+GEMV_TC_ENTRY(affine_gemv_i8_q4_k8, 8, false, true)
+GEMV_TC_ENTRY(affine_swiglu_i8_q4_k1, 1, true, true)
+GEMV_TC_ENTRY(affine_swiglu_i8_q4_k2, 2, true, true)
+GEMV_TC_ENTRY(affine_swiglu_i8_q4_k4, 4, true, true)
+GEMV_TC_ENTRY(affine_swiglu_i8_q4_k8, 8, true, true)

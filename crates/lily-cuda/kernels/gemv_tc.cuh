@@ -187,11 +187,11 @@ __device__ __forceinline__ void tc_stage_word(const float (&v)[8], int j, bool a
     }
 }
 
-// x (optionally x * norm_w) -> the planes and the group sums Xs; returns 1/rms(x) with the norm, else 1.
-// Ends with the block synchronised.
+// x (optionally x * norm_w), word by word (8 values a thread), into a staging by `word(v, j, act)`;
+// returns 1/rms(x) with the norm, else 1. Ends with the block synchronised.
 // MAXW: the most warps of the calling block.
-template <int MAXW = TC_WARPS>
-__device__ __forceinline__ float tc_stage(const float* norm_w, float norm_eps, const float* x, unsigned char* xs, float* Xs, int cols) {
+template <int MAXW, class Word>
+__device__ __forceinline__ float stage_words(const float* norm_w, float norm_eps, const float* x, int cols, Word word) {
     __shared__ float ss_part[MAXW];
     const bool norm = norm_w != nullptr;
     const int nw = cols >> 3;  // words of 8 values
@@ -215,7 +215,7 @@ __device__ __forceinline__ float tc_stage(const float* norm_w, float norm_eps, c
                 }
             }
         }
-        tc_stage_word(v, j, act, xs, Xs);
+        word(v, j, act);
     }
     if (norm) {
 #pragma unroll
@@ -228,7 +228,141 @@ __device__ __forceinline__ float tc_stage(const float* norm_w, float norm_eps, c
     for (int w = 0; w < (int)(blockDim.x >> 5); ++w) tot += ss_part[w];
     return 1.0f / sqrtf(tot / (float)cols + norm_eps);
 }
+
+// x (optionally x * norm_w) -> the planes and the group sums Xs; returns 1/rms(x) with the norm, else 1.
+// Ends with the block synchronised.
+template <int MAXW = TC_WARPS>
+__device__ __forceinline__ float tc_stage(const float* norm_w, float norm_eps, const float* x, unsigned char* xs, float* Xs, int cols) {
+    return stage_words<MAXW>(norm_w, norm_eps, x, cols, [&](const float (&v)[8], int j, bool act) { tc_stage_word(v, j, act, xs, Xs); });
+}
 // The same for a GEMV's parameters (its fused norm, if any).
 __device__ __forceinline__ float tc_stage(const GemvParams& p, const float* x, unsigned char* xs, float* Xs, int cols) {
     return tc_stage<TC_WARPS>(p.norm_w, p.norm_eps, x, xs, Xs, cols);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// The integer form (affine_gemv_tc.cu's I8 kernels): mma.m16n8k32 with the 4-bit codes as unsigned
+// bytes (A) and x as signed bytes (B), summed exactly in int32.
+//   A: lane (g, t) holds the same 16 bytes (32 codes) of rows g and g+8 a round as above; word m of
+//      its chunk gives mma m its four registers: the even nibbles (w & 0x0F0F0F0F, codes 0, 2, 4, 6 of the
+//      word as bytes) of row g and g+8, then the odd ones ((w >> 4) & 0x0F0F0F0F). Three instructions
+//      for eight codes, where the bf16 form needs eight, and 512 weights an mma instead of 256.
+//   B: each group of 64 staged values v (x, or x * norm_w) is scaled by 127 / max|v| and written as
+//      three signed-byte planes, v = σ (x1 + x2/254 + x3/254²) with σ = max|v| / 127 and every x_p in
+//      [-127, 127] (x2, x3: the previous plane's rounding remainder, times 254): v to ~1.2e-7 of the
+//      group's largest |v|. Columns as above: 0, 1, 2 = planes 1, 2, 3 of the round's group G0 (lanes
+//      t = 0, 1), 4, 5, 6 the same of G1 (t = 2, 3), 3 and 7 zero.
+//   C: lane t holds, for rows g and g+8, columns 2t and 2t+1 summed over the round's 4 mmas: lanes 0
+//      and 2 planes 1 and 2 of their group, lanes 1 and 3 plane 3. Each lane weights its two by
+//      (σ, σ/254) or (σ/254², 0), applies the row's group scale (W = s·q + b: s·Σ q v + b·Σ v, the X
+//      term on lanes 0 and 2) in f32, and the 4 lanes' sums are the row's. The int32 sums are exact
+//      (at most 4 · 32 · 15 · 127 < 2^24, so exact in f32 too): the error is x's representation and
+//      the f32 sums.
+// Staging (shared memory) per round: 12 segments (plane p, chunk t) of 32 bytes, 48 bytes apart (the
+// 12 lanes that read B fetch 16 bytes each in two wavefronts, the least for 192 bytes); a segment
+// holds, for each word m of its chunk, the plane's even columns then its odd ones (4 bytes each).
+constexpr int I8_SEG = 48;
+constexpr int I8_ROUND = 12 * I8_SEG;  // staged bytes per 128 columns
+
+__device__ __forceinline__ void mma_u8s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The 4 mmas of one round for one matrix: c = Σ q x_p per (row, column), exactly, from zero.
+__device__ __forceinline__ void i8_mmas(int (&c)[4], const TcLoad& L, const uint4 (&xb)[2]) {
+    c[0] = c[1] = c[2] = c[3] = 0;
+    const uint32_t a[4] = {L.w0.x, L.w0.y, L.w0.z, L.w0.w};
+    const uint32_t b[4] = {L.w1.x, L.w1.y, L.w1.z, L.w1.w};
+    const uint32_t xv[8] = {xb[0].x, xb[0].y, xb[0].z, xb[0].w, xb[1].x, xb[1].y, xb[1].z, xb[1].w};
+#pragma unroll
+    for (int m = 0; m < 4; ++m)
+        mma_u8s8(c, a[m] & 0x0F0F0F0Fu, b[m] & 0x0F0F0F0Fu, (a[m] >> 4) & 0x0F0F0F0Fu, (b[m] >> 4) & 0x0F0F0F0Fu, xv[2 * m], xv[2 * m + 1]);
+}
+
+// The lane's segment of a staging (the lanes that feed zeros get one too; they do not read it).
+__device__ __forceinline__ const uint4* i8_xlane(const unsigned char* xs, int g, int t) {
+    return reinterpret_cast<const uint4*>(xs + ((g & 3) * 4 + t) * I8_SEG);
+}
+
+// A lane's B operand of round r, its two plane weights (k0, k1) and the X it adds (its group's sum of
+// the staged values on lanes 0 and 2, else 0). `sig`: each group's σ.
+__device__ __forceinline__ float i8_round_b(uint4 (&xb)[2], const uint4* xlane, const float* Xs, const float* sig, int r, bool breal, int t,
+                                            float& k0, float& k1) {
+    xb[0] = breal ? xlane[r * (I8_ROUND / 16)] : make_uint4(0, 0, 0, 0);
+    xb[1] = breal ? xlane[r * (I8_ROUND / 16) + 1] : make_uint4(0, 0, 0, 0);
+    const int gi = 2 * r + (t >> 1);
+    const float sg = sig[gi];
+    constexpr float INV = 1.0f / 254.0f;
+    k0 = (t & 1) ? sg * (INV * INV) : sg;
+    k1 = (t & 1) ? 0.0f : sg * INV;
+    return (t & 1) ? 0.0f : Xs[gi];
+}
+
+// acc += the lane's part of its group's contribution.
+__device__ __forceinline__ void i8_affine(float& acc0, float& acc1, const int (&c)[4], const TcLoad& L, float k0, float k1, float X) {
+    const float s0 = bf16_to_f32((uint16_t)L.s0), b0 = bf16_to_f32((uint16_t)L.b0);
+    const float s1 = bf16_to_f32((uint16_t)L.s1), b1 = bf16_to_f32((uint16_t)L.b1);
+    const float p0 = fmaf((float)c[0], k0, (float)c[1] * k1);
+    const float p1 = fmaf((float)c[2], k0, (float)c[3] * k1);
+    acc0 = fmaf(s0, p0, fmaf(b0, X, acc0));
+    acc1 = fmaf(s1, p1, fmaf(b1, X, acc1));
+}
+
+// Word j of a staged vector (values 8j..8j+7, v; zeros where !act): its group's σ and sum (into sig
+// and Xs; the 8 words of a group are 8 consecutive lanes, every lane of the warp calling alike) and
+// its three byte planes. Rounding to an integer by adding 1.5·2^23 (the integer lands in the low
+// mantissa bits: its low byte is the two's-complement byte), every step rounded as written.
+__device__ __forceinline__ void i8_stage_word(const float (&v)[8], int j, bool act, unsigned char* xs, float* Xs, float* sig) {
+    constexpr float M = 12582912.0f;  // 1.5 · 2^23
+    float a = 0.0f, sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        a = fmaxf(a, fabsf(v[i]));
+        sum += v[i];
+    }
+#pragma unroll
+    for (int o = 1; o <= 4; o <<= 1) {
+        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+        sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    }
+    const float inv = a > 0.0f ? 127.0f / a : 0.0f;
+    uint32_t q[3][8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const float y = __fmul_rn(v[i], inv);
+        const float t1 = __fadd_rn(y, M);
+        const float r1 = __fmul_rn(__fsub_rn(y, __fsub_rn(t1, M)), 254.0f);
+        const float t2 = __fadd_rn(r1, M);
+        const float r2 = __fmul_rn(__fsub_rn(r1, __fsub_rn(t2, M)), 254.0f);
+        const float t3 = __fadd_rn(r2, M);
+        q[0][i] = __float_as_uint(t1);
+        q[1][i] = __float_as_uint(t2);
+        q[2][i] = __float_as_uint(t3);
+    }
+    if (act) {
+        const int r = j >> 4, t = (j >> 2) & 3, m = j & 3;
+#pragma unroll
+        for (int pl = 0; pl < 3; ++pl) {
+            // Even columns (0, 2, 4, 6), then odd ones: the low byte of each.
+            const uint32_t ev = __byte_perm(__byte_perm(q[pl][0], q[pl][2], 0x0040), __byte_perm(q[pl][4], q[pl][6], 0x0040), 0x5410);
+            const uint32_t od = __byte_perm(__byte_perm(q[pl][1], q[pl][3], 0x0040), __byte_perm(q[pl][5], q[pl][7], 0x0040), 0x5410);
+            *reinterpret_cast<uint2*>(xs + r * I8_ROUND + (pl * 4 + t) * I8_SEG + m * 8) = make_uint2(ev, od);
+        }
+        if ((j & 7) == 0) {
+            Xs[j >> 3] = sum;
+            sig[j >> 3] = a * (1.0f / 127.0f);
+        }
+    }
+}
+
+// x (optionally x * norm_w) -> the byte planes, the group sums Xs and scales sig; as tc_stage.
+template <int MAXW = TC_WARPS>
+__device__ __forceinline__ float i8_stage(const float* norm_w, float norm_eps, const float* x, unsigned char* xs, float* Xs, float* sig, int cols) {
+    return stage_words<MAXW>(norm_w, norm_eps, x, cols, [&](const float (&v)[8], int j, bool act) { i8_stage_word(v, j, act, xs, Xs, sig); });
+}
+// The same for a GEMV's parameters (its fused norm, if any).
+__device__ __forceinline__ float i8_stage(const GemvParams& p, const float* x, unsigned char* xs, float* Xs, float* sig, int cols) {
+    return i8_stage<TC_WARPS>(p.norm_w, p.norm_eps, x, xs, Xs, sig, cols);
 }

@@ -423,9 +423,15 @@ fn gemv_every_variant() {
 /// FFMA kernels stay under 2e-6. An indexing or decoding bug costs ≥ 1e-3.
 const TC_TOL: f64 = 5e-5;
 
-/// The tensor-core kernels (4-bit, group 64) with every K split a shape allows, against f64: plain,
-/// SwiGLU, the fused norm and residual add, indexed slots with a bad index, rows that are not whole
-/// 16-row tiles, 1 to 64 rounds of 128 columns.
+/// The integer form's tolerance: its products and their sums within a round are exact (int32), x is
+/// represented to ~1.2e-7 of each group's largest value, the rest is f32 arithmetic: well under the
+/// bf16 form's. An indexing, plane or scale bug costs ≥ 1e-3.
+const I8_TOL: f64 = 1e-5;
+
+/// The tensor-core kernels (4-bit, group 64), both forms (bf16 planes: variants 9..=12; byte planes,
+/// int8 mmas: 13..=16), with every K split a shape allows, against f64: plain, SwiGLU, rows that are
+/// not whole 16-row tiles, 1 to 64 rounds of 128 columns; then each form with the fused norm and
+/// residual add and indexed slots with a bad index.
 #[test]
 fn gemv_tensor_cores_every_split() {
     let Some(dev) = device() else { return };
@@ -442,9 +448,9 @@ fn gemv_tensor_cores_every_split() {
         let (xd, nwd) = (dev.upload(&x).unwrap(), dev.upload(&nw).unwrap());
         let xn = ref_norm(&x, &nw, 1e-6);
         let y0 = rng.vec(rows);
-        for ks in [1usize, 2, 4, 8] {
-            let variant = 9 + ks.trailing_zeros();
-            let label = format!("tc [{rows}x{cols}] ks {ks}");
+        for (ks, (first, form, tol)) in [1usize, 2, 4, 8].into_iter().flat_map(|k| [(k, (9, "tc", TC_TOL)), (k, (13, "i8", I8_TOL))]) {
+            let variant = first + ks.trailing_zeros();
+            let label = format!("{form} [{rows}x{cols}] ks {ks}");
             let mut y = poisoned(&dev, rows);
             let r = affine_gemv::gemv_tuned(&dev, &dw, Select::matrix(2), &xd, false, &mut y, Q4Decode::Fast, variant);
             if rounds % ks != 0 {
@@ -452,11 +458,28 @@ fn gemv_tensor_cores_every_split() {
                 continue;
             }
             r.unwrap();
-            worst = worst.max(check(&dev.download(&y).unwrap(), &ref_gemv(&w, 2, &x), TC_TOL, &label));
+            worst = worst.max(check(&dev.download(&y).unwrap(), &ref_gemv(&w, 2, &x), tol, &label));
             let mut y = poisoned(&dev, rows);
             affine_gemv::swiglu_tuned(&dev, &dw, &du, Select::matrix(1), &xd, false, &mut y, variant).unwrap();
             let want: Vec<f64> = ref_gemv(&w, 1, &x).iter().zip(ref_gemv(&u, 1, &x)).map(|(a, b)| silu64(*a) * b).collect();
-            worst = worst.max(check(&dev.download(&y).unwrap(), &want, TC_TOL, &format!("{label} swiglu")));
+            worst = worst.max(check(&dev.download(&y).unwrap(), &want, tol, &format!("{label} swiglu")));
+        }
+        // The integer form (automatic split) with the fused norm and residual, and indexed slots.
+        {
+            let fuse = affine_gemv::Fuse::rms_norm(&dev, &nwd, 1e-6);
+            let mut y = dev.upload(&y0).unwrap();
+            affine_gemv::gemv_fused_tuned(&dev, &dw, Select::matrix(1), &xd, false, &mut y, fuse.accumulate(), 13 + [1usize, 2, 4, 8].iter().rposition(|k| rounds % k == 0).unwrap() as u32).unwrap();
+            let want: Vec<f64> = ref_gemv(&w, 1, &xn).iter().zip(&y0).map(|(a, b)| a + *b as f64).collect();
+            worst = worst.max(check(&dev.download(&y).unwrap(), &want, I8_TOL, &format!("i8 [{rows}x{cols}] norm + residual")));
+            let idx = dev.upload(&[1u32, 3, 2, 0]).unwrap(); // 3 is past the stack of 3
+            let mut y = poisoned(&dev, 4 * rows);
+            affine_gemv::swiglu_fused_tuned(&dev, &dw, &du, Select::indexed(&dev, &idx), &xd, false, &mut y, fuse, 13).unwrap();
+            let got = dev.download(&y).unwrap();
+            assert!(got[rows..2 * rows].iter().all(|v| v.is_nan()), "i8 [{rows}x{cols}]: the slot with a bad index must be NaN");
+            for (slot, m) in [(0usize, 1usize), (2, 2), (3, 0)] {
+                let want: Vec<f64> = ref_gemv(&w, m, &xn).iter().zip(ref_gemv(&u, m, &xn)).map(|(a, b)| silu64(*a) * b).collect();
+                worst = worst.max(check(&got[slot * rows..(slot + 1) * rows], &want, I8_TOL, &format!("i8 [{rows}x{cols}] swiglu norm slot {slot}")));
+            }
         }
         // Automatic split, with the fusions and indices.
         let fuse = affine_gemv::Fuse::rms_norm(&dev, &nwd, 1e-6);
@@ -1041,12 +1064,13 @@ fn bench_ops() {
         // with (U, NR) = (1, 4), (2, 2), (4, 1); 1..=4 = register kernel with (1, 8), (2, 4), (4, 2), (8, 1).
         let variants: Vec<(Q4Decode, u32)> = if bits == 4 && (rows == 8192 || rows == 248320 || cols == 8192) {
             let mut v = vec![(Q4Decode::Fast, 0), (Q4Decode::Fast, 8), (Q4Decode::Fast, 5), (Q4Decode::Fast, 6), (Q4Decode::Fast, 7), (Q4Decode::Fast, 9), (Q4Decode::Fast, 10), (Q4Decode::Fast, 11), (Q4Decode::Fast, 12)];
+            v.extend((13..=16).map(|f| (Q4Decode::Fast, f)));
             if rows == 248320 {
                 v.push((Q4Decode::Exact, 0));
             }
             v
         } else if bits == 4 {
-            vec![(Q4Decode::Fast, 0), (Q4Decode::Fast, 8), (Q4Decode::Fast, 9), (Q4Decode::Fast, 10), (Q4Decode::Fast, 11), (Q4Decode::Fast, 12)]
+            [0, 8, 9, 10, 11, 12, 13, 14, 15, 16].map(|f| (Q4Decode::Fast, f)).to_vec()
         } else {
             vec![(Q4Decode::Fast, 0), (Q4Decode::Fast, 8)]
         };
@@ -1064,6 +1088,7 @@ fn bench_ops() {
                 (_, _, 0) => format!("gemv q{bits}"),
                 (_, _, 8) => format!("gemv q{bits} reg"),
                 (_, _, f @ 9..=12) => format!("gemv q{bits} tc k{}", 1 << (f - 9)),
+                (_, _, f @ 13..=16) => format!("gemv q{bits} i8 k{}", 1 << (f - 13)),
                 (_, _, f) => format!("gemv q{bits} async {}", ["u1r4", "u2r2", "u4r1"][f as usize - 5]),
             };
             rows_out.push(Row { kernel, shape: format!("{label} {rows}x{cols} g{gs}"), bytes, t, spread: s });
@@ -1096,9 +1121,10 @@ fn bench_ops() {
         let moe_kernel = |what: &str, forced: u32| match forced {
             0 => format!("{what} (auto)"),
             8 => format!("{what} reg"),
-            f => format!("{what} tc k{}", 1 << (f - 9)),
+            f @ 9..=12 => format!("{what} tc k{}", 1 << (f - 9)),
+            f => format!("{what} i8 k{}", 1 << (f - 13)),
         };
-        for forced in [0u32, 8, 9, 10, 11, 12] {
+        for forced in [0u32, 8, 9, 10, 11, 12, 13, 14, 15, 16] {
             let (t, s) = time_op(&dev, 25, 20, |i| {
                 affine_gemv::gemv_tuned(&dev, &gate, Select::indexed(&dev, &sets[i % 64]), &x, false, &mut y1, Q4Decode::Fast, forced)
                     .unwrap()
@@ -1107,7 +1133,7 @@ fn bench_ops() {
             rows_out.push(Row { kernel, shape: format!("gate 8 of {e} x {inter}x{hidden}"), bytes: b_gate, t, spread: s });
         }
         let b_sw = (2 * k * gate.bytes_per_matrix() + 4 * hidden + 4 * k * inter) as f64;
-        for forced in [0u32, 8, 9, 10, 11, 12] {
+        for forced in [0u32, 8, 9, 10, 11, 12, 13, 14, 15, 16] {
             let (t, s) = time_op(&dev, 25, 20, |i| {
                 affine_gemv::swiglu_tuned(&dev, &gate, &upm, Select::indexed(&dev, &sets[i % 64]), &x, false, &mut y1, forced).unwrap()
             });
@@ -1115,7 +1141,7 @@ fn bench_ops() {
             rows_out.push(Row { kernel, shape: format!("gate+up 8 of {e} x {inter}x{hidden}"), bytes: b_sw, t, spread: s });
         }
         let b_down = (k * down.bytes_per_matrix() + 4 * k * inter + 4 * k * hidden) as f64;
-        for forced in [0u32, 8, 9, 10] {
+        for forced in [0u32, 8, 9, 10, 13, 14] {
             let (t, s) = time_op(&dev, 25, 20, |i| {
                 affine_gemv::gemv_tuned(&dev, &down, Select::indexed(&dev, &sets[i % 64]), &act, true, &mut y2, Q4Decode::Fast, forced)
                     .unwrap()

@@ -248,7 +248,8 @@ pub fn gemv_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
 /// [`gemv_with`] with a forced kernel (benchmarks and tests). 0 = automatic (4-bit weights in groups
 /// of 64 with the fast decode: the tensor-core kernel, `affine_gemv_tc`, unless `LILY_GEMV=ffma`;
 /// otherwise the pipelined kernel for rows of at least 4 chunks per lane when its shared memory fits,
-/// else the register one). Tensor cores: 9..=12 = a K split of 1, 2, 4, 8. Register kernel: 8 = its automatic choice,
+/// else the register one). Tensor cores: 9..=12 = a K split of 1, 2, 4, 8; their integer form
+/// (`LILY_GEMV=i8` for the automatic choice): 13..=16 = the same splits. Register kernel: 8 = its automatic choice,
 /// 1..=4 = (U, NR) = (1, 8), (2, 4), (4, 2), (8, 1) chunks × rows in flight per lane (rows of more
 /// than 16 chunks). Pipelined kernel: 5..=7 = (U, NR) = (1, 4), (2, 2), (4, 1) per pipeline stage.
 /// The 4-bit `Exact` decode exists only in the register kernel.
@@ -302,8 +303,24 @@ pub fn gemv_fused<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     y: &mut Y,
     fuse: Fuse,
 ) -> Result<()> {
+    gemv_fused_tuned(dev, w, sel, x, x_per_slot, y, fuse, 0)
+}
+
+/// [`gemv_fused`] with a forced kernel (as [`gemv_tuned`]; tests).
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_fused_tuned<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+    dev: &Device,
+    w: &DeviceMatrix,
+    sel: Select,
+    x: &X,
+    x_per_slot: bool,
+    y: &mut Y,
+    fuse: Fuse,
+    variant: u32,
+) -> Result<()> {
     let (fam, afam) = gemv_family(w.bits(), Q4Decode::Fast)?;
-    run(dev, fam, afam, w, None, sel, x, x_per_slot, y, 0, fuse, None)
+    run(dev, fam, afam, w, None, sel, x, x_per_slot, y, variant, fuse, None)
 }
 
 /// Where the fused router writes its selection.
@@ -379,7 +396,7 @@ pub fn swiglu<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     swiglu_tuned(dev, gate, up, sel, x, x_per_slot, y, 0)
 }
 
-/// [`swiglu`] with a forced kernel: 0 = automatic; tensor cores 9..=12 (as [`gemv_tuned`]); register kernel 8 = automatic, 1..=3 = (U, NR) =
+/// [`swiglu`] with a forced kernel: 0 = automatic; tensor cores 9..=12, integer form 13..=16 (as [`gemv_tuned`]); register kernel 8 = automatic, 1..=3 = (U, NR) =
 /// (1, 4), (2, 2), (4, 1); pipelined kernel 5..=7 = (1, 4), (2, 2), (4, 1).
 #[doc(hidden)]
 #[allow(clippy::too_many_arguments)]
@@ -409,8 +426,25 @@ pub fn swiglu_fused<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     y: &mut Y,
     fuse: Fuse,
 ) -> Result<()> {
+    swiglu_fused_tuned(dev, gate, up, sel, x, x_per_slot, y, fuse, 0)
+}
+
+/// [`swiglu_fused`] with a forced kernel (as [`swiglu_tuned`]; tests).
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_fused_tuned<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+    dev: &Device,
+    gate: &DeviceMatrix,
+    up: &DeviceMatrix,
+    sel: Select,
+    x: &X,
+    x_per_slot: bool,
+    y: &mut Y,
+    fuse: Fuse,
+    variant: u32,
+) -> Result<()> {
     let (fam, afam) = swiglu_family(gate, up)?;
-    run(dev, fam, afam, gate, Some(up), sel, x, x_per_slot, y, 0, fuse, None)
+    run(dev, fam, afam, gate, Some(up), sel, x, x_per_slot, y, variant, fuse, None)
 }
 
 /// The MoE down projection with the combine fused, for one token: over `ns` slots (`k` routed, plus
@@ -641,13 +675,14 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     // the register kernel wins on SwiGLU (8.8 vs 10.2 us) and on 8192x2048 (8.6 vs 9.3 us).
     // The tensor-core kernels (affine_gemv_tc.cu) take 4-bit, group-64 weights with the fast decode,
     // unless a variant 1..=8 forces an FFMA kernel: automatically (0) unless `LILY_GEMV=ffma`, or
-    // forced with the K split 9..=12 = 1, 2, 4, 8.
+    // forced with the K split 9..=12 = 1, 2, 4, 8; the integer form (`LILY_GEMV=i8`), forced: 13..=16.
     let group = w.group_size().unwrap_or(0);
     let tc_ok = route.is_none() && (*fam == Q4 || *fam == SW_Q4) && affine_gemv_tc::fits(w.bits(), group, cols);
     let tc_ks = match forced {
         0 if tc_ok && affine_gemv_tc::enabled() && affine_gemv_tc::preferred(rows, cols, slots) => Some(0),
         9..=12 if tc_ok => Some(1usize << (forced - 9)),
-        9..=12 => return Err(CudaError::Shape(format!("gemv: no tensor-core kernel for {}-bit weights, group {group}, cols {cols}", w.bits()))),
+        13..=16 if tc_ok => Some(1usize << (forced - 13)),
+        9..=16 => return Err(CudaError::Shape(format!("gemv: no tensor-core kernel for {}-bit weights, group {group}, cols {cols}", w.bits()))),
         _ => None,
     };
     let use_async = match forced {
@@ -752,7 +787,8 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     }
     // x (and the norm weight) are read as float4s by the tensor-core kernels.
     if let Some(ks) = tc_ks.filter(|_| (params.x | params.norm_w).is_multiple_of(16)) {
-        let (name, grid, smem) = affine_gemv_tc::plan(dev, rows, cols, slots, swiglu, ks)?;
+        let int8 = matches!(forced, 13..=16) || (forced == 0 && affine_gemv_tc::int8_auto());
+        let (name, grid, smem) = affine_gemv_tc::plan(dev, rows, cols, slots, swiglu, ks, int8)?;
         let cfg = LaunchConfig { grid_dim: (grid, slots as u32, 1), block_dim: (affine_gemv_tc::THREADS, 1, 1), shared_mem_bytes: smem };
         return launch(dev, name, cfg, &params);
     }

@@ -10,16 +10,23 @@ use crate::{CudaError, Device, Result};
 /// By K split 1, 2, 4, 8.
 const GEMV: [&str; 4] = ["affine_gemv_tc_q4_k1", "affine_gemv_tc_q4_k2", "affine_gemv_tc_q4_k4", "affine_gemv_tc_q4_k8"];
 const SWIGLU: [&str; 4] = ["affine_swiglu_tc_q4_k1", "affine_swiglu_tc_q4_k2", "affine_swiglu_tc_q4_k4", "affine_swiglu_tc_q4_k8"];
+/// The integer form (x as three byte planes, int8 mmas; `gemv_tc.cuh`), by K split.
+const GEMV_I8: [&str; 4] = ["affine_gemv_i8_q4_k1", "affine_gemv_i8_q4_k2", "affine_gemv_i8_q4_k4", "affine_gemv_i8_q4_k8"];
+const SWIGLU_I8: [&str; 4] = ["affine_swiglu_i8_q4_k1", "affine_swiglu_i8_q4_k2", "affine_swiglu_i8_q4_k4", "affine_swiglu_i8_q4_k8"];
 /// The down projection with the combine, by most (slot, round) units a warp loads at once.
 const MIX: [(&str, usize); 3] = [("affine_mix_tc_q4_u2", 2), ("affine_mix_tc_q4_u5", 5), ("affine_mix_tc_q4_u8", 8)];
-pub(crate) const KERNELS: &[&str] =
-    &[GEMV[0], GEMV[1], GEMV[2], GEMV[3], SWIGLU[0], SWIGLU[1], SWIGLU[2], SWIGLU[3], MIX[0].0, MIX[1].0, MIX[2].0];
+pub(crate) const KERNELS: &[&str] = &[
+    GEMV[0], GEMV[1], GEMV[2], GEMV[3], SWIGLU[0], SWIGLU[1], SWIGLU[2], SWIGLU[3], MIX[0].0, MIX[1].0, MIX[2].0, GEMV_I8[0], GEMV_I8[1],
+    GEMV_I8[2], GEMV_I8[3], SWIGLU_I8[0], SWIGLU_I8[1], SWIGLU_I8[2], SWIGLU_I8[3],
+];
 
 /// Threads per block (8 warps), as `TC_WARPS` in the .cu.
 pub(crate) const THREADS: u32 = 256;
 /// Columns per round (4 lanes × 32 codes) and staged bytes per round (`TC_ROUND`).
 const ROUND_COLS: usize = 128;
 pub(crate) const ROUND_BYTES: usize = 960;
+/// Staged bytes per round of the integer form (`I8_ROUND`).
+const ROUND_BYTES_I8: usize = 576;
 /// Warp tasks (16-row tiles × K slices) per SM wanted before the K split stops growing.
 const WANT_TASKS_PER_SM: usize = 16;
 
@@ -33,6 +40,13 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
 pub(crate) fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("LILY_GEMV").map(|v| v != "ffma").unwrap_or(true))
+}
+
+/// Whether the automatic choice takes the integer form (`LILY_GEMV=i8`, read once; opt-in until it is
+/// measured on a GPU).
+pub(crate) fn int8_auto() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_GEMV").is_ok_and(|v| v == "i8"))
 }
 
 /// Whether a shape fits the kernels: 4-bit, group 64, whole rounds of 128 columns.
@@ -63,10 +77,11 @@ pub(crate) fn plan_mix(dev: &Device, rows: usize, cols: usize, ns: usize) -> Res
     Ok(Some((name, rows.div_ceil(16).min(cap.max(1)) as u32, smem as u32)))
 }
 
-/// The launch for `rows × cols` over `slots`: (kernel, grid x, dynamic shared memory bytes).
+/// The launch for `rows × cols` over `slots`: (kernel, grid x, dynamic shared memory bytes); `int8`
+/// takes the integer form.
 /// `ks`: the K split (1, 2, 4, 8), or 0 to choose it: the smallest that gives every SM 16 warp tasks,
 /// among those leaving each warp at least two rounds.
-pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu: bool, ks: usize) -> Result<(&'static str, u32, u32)> {
+pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu: bool, ks: usize, int8: bool) -> Result<(&'static str, u32, u32)> {
     let rounds = cols / ROUND_COLS;
     let tiles = rows.div_ceil(16);
     let auto = ks == 0;
@@ -89,13 +104,19 @@ pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu:
         ks
     };
     let nw = if swiglu { 2 } else { 1 };
-    let smem = rounds * ROUND_BYTES + 4 * (cols / 64) + 4 * 8 * nw * 16;
+    // x's staging, the group sums (and the integer form's group scales), the split-K partials.
+    let smem = if int8 { rounds * ROUND_BYTES_I8 + 8 * (cols / 64) } else { rounds * ROUND_BYTES + 4 * (cols / 64) } + 4 * 8 * nw * 16;
     if smem > dev.max_smem_optin() as usize - 1024 {
         return Err(CudaError::Shape(format!("gemv (tensor cores): cols {cols} needs {smem} bytes of shared memory")));
     }
     let launch = |ks: usize| -> Result<(&'static str, usize, usize)> {
         let i = ks.trailing_zeros() as usize;
-        let name = if swiglu { SWIGLU[i] } else { GEMV[i] };
+        let name = match (swiglu, int8) {
+            (false, false) => GEMV[i],
+            (true, false) => SWIGLU[i],
+            (false, true) => GEMV_I8[i],
+            (true, true) => SWIGLU_I8[i],
+        };
         let want = rows.div_ceil(16 * (8 / ks));
         let cap = (dev.resident_blocks(name, THREADS, smem as u32)? as usize / slots).max(1);
         Ok((name, want, cap))
