@@ -210,3 +210,22 @@ fn bench_attention_decode() {
         }
     }
 }
+
+/// One decode attention call at the real shape over a 128K cache (the default ring), for `ncu`
+/// (run with `--ignored ncu_attention_decode`): the launch the 128K decode ledger spends 64% of the
+/// bandwidth on.
+#[test]
+#[ignore = "for profiling with ncu on the GPU machine"]
+fn ncu_attention_decode() {
+    let Some(dev) = device() else { return };
+    let (nh, kvh, hd, n) = (16, 2, 256, 131072);
+    let mut rng = Rng::new(43);
+    let q = dev.upload(&rng.normals(nh * hd, 1.0)).unwrap();
+    let gate = dev.upload(&rng.normals(nh * hd, 1.0)).unwrap();
+    let mut out = dev.zeros::<f32>(nh * hd).unwrap();
+    let mut scratch = dev.zeros::<f32>(attention::scratch_len(nh, hd)).unwrap();
+    let host = k_cache_bf16(&rng.normals(n * kvh * hd, 1.0));
+    let (k, v) = (dev.upload(&host).unwrap(), dev.upload(&host).unwrap());
+    attention::decode(&dev, attention::Ring::Auto, &q, &k, &v, n, Scalar::Host(n), nh, kvh, hd, Some(&gate), &mut out, &mut scratch).unwrap();
+    assert!(dev.download(&out).unwrap().iter().all(|x| x.is_finite()));
+}
