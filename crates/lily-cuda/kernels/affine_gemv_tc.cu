@@ -94,7 +94,8 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
     }
     pdl_enter();
     const float inv = I8 ? i8_stage(p, x, xs, Xs, sig, cols) : tc_stage(p, x, xs, Xs, cols);
-    const uint32_t k16 = opaque(0x41804180u);  // the bf16x2 (16, 16)
+    uint32_t k16 = 0u;  // the bf16 form's bf16x2 (16, 16)
+    if constexpr (!I8) k16 = opaque(0x41804180u);
 
     // One round: B from the planes, the 8 mmas and the affine map per matrix.
     auto round = [&](int r, const TcLoad (&L)[NW], float (&acc)[NW][2]) {

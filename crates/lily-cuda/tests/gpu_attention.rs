@@ -177,16 +177,26 @@ fn attention_splits_cover_every_position() {
 // ---------------------------------------------------------------------------------------------------
 // Timing (run with `--ignored bench_attention_decode`)
 
+/// The 35B model's attention shape: (query heads, KV heads, head dim).
+const REAL: (usize, usize, usize) = (16, 2, 256);
+
+type Buf = cudarc::driver::CudaSlice<f32>;
+
+/// Random q and gate at the real shape, and the output and split scratch they need.
+fn real_shape_io(dev: &Device, rng: &mut Rng) -> (Buf, Buf, Buf, Buf) {
+    let (nh, _, hd) = REAL;
+    let q = dev.upload(&rng.normals(nh * hd, 1.0)).unwrap();
+    let gate = dev.upload(&rng.normals(nh * hd, 1.0)).unwrap();
+    (q, gate, dev.zeros::<f32>(nh * hd).unwrap(), dev.zeros::<f32>(attention::scratch_len(nh, hd)).unwrap())
+}
+
 #[test]
 #[ignore = "timing; run on the GPU machine"]
 fn bench_attention_decode() {
     let Some(dev) = device() else { return };
-    let (nh, kvh, hd) = (16, 2, 256);
+    let (nh, kvh, hd) = REAL;
     let mut rng = Rng::new(42);
-    let q = dev.upload(&rng.normals(nh * hd, 1.0)).unwrap();
-    let gate = dev.upload(&rng.normals(nh * hd, 1.0)).unwrap();
-    let mut out = dev.zeros::<f32>(nh * hd).unwrap();
-    let mut scratch = dev.zeros::<f32>(attention::scratch_len(nh, hd)).unwrap();
+    let (q, gate, mut out, mut scratch) = real_shape_io(&dev, &mut rng);
     println!("attention decode, nh 16 kvh 2 hd 256, bf16 cache (+ combine and gate); caches cycled over layers (> 50 MiB L2)");
     for (n, layers) in [(4096usize, 10usize), (32768, 4), (131072, 2)] {
         let host = k_cache_bf16(&rng.normals(n * kvh * hd, 1.0));
@@ -218,14 +228,11 @@ fn bench_attention_decode() {
 #[ignore = "for profiling with ncu on the GPU machine"]
 fn ncu_attention_decode() {
     let Some(dev) = device() else { return };
-    let (nh, kvh, hd, n) = (16, 2, 256, 131072);
+    let ((nh, kvh, hd), n) = (REAL, 131072);
     let mut rng = Rng::new(43);
-    let q = dev.upload(&rng.normals(nh * hd, 1.0)).unwrap();
-    let gate = dev.upload(&rng.normals(nh * hd, 1.0)).unwrap();
-    let mut out = dev.zeros::<f32>(nh * hd).unwrap();
-    let mut scratch = dev.zeros::<f32>(attention::scratch_len(nh, hd)).unwrap();
+    let (q, gate, mut out, mut scratch) = real_shape_io(&dev, &mut rng);
     let host = k_cache_bf16(&rng.normals(n * kvh * hd, 1.0));
     let (k, v) = (dev.upload(&host).unwrap(), dev.upload(&host).unwrap());
-    attention::decode(&dev, attention::Ring::Auto, &q, &k, &v, n, Scalar::Host(n), nh, kvh, hd, Some(&gate), &mut out, &mut scratch).unwrap();
+    attention::decode(&dev, Ring::Auto, &q, &k, &v, n, Scalar::Host(n), nh, kvh, hd, Some(&gate), &mut out, &mut scratch).unwrap();
     assert!(dev.download(&out).unwrap().iter().all(|x| x.is_finite()));
 }

@@ -410,8 +410,7 @@ pub fn swiglu_tuned<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     y: &mut Y,
     variant: u32,
 ) -> Result<()> {
-    let (fam, afam) = swiglu_family(gate, up)?;
-    run(dev, fam, afam, gate, Some(up), sel, x, x_per_slot, y, variant, Fuse::none(), None)
+    swiglu_fused_tuned(dev, gate, up, sel, x, x_per_slot, y, Fuse::none(), variant)
 }
 
 /// [`swiglu`] with fusions (see [`Fuse`]).
@@ -678,10 +677,11 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     // forced with the K split 9..=12 = 1, 2, 4, 8; the integer form (`LILY_GEMV=i8`), forced: 13..=16.
     let group = w.group_size().unwrap_or(0);
     let tc_ok = route.is_none() && (*fam == Q4 || *fam == SW_Q4) && affine_gemv_tc::fits(w.bits(), group, cols);
-    let tc_ks = match forced {
-        0 if tc_ok && affine_gemv_tc::enabled() && affine_gemv_tc::preferred(rows, cols, slots) => Some(0),
-        9..=12 if tc_ok => Some(1usize << (forced - 9)),
-        13..=16 if tc_ok => Some(1usize << (forced - 13)),
+    // (K split, 0 = chosen by the plan; the integer form)
+    let tc = match forced {
+        0 if tc_ok && affine_gemv_tc::enabled() && affine_gemv_tc::preferred(rows, cols, slots) => Some((0, affine_gemv_tc::int8_auto())),
+        9..=12 if tc_ok => Some((1usize << (forced - 9), false)),
+        13..=16 if tc_ok => Some((1usize << (forced - 13), true)),
         9..=16 => return Err(CudaError::Shape(format!("gemv: no tensor-core kernel for {}-bit weights, group {group}, cols {cols}", w.bits()))),
         _ => None,
     };
@@ -786,8 +786,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         return Err(CudaError::Shape("gemv: accumulating into its own input".into()));
     }
     // x (and the norm weight) are read as float4s by the tensor-core kernels.
-    if let Some(ks) = tc_ks.filter(|_| (params.x | params.norm_w).is_multiple_of(16)) {
-        let int8 = matches!(forced, 13..=16) || (forced == 0 && affine_gemv_tc::int8_auto());
+    if let Some((ks, int8)) = tc.filter(|_| (params.x | params.norm_w).is_multiple_of(16)) {
         let (name, grid, smem) = affine_gemv_tc::plan(dev, rows, cols, slots, swiglu, ks, int8)?;
         let cfg = LaunchConfig { grid_dim: (grid, slots as u32, 1), block_dim: (affine_gemv_tc::THREADS, 1, 1), shared_mem_bytes: smem };
         return launch(dev, name, cfg, &params);
