@@ -2,8 +2,9 @@
 // RoPE: query head h reads KV head h / (nh/kvh); scores = (q·k)·scale over positions 0..n (the new
 // token already appended), softmax in f32, o = Σ p·v, then (gated) o ← o · sigmoid(gate).
 // Layouts: q, gate, out [nh, hd] f32; the K cache [cap, kvh, hd] bf16 (position-major); the V cache
-// [kvh, hd, cap] bf16 (transposed: for each KV head and dim, the positions are contiguous), so both
-// operands of the two products load as tensor-core fragments without a transpose.
+// bf16 in tiles of 32 positions, each transposed ([kvh, cap/32, hd, 32]: kv_layout.cuh), so both
+// operands of the two products load as tensor-core fragments without a transpose, and a stage's V is
+// one contiguous 16 KB read.
 //
 // Split-KV (flash-decoding), two launches:
 //   attn_decode_d{HD}: grid (max_splits, kvh, ceil(G/8)), NW warps. Block (s, kv, z) takes stages of 32
@@ -29,11 +30,12 @@
 #include "mma.cuh"
 #include "pdl.cuh"
 #include "reduce.cuh"
+#include "kv_layout.cuh"
 
 struct AttnDecodeParams {
     const float* q;        // [nh, hd]
     const uint16_t* k;     // [cap, kvh, hd] bf16
-    const uint16_t* vt;    // [kvh, hd, cap] bf16
+    const uint16_t* vt;    // bf16 in tiles of 32 positions, [kvh, cap/32, hd, 32] (kv_layout.cuh)
     const float* gate;     // [nh, hd], or null
     float* part_ml;        // [nh, max_splits, 2]  (m, l)
     float* part_acc;       // [nh, max_splits, hd]
@@ -49,7 +51,8 @@ struct AttnDecodeParams {
     int pad_;
 };
 
-#define AD_STAGE 32  // positions per pipeline stage (= ops::attention::STAGE)
+#define AD_STAGE 32  // positions per pipeline stage (= ops::attention::STAGE; one V tile, KV_TILE)
+static_assert(AD_STAGE == KV_TILE, "a stage is one V tile of the cache");
 
 struct AdSplit {
     int n, stages, per, splits;
@@ -115,12 +118,13 @@ __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
             const uint16_t* src = ok ? p.k + ((long long)pos * p.kvh + kv) * HD + ch * 8 : p.k;
             cp_async16z(ks + r * KP + ch * 16, src, ok ? 16 : 0);
         }
+        // The stage's V tile [HD][32] is one contiguous run in the cache (kv_layout.cuh): chunk c of it
+        // (dim c / 4, positions 8(c % 4) ..) to the same place in shared memory.
+        const uint16_t* vtile = p.vt + vt_index(kv, 0, base, HD, p.cap);
         for (int c = threadIdx.x; c < HD * 4; c += THREADS) {
             const int d = c >> 2, ch = c & 3;
-            const int pos = base + ch * 8;
-            const int valid = min(max(n - pos, 0), 8);
-            const uint16_t* src = valid > 0 ? p.vt + ((long long)kv * HD + d) * p.cap + pos : p.vt;
-            cp_async16z(vs + d * VP + ch * 16, src, valid * 2);
+            const int valid = min(max(n - (base + ch * 8), 0), 8);
+            cp_async16z(vs + d * VP + ch * 16, valid > 0 ? vtile + 8 * c : p.vt, valid * 2);
         }
     };
 

@@ -4,8 +4,8 @@
 // KV head h / G (G = nh / kvh), scores (q·k)·scale, softmax in f32, o = Σ p·v; with a gate,
 // o ← o · sigmoid(gate). q and p enter the tensor cores as bf16 (K and V are bf16 already); scores,
 // the softmax and the output accumulate in f32.
-// Layouts: q, gate, out [T, nh, hd] f32; K cache [cap, kvh, hd] bf16; V cache [kvh, hd, cap] bf16
-// (transposed, as kernels/attention.cu).
+// Layouts: q, gate, out [T, nh, hd] f32; K cache [cap, kvh, hd] bf16; V cache bf16 in transposed tiles
+// of 32 positions, [kvh, cap/32, hd, 32] (kv_layout.cuh, as kernels/attention.cu).
 //
 // attn_prefill_d{HD}: one block of 4 warps per (tile of 64 query rows, KV head), where the rows of KV
 // head kv are the T·G pairs (token t, head kv·G + g) in the order r = t·G + g, so a tile holds 64/G
@@ -35,11 +35,12 @@
 #include "mma.cuh"
 #include "pdl.cuh"
 #include "wgmma.cuh"
+#include "kv_layout.cuh"
 
 struct AttnPrefillParams {
     const float* q;      // [T, nh, hd]
     const uint16_t* k;   // [cap, kvh, hd] bf16
-    const uint16_t* vt;  // [kvh, hd, cap] bf16
+    const uint16_t* vt;  // [kvh, cap/32, hd, 32] bf16 (kv_layout.cuh)
     const float* gate;   // [T, nh, hd] or null
     float* out;          // [T, nh, hd]
     int t;
@@ -88,6 +89,7 @@ __device__ __forceinline__ void pf_store_pair(const AttnPrefillParams& p, long l
 
 #define PF_BR 64  // query rows per block (= ops::attn_prefill::ROWS_PER_BLOCK)
 #define PF_BK 32  // positions per KV tile (= ops::attn_prefill::KV_TILE)
+static_assert(PF_BK == KV_TILE, "a tile is one V tile of the cache");
 #define PF_THREADS 128
 
 template <int HD>
@@ -130,12 +132,13 @@ __device__ __forceinline__ void attn_prefill(const AttnPrefillParams& p) {
             const uint16_t* src = ok ? p.k + ((long long)pos * p.kvh + kv) * HD + ch * 8 : p.k;
             cp_async16z(ks + r * L::KP + ch * 16, src, ok ? 16 : 0);
         }
+        // The tile's Vᵀ [HD][32] is one contiguous run of the cache (kv_layout.cuh): chunk c is dim c / 4,
+        // positions 8(c % 4) ..
+        const uint16_t* vtile = p.vt + vt_index(kv, 0, base, HD, p.cap);
         for (int c = threadIdx.x; c < HD * (PF_BK / 8); c += PF_THREADS) {
             const int d = c / (PF_BK / 8), ch = c % (PF_BK / 8);
-            const int pos = base + ch * 8;
-            const int valid = min(max(kv_end - pos, 0), 8);
-            const uint16_t* src = valid > 0 ? p.vt + ((long long)kv * HD + d) * p.cap + pos : p.vt;
-            cp_async16z(vs + d * L::VP + ch * 16, src, valid * 2);
+            const int valid = min(max(kv_end - (base + ch * 8), 0), 8);
+            cp_async16z(vs + d * L::VP + ch * 16, valid > 0 ? vtile + 8 * c : p.vt, valid * 2);
         }
     };
     issue(0, 0);
@@ -271,6 +274,7 @@ extern "C" __global__ void __launch_bounds__(PF_THREADS, 2) attn_prefill_d256(co
 
 #define WG_BR 128      // query rows per block (= ops::attn_prefill::WG_ROWS_PER_BLOCK)
 #define WG_BK 64       // positions per KV tile
+static_assert(WG_BK % KV_TILE == 0, "a tile is whole V tiles of the cache");
 #define WG_THREADS 256
 
 template <int HD>
@@ -324,8 +328,11 @@ __device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
     const int kr = tid / KCH, kch = tid % KCH, vd = tid >> 3, vch = tid & 7;
     const uint16_t* kbase = p.k + ((long long)kr * p.kvh + kv) * HD + kch * 8;
     const long long kstride = (long long)KPASS * p.kvh * HD, kstep = (long long)WG_BK * p.kvh * HD;
-    const uint16_t* vbase = p.vt + ((long long)kv * HD + vd) * p.cap + vch * 8;
-    const long long vstride = 32LL * p.cap;
+    // Vᵀ chunk (dim vd + 32i, positions 64j + 8·vch ..) of KV tile j: in the cache's tile 2j + vch / 4
+    // (kv_layout.cuh), dim row vd + 32i, 8·(vch % 4) in; consecutive j are 64·HD values apart and
+    // consecutive i 32·KV_TILE.
+    const uint16_t* vbase = p.vt + vt_index(kv, vd, 8 * vch, HD, p.cap);
+    const long long vstride = 32LL * KV_TILE;
     auto issue_k = [&](int j, int buf) {
         const uint32_t ks = stage0 + buf * L::STAGE;
         const uint16_t* src = kbase + j * kstep;
@@ -339,7 +346,7 @@ __device__ __forceinline__ void attn_prefill_wg(const AttnPrefillParams& p) {
     auto issue_v = [&](int j, int buf) {
         const uint32_t vs = stage0 + buf * L::STAGE + L::K_BYTES;
         const int valid = min(max(kv_end - (j * WG_BK + vch * 8), 0), 8);
-        const uint16_t* src = vbase + j * WG_BK;
+        const uint16_t* src = vbase + (long long)j * WG_BK * HD;
 #pragma unroll
         for (int i = 0; i < HD / 32; ++i) cp_async16z(vs + sw128_at(vd + 32 * i, vch, 0), valid > 0 ? src + i * vstride : p.vt, valid * 2);
     };

@@ -3,10 +3,11 @@
 //   q    = RMSNorm(query part of qg) · q_norm, then partial NeoX RoPE  -> q_out [T, nh, hd]
 //   gate = gate part of qg (when gated)                                 -> gate_out [T, nh, hd]
 //   k    = RMSNorm(k) · k_norm, then partial NeoX RoPE                  -> k_cache row pos0+t (bf16)
-//   v                                                                   -> v_cache column pos0+t (bf16)
+//   v                                                                   -> v_cache at position pos0+t (bf16)
 // qg is [T, nh, hd·(1+gated)] with each head's row [query(hd) | gate(hd)]; k, v are [T, kvh, hd]. The
 // caches hold bf16 (rounded to nearest even): K [capacity, kvh, hd] (position-major, as
-// lily_cpu::attention::KvCache), V transposed, [kvh, hd, capacity] (see kernels/attention.cu).
+// lily_cpu::attention::KvCache), V in transposed tiles of 32 positions, [kvh, capacity/32, hd, 32]
+// (kv_layout.cuh; capacity a multiple of 32).
 // RoPE rotates pairs (i, i + rot/2), i < rot/2, by angle (pos0+t)·theta^(-2i/rot); the angle, its cos and
 // sin are computed in f64 and cast to f32, as the CPU does. Products are rounded separately (no FMA
 // contraction) so each rotated element is computed exactly as lily_cpu::attention::rope does.
@@ -16,13 +17,14 @@
 //   attn_prep_chunk: grid (T, ⌈(nh + kvh) / 8⌉) for prompt chunks: a block per (token, 8 heads), a warp
 //                  per head row, the RoPE table once a block (18× fewer f64 angles than attn_prep).
 //   kv_copy_rows:  dst[r·dst_pitch + i] = src[r·src_pitch + i] for i < len (bf16 elements): growing or
-//                  cutting a transposed V cache to another capacity.
+//                  cutting a tiled V cache to another capacity (a row is a KV head's tiles).
 
 #include <stdint.h>
 #include <cuda_bf16.h>
 #include "pdl.cuh"
 #include "bf16.cuh"
 #include "reduce.cuh"
+#include "kv_layout.cuh"
 
 struct AttnPrepParams {
     const float* qg;      // [T, nh, hd·(1+gated)]
@@ -33,7 +35,7 @@ struct AttnPrepParams {
     float* q_out;         // [T, nh, hd]
     float* gate_out;      // [T, nh, hd], or null when not gated
     uint16_t* k_cache;    // [capacity, kvh, hd] bf16
-    uint16_t* v_cache;    // [kvh, hd, capacity] bf16
+    uint16_t* v_cache;    // [kvh, capacity/32, hd, 32] bf16 (kv_layout.cuh)
     double theta;
     int t;
     int nh;
@@ -104,7 +106,7 @@ extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPr
         src = p.k + in_off;
         w = p.k_norm;
         kdst = p.k_cache + cache_off;
-        if (live) p.v_cache[((long long)kv * hd + d) * p.capacity + pos0 + t] = (uint16_t)bf16_bits(p.v[in_off + d]);
+        if (live) p.v_cache[vt_index(kv, d, pos0 + t, hd, p.capacity)] = (uint16_t)bf16_bits(p.v[in_off + d]);
     }
 
     // RMSNorm: y = x · (1 / sqrt(mean(x²) + eps)) · w, rounded as (x · inv) · w like the CPU.
@@ -165,7 +167,7 @@ extern "C" __global__ void __launch_bounds__(PREP_WARPS * 32) attn_prep_chunk(co
             const long long in_off = ((long long)t * p.kvh + kv) * hd;
             src = p.k + in_off;
             w = p.k_norm;
-            for (int d = lane; d < hd; d += 32) p.v_cache[((long long)kv * hd + d) * p.capacity + pos] = (uint16_t)bf16_bits(p.v[in_off + d]);
+            for (int d = lane; d < hd; d += 32) p.v_cache[vt_index(kv, d, pos, hd, p.capacity)] = (uint16_t)bf16_bits(p.v[in_off + d]);
         }
         // RMSNorm: y = x · (1 / sqrt(mean(x²) + eps)) · w, rounded as (x · inv) · w like the CPU. The sum
         // of squares in attn_prep's order, bit for bit (a chunk's q and k equal its tokens' decode

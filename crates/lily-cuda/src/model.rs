@@ -21,8 +21,8 @@
 //!
 //! Memory: weights are uploaded once; [`Activations`] holds every scratch buffer, allocated once at
 //! load for chunks of up to `max_chunk` tokens (longer calls are split); a [`CudaState`] holds the
-//! GDN conv and recurrent states and the bf16 KV caches (K position-major, V transposed; see
-//! `ops::attn_prep`). The engine sizes a session's caches once per
+//! GDN conv and recurrent states and the bf16 KV caches (K position-major, V in transposed tiles of
+//! 32 positions; see `ops::attn_prep`). The engine sizes a session's caches once per
 //! request, before its prefill, for the prompt plus the most tokens it may generate
 //! ([`Backend::reserve`]), so a decode step allocates nothing; without a reserve they grow in steps
 //! of [`KV_STEP`] positions as tokens arrive. A clone (a prefix-cache snapshot) keeps only the
@@ -45,8 +45,9 @@ use crate::{CudaError, Device, Result};
 mod ledger;
 pub use ledger::{DecodeLedger, PrefillLedger};
 
-/// KV caches are sized in multiples of this many positions.
+/// KV caches are sized in multiples of this many positions (whole tiles of the V cache).
 pub const KV_STEP: usize = 4096;
+const _: () = assert!(KV_STEP.is_multiple_of(attn_prep::V_TILE));
 /// GDN chunks of at least this many tokens use the chunked delta rule; shorter ones step.
 const GDN_CHUNKED_MIN_TOKENS: usize = 64;
 /// Chunks of at most this many tokens (a grammar's forced run, a tiny turn) run as that many decode
@@ -223,8 +224,22 @@ pub struct CudaState {
     pos: usize,
     layers: Vec<DevLayerState>,
     dev: Arc<Device>,
-    /// KV heads × head dim (the rows of a transposed V cache).
-    kv_row: usize,
+    /// The KV cache's shape: KV heads and head dim.
+    kv: KvShape,
+}
+
+/// KV heads and head dim of a model's caches.
+#[derive(Clone, Copy, Debug)]
+struct KvShape {
+    heads: usize,
+    hd: usize,
+}
+
+impl KvShape {
+    /// Values of a position's row of the K cache (all KV heads).
+    fn row(self) -> usize {
+        self.heads * self.hd
+    }
 }
 
 impl Clone for CudaState {
@@ -239,13 +254,13 @@ impl Clone for CudaState {
             .map(|l| match l {
                 DevLayerState::Attn { k, v, cap } if keep < *cap => {
                     // Allocation failure here means the GPU is out of memory: there is no way on.
-                    let (k, v) = resize_kv(&self.dev, k, v, *cap, keep, self.pos, self.kv_row).expect("copying a state on the GPU");
+                    let (k, v) = resize_kv(&self.dev, k, v, *cap, keep, self.pos, self.kv).expect("copying a state on the GPU");
                     DevLayerState::Attn { k, v, cap: keep }
                 }
                 other => other.clone(),
             })
             .collect();
-        CudaState { pos: self.pos, layers, dev: Arc::clone(&self.dev), kv_row: self.kv_row }
+        CudaState { pos: self.pos, layers, dev: Arc::clone(&self.dev), kv: self.kv }
     }
 }
 
@@ -253,18 +268,21 @@ impl Clone for CudaState {
 enum DevLayerState {
     /// conv: [K-1, C]; ssm: [Hv, Dk, Dv].
     Gdn { conv: CudaSlice<f32>, ssm: CudaSlice<f32> },
-    /// bf16 caches, k: [cap, kvh, hd], v: [kvh, hd, cap] (positions 0..pos are valid).
+    /// bf16 caches, k: [cap, kvh, hd], v: [kvh, cap / V_TILE, hd, V_TILE] (tiles of `attn_prep::V_TILE`
+    /// positions, `attn_prep::v_index`); positions 0..pos are valid.
     Attn { k: CudaSlice<bf16>, v: CudaSlice<bf16>, cap: usize },
 }
 
 /// Caches of capacity `cap` holding `pos` positions, copied into new zeroed ones of capacity `to`.
-fn resize_kv(dev: &Device, k: &CudaSlice<bf16>, v: &CudaSlice<bf16>, cap: usize, to: usize, pos: usize, kv_row: usize) -> Result<(CudaSlice<bf16>, CudaSlice<bf16>)> {
-    let mut nk = dev.zeros::<bf16>(to * kv_row)?;
-    let mut nv = dev.zeros::<bf16>(to * kv_row)?;
+/// Both capacities are multiples of `attn_prep::V_TILE`: V moves as whole tiles, a KV head at a time.
+fn resize_kv(dev: &Device, k: &CudaSlice<bf16>, v: &CudaSlice<bf16>, cap: usize, to: usize, pos: usize, kv: KvShape) -> Result<(CudaSlice<bf16>, CudaSlice<bf16>)> {
+    let row = kv.row();
+    let mut nk = dev.zeros::<bf16>(to * row)?;
+    let mut nv = dev.zeros::<bf16>(to * row)?;
     let keep = pos.min(to).min(cap);
     if keep > 0 {
-        dev.stream().memcpy_dtod(&k.slice(0..keep * kv_row), &mut nk.slice_mut(0..keep * kv_row))?;
-        attn_prep::copy_rows(dev, v, cap, &mut nv, to, kv_row, keep)?;
+        dev.stream().memcpy_dtod(&k.slice(0..keep * row), &mut nk.slice_mut(0..keep * row))?;
+        attn_prep::copy_rows(dev, v, cap * kv.hd, &mut nv, to * kv.hd, kv.heads, attn_prep::v_tiles_len(keep, kv.hd))?;
     }
     Ok((nk, nv))
 }
@@ -504,10 +522,15 @@ impl CudaModel {
         self.counts.set(c);
     }
 
+    fn kv_shape(&self) -> KvShape {
+        KvShape { heads: self.cfg.num_key_value_heads, hd: self.cfg.head_dim }
+    }
+
     /// A fresh state; its KV caches start with room for `reserve` positions.
     pub fn new_state_with(&self, reserve: usize) -> Result<CudaState> {
         let d = GdnDims::from_config(&self.cfg);
-        let kv_row = self.cfg.num_key_value_heads * self.cfg.head_dim;
+        let kv = self.kv_shape();
+        let kv_row = kv.row();
         let cap = reserve.div_ceil(KV_STEP).max(1) * KV_STEP;
         let mut layers = Vec::with_capacity(self.cfg.num_hidden_layers);
         for k in &self.cfg.layer_types {
@@ -522,12 +545,12 @@ impl CudaModel {
                 }
             });
         }
-        Ok(CudaState { pos: 0, layers, dev: Arc::clone(&self.dev), kv_row })
+        Ok(CudaState { pos: 0, layers, dev: Arc::clone(&self.dev), kv })
     }
 
     /// Makes every KV cache of `s` hold at least `need` positions (copying what it holds).
     fn grow_kv(&self, s: &mut CudaState, need: usize) -> Result<()> {
-        let kv_row = self.cfg.num_key_value_heads * self.cfg.head_dim;
+        let kv = self.kv_shape();
         let pos = s.pos;
         for l in &mut s.layers {
             if let DevLayerState::Attn { k, v, cap } = l {
@@ -536,7 +559,7 @@ impl CudaModel {
                 }
                 let new_cap = need.div_ceil(KV_STEP) * KV_STEP;
                 self.count(|c| c.kv_allocations += 1);
-                let (nk, nv) = resize_kv(&self.dev, k, v, *cap, new_cap, pos, kv_row)?;
+                let (nk, nv) = resize_kv(&self.dev, k, v, *cap, new_cap, pos, kv)?;
                 *k = nk;
                 *v = nv;
                 *cap = new_cap;

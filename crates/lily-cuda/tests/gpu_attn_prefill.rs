@@ -137,7 +137,7 @@ fn check_prep(dev: &Device, d: AttnDims, pos0: usize, t: usize, seed: u64) -> (f
     let v = rng.normals(t * kvh * hd, 1.0);
     let qn: Vec<f32> = (0..hd).map(|_| rng.range(0.5, 1.5)).collect();
     let kn: Vec<f32> = (0..hd).map(|_| rng.range(0.5, 1.5)).collect();
-    let cap = pos0 + t + 3;
+    let cap = (pos0 + t + 3).div_ceil(attn_prep::V_TILE) * attn_prep::V_TILE;
     let row = kvh * hd;
     let sentinel = vec![bf16::from_f32(SENTINEL); cap * row];
 
@@ -159,14 +159,17 @@ fn check_prep(dev: &Device, d: AttnDims, pos0: usize, t: usize, seed: u64) -> (f
     let (lo, hi) = (pos0 * row, (pos0 + t) * row);
     let (share, worst) = bf16_mismatch(&kc_got[lo..hi], &k_want);
     assert!(worst <= 1 && share <= 0.01, "{what}: k cache: {:.2}% of elements off bf16(cpu), worst by {worst} steps", 100.0 * share);
-    // V, transposed: position pos0 + i, head kv, dim j at [(kv·hd + j)·cap + pos0 + i].
+    // V: position pos0 + i, head kv, dim j at attn_prep::v_index(kv, j, pos0 + i, hd, cap).
+    let mut touched = vec![false; vc_got.len()];
     for i in 0..t {
         for c in 0..row {
-            let got = vc_got[c * cap + pos0 + i];
+            let at = attn_prep::v_index(c / hd, c % hd, pos0 + i, hd, cap);
+            touched[at] = true;
+            let got = vc_got[at];
             assert!(got.to_bits() == bf16::from_f32(v[i * row + c]).to_bits(), "{what}: v cache (token {i}, {c}) is {got}, v is {}", v[i * row + c]);
         }
     }
-    let touched_v = |idx: usize| (pos0..pos0 + t).contains(&(idx % cap));
+    let touched_v = |idx: usize| touched[idx];
     let k_out = kc_got[..lo].iter().chain(&kc_got[hi..]).position(|x| x.to_f32() != SENTINEL);
     assert!(k_out.is_none(), "{what}: k cache element {k_out:?} outside positions pos0..pos0+t changed");
     let v_out = vc_got.iter().enumerate().position(|(i, x)| !touched_v(i) && x.to_f32() != SENTINEL);
@@ -197,7 +200,7 @@ fn prep_matches_cpu() {
 }
 
 #[test]
-fn copy_rows_moves_a_transposed_cache() {
+fn copy_rows_moves_rows() {
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(3);
     for (rows, from, to, len) in [(512usize, 4096usize, 8192usize, 4001usize), (7, 64, 32, 32), (3, 40, 41, 1)] {
@@ -228,22 +231,23 @@ fn prep_rejects_bad_shapes() {
     let w = dev.zeros::<f32>(hd).unwrap();
     let mut q_out = dev.zeros::<f32>(3 * nh * hd).unwrap();
     let mut g_out = dev.zeros::<f32>(3 * nh * hd).unwrap();
-    let mut kc = dev.zeros::<bf16>(10 * kvh * hd).unwrap();
-    let mut vc = dev.zeros::<bf16>(10 * kvh * hd).unwrap();
+    let mut kc = dev.zeros::<bf16>(32 * kvh * hd).unwrap();
+    let mut vc = dev.zeros::<bf16>(32 * kvh * hd).unwrap();
     let d = dims(nh, kvh, hd, 32, true);
     let mut run = |d: AttnDims, pos0: usize, t: usize, gate: bool, cap: usize| {
         let g = if gate { Some(&mut g_out) } else { None };
         attn_prep::prep(&dev, &qg, &k, &v, &w, &w, d, Scalar::Host(pos0), t, &mut q_out, g, &mut kc, &mut vc, cap)
     };
-    assert!(run(d, 7, 3, true, 10).is_ok());
-    assert!(run(d, 8, 3, true, 10).is_err()); // capacity 10 < 11
-    assert!(run(d, 0, 3, true, 11).is_err()); // caches hold 10 positions, not 11
-    assert!(run(d, 0, 4, true, 10).is_err()); // qg too short
-    assert!(run(d, 0, 0, true, 10).is_err()); // t = 0
-    assert!(run(d, 0, 3, false, 10).is_err()); // gated without gate_out
-    assert!(run(dims(nh, kvh, hd, 32, false), 0, 3, true, 10).is_err()); // gate_out without gate
-    assert!(run(dims(nh, kvh, hd, 31, true), 0, 3, true, 10).is_err()); // odd rot
-    assert!(run(dims(nh, kvh, hd, 66, true), 0, 3, true, 10).is_err()); // rot > hd
+    assert!(run(d, 29, 3, true, 32).is_ok());
+    assert!(run(d, 30, 3, true, 32).is_err()); // capacity 32 < 33
+    assert!(run(d, 0, 3, true, 64).is_err()); // caches hold 32 positions, not 64
+    assert!(run(d, 0, 3, true, 31).is_err()); // not whole tiles of the V cache
+    assert!(run(d, 0, 4, true, 32).is_err()); // qg too short
+    assert!(run(d, 0, 0, true, 32).is_err()); // t = 0
+    assert!(run(d, 0, 3, false, 32).is_err()); // gated without gate_out
+    assert!(run(dims(nh, kvh, hd, 32, false), 0, 3, true, 32).is_err()); // gate_out without gate
+    assert!(run(dims(nh, kvh, hd, 31, true), 0, 3, true, 32).is_err()); // odd rot
+    assert!(run(dims(nh, kvh, hd, 66, true), 0, 3, true, 32).is_err()); // rot > hd
     dev.synchronize().unwrap();
 }
 

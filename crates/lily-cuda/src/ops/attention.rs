@@ -4,7 +4,7 @@
 //! `o = Σ p·v`, and with a gate `o ← o · sigmoid(gate)`.
 //!
 //! Layouts: q, gate, out [nh, hd] f32 (q already normed and rotated); the K cache [cap, kvh, hd] bf16
-//! (position-major), the V cache [kvh, hd, cap] bf16 (transposed; see `ops::attn_prep`). Split-KV
+//! (position-major), the V cache bf16 in transposed tiles of 32 positions (`attn_prep::v_index`). Split-KV
 //! (flash-decoding) on the tensor cores with q and p split into bf16 hi + lo (products near f32; only
 //! the cache's own bf16 rounding remains): one block per (slice of positions, KV head) for all (up to 8
 //! of) the group's query heads, so each K/V row is read once per group; then a combine launch merges
@@ -88,6 +88,7 @@ impl Ring {
 pub const MAX_SPLITS: usize = 256;
 /// Positions per pipeline stage; a split covers whole stages.
 pub const STAGE: usize = 32;
+const _: () = assert!(STAGE == super::attn_prep::V_TILE); // a stage is one tile of the V cache
 /// Query heads per block (a larger group takes several blocks per KV slice).
 const MAX_GROUP_PER_BLOCK: usize = 8;
 
@@ -133,7 +134,7 @@ pub fn scratch_len(nh: usize, hd: usize) -> usize {
 
 /// `out[h] = Σ_p softmax_p(q[h]·k[p, h/(nh/kvh)] / √hd) · v[p, h/(nh/kvh)]` over positions `0..n` of the
 /// caches, times `sigmoid(gate[h])` elementwise when `gate` is given. q, gate, out: [nh, hd];
-/// k_cache: [cap, kvh, hd] bf16; v_cache: [kvh, hd, cap] bf16; scratch: ≥ [`scratch_len`]`(nh, hd)`.
+/// k_cache: [cap, kvh, hd] bf16; v_cache: bf16 at `attn_prep::v_index`; scratch: ≥ [`scratch_len`]`(nh, hd)`.
 /// hd ∈ {32, 64, 128, 256}; nh a multiple of kvh; 1 ≤ n ≤ cap; cap a multiple of 32. `out` must not
 /// alias the inputs. n may be read on the device instead ([`Scalar::Device`], bounded by `max` ≤ cap);
 /// the grid then covers the split cap, and blocks past the device n's split count exit at once.

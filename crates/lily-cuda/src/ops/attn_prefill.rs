@@ -150,7 +150,7 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
 /// rotated, their K/V already in the caches) over cache positions `0..pos0+t`: `out` [T, nh, hd], with
 /// `out[t, h] = Σ_{p ≤ pos0+t} softmax_p(q[t, h]·k[p, h/(nh/kvh)] / √hd) · v[p, h/(nh/kvh)]`, times
 /// `sigmoid(gate[t, h])` elementwise when `gate` [T, nh, hd] is given. Caches (bf16): K [cap, kvh, hd],
-/// V [kvh, hd, cap], cap ≥ pos0+t a multiple of 32; positions past pos0+t are never read. hd ∈ {32, 64,
+/// V at `attn_prep::v_index`, cap ≥ pos0+t a multiple of 32; positions past pos0+t are never read. hd ∈ {32, 64,
 /// 128, 256}; nh a multiple of kvh; all buffers 16-byte aligned (any `CudaSlice`, or a view at a multiple
 /// of 4 elements). `kernel` picks the form ([`Kernel::Auto`]: the default); the wgmma forms refuse head
 /// dims other than 128 and 256.

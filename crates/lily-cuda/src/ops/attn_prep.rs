@@ -7,9 +7,10 @@
 //!
 //! Layouts: `qg` [T, nh, hd·(1+gated)] (each head's row `[query(hd) | gate(hd)]` when gated), `k`, `v`
 //! [T, kvh, hd]; `q_out`, `gate_out` [T, nh, hd]. The KV cache is bf16 (rounded to nearest even):
-//! K [capacity, kvh, hd] (position-major, as `lily_cpu::attention::KvCache`), V transposed,
-//! [kvh, hd, capacity], so that decode and prefill attention (`ops::attention`, `ops::attn_prefill`)
-//! load both as tensor-core fragments without a transpose.
+//! K [capacity, kvh, hd] (position-major, as `lily_cpu::attention::KvCache`), V in transposed tiles of
+//! [`V_TILE`] positions, [kvh, capacity / V_TILE, hd, V_TILE] ([`v_index`]; `kernels/kv_layout.cuh`), so
+//! that decode and prefill attention (`ops::attention`, `ops::attn_prefill`) load both as tensor-core
+//! fragments without a transpose, and a tile of positions is one contiguous read.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 use half::bf16;
@@ -85,14 +86,23 @@ pub(crate) const KERNELS: &[&str] = &["attn_prep", "attn_prep_chunk", "kv_copy_r
 /// 2026-12-03 sixth session).
 pub const CHUNK_MIN_TOKENS: usize = 16;
 
+/// Positions in a tile of the V cache (`KV_TILE` in `kernels/kv_layout.cuh`); capacities are multiples of it.
+pub const V_TILE: usize = 32;
+
+/// Where V (KV head `kv`, dim `d`, position `pos`) lives in a V cache of `cap` positions (a multiple
+/// of [`V_TILE`]) and head dim `hd`: tile `pos / V_TILE` of head `kv`, row `d`, column `pos % V_TILE`.
+pub fn v_index(kv: usize, d: usize, pos: usize, hd: usize, cap: usize) -> usize {
+    (kv * cap + pos / V_TILE * V_TILE) * hd + d * V_TILE + pos % V_TILE
+}
+
 /// Largest head dim of [`prep`] (8 rows of it in a block's shared memory, within the 48 KB default).
 pub const MAX_HEAD_DIM: usize = 1024;
 
 /// For T tokens at positions `pos0..pos0+t`, from the projections `qg` [T, nh·hd·(1+gated)], `k` and `v`
 /// [T, kvh·hd]: writes `q_out` [T, nh, hd] (RMSNorm·q_norm, then RoPE), `gate_out` [T, nh, hd] (the gate
 /// halves of `qg`; required iff `dims.gated`), and positions `pos0..pos0+t` of `k_cache` [capacity, kvh,
-/// hd] (RMSNorm·k_norm, then RoPE) and `v_cache` [kvh, hd, capacity] (v as is), both bf16 with
-/// capacity ≥ pos0+t; their other positions are untouched. `q_norm`, `k_norm`: [hd], the folded
+/// hd] (RMSNorm·k_norm, then RoPE) and `v_cache` (v as is, at [`v_index`]), both bf16 with capacity
+/// ≥ pos0+t a multiple of [`V_TILE`]; their other positions are untouched. `q_norm`, `k_norm`: [hd], the folded
 /// weights. hd ≤ [`MAX_HEAD_DIM`], rot even and ≤ hd. The position may be read on the device instead
 /// ([`Scalar::Device`], bounded by `max`: the capacity must then be at least `max + t`).
 #[allow(clippy::too_many_arguments)]
@@ -154,8 +164,8 @@ where
     let Some(end) = end else {
         return bad("positions overflow i32");
     };
-    if end > capacity || capacity.checked_mul(kvh * hd).is_none_or(|c| c > i32::MAX as usize) {
-        return bad(&format!("the caches' capacity {capacity} is below pos0 + t"));
+    if end > capacity || !capacity.is_multiple_of(V_TILE) || capacity.checked_mul(kvh * hd).is_none_or(|c| c > i32::MAX as usize) {
+        return bad(&format!("the caches' capacity {capacity} (a multiple of {V_TILE}, at least pos0 + t)"));
     }
     if !(theta.is_finite() && theta > 0.0 && eps.is_finite()) {
         return bad("theta must be finite and > 0, eps finite");
@@ -208,8 +218,8 @@ where
 }
 
 /// Copies the first `len` elements of each of `rows` rows: `dst[r·dst_pitch + i] = src[r·src_pitch + i]`
-/// (a transposed V cache moved to another capacity: rows = kvh·hd, pitches the capacities, len the
-/// positions held).
+/// (a V cache moved to another capacity: rows = kvh, pitches capacity·hd, len the held positions'
+/// tiles, [`v_tiles_len`]).
 pub fn copy_rows<S: DevicePtr<bf16>, D: DevicePtrMut<bf16>>(
     dev: &Device,
     src: &S,
@@ -236,4 +246,43 @@ pub fn copy_rows<S: DevicePtr<bf16>, D: DevicePtrMut<bf16>>(
     let blocks = (rows * len).div_ceil(256).min(dev.sm_count() as usize * 8) as u32;
     let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     launch(dev, "kv_copy_rows", cfg, &p)
+}
+
+/// Elements of one KV head's V tiles that hold positions `0..held`: whole tiles ([`copy_rows`]'s `len`
+/// when a V cache moves to another capacity).
+pub fn v_tiles_len(held: usize, hd: usize) -> usize {
+    held.div_ceil(V_TILE) * V_TILE * hd
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every (head, dim, position) has its own place in the cache, and a tile of V_TILE positions of
+    /// one head is one contiguous run of V_TILE·hd values, each dim's positions adjacent in it.
+    #[test]
+    fn v_index_is_a_tiled_transpose() {
+        for (kvh, hd, cap) in [(2usize, 256usize, 128usize), (3, 40, 64), (1, 8, 32)] {
+            let mut seen = vec![false; kvh * hd * cap];
+            for kv in 0..kvh {
+                for pos in 0..cap {
+                    for d in 0..hd {
+                        let i = v_index(kv, d, pos, hd, cap);
+                        assert!(!seen[i], "({kv}, {d}, {pos}) shares index {i}");
+                        seen[i] = true;
+                        let tile_start = (kv * cap + pos / V_TILE * V_TILE) * hd;
+                        assert!((tile_start..tile_start + V_TILE * hd).contains(&i));
+                        if pos % V_TILE > 0 {
+                            assert_eq!(i, v_index(kv, d, pos - 1, hd, cap) + 1, "positions of a dim adjacent");
+                        }
+                    }
+                }
+            }
+            assert!(seen.iter().all(|&s| s));
+            // A head's held positions are a prefix of its tiles: the copy length when the cache moves.
+            let held = cap - 5;
+            let last = (0..hd).map(|d| v_index(0, d, held - 1, hd, cap)).max().unwrap();
+            assert!(last < v_tiles_len(held, hd) && v_tiles_len(held, hd) <= cap * hd);
+        }
+    }
 }

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use cudarc::driver::CudaSlice;
-use lily_cuda::ops::util;
+use lily_cuda::ops::{attn_prep, util};
 use lily_cuda::{probe, Device};
 
 /// The GPU, or None (after printing "no GPU, skipped") on a machine without one.
@@ -99,26 +99,28 @@ pub fn k_cache_bf16(c: &[f32]) -> Vec<half::bf16> {
     c.iter().map(|&v| half::bf16::from_f32(v)).collect()
 }
 
-/// The device V cache of a position-major f32 cache `c` [cap, kvh, hd]: bf16, transposed to [kvh, hd, cap].
+/// The device V cache of a position-major f32 cache `c` [cap, kvh, hd]: bf16, in transposed tiles
+/// (`attn_prep::v_index`; cap a multiple of `attn_prep::V_TILE`).
 pub fn v_cache_bf16(c: &[f32], cap: usize, kvh: usize, hd: usize) -> Vec<half::bf16> {
+    assert!(cap.is_multiple_of(attn_prep::V_TILE), "a V cache holds whole tiles");
     let mut out = vec![half::bf16::ZERO; cap * kvh * hd];
     for p in 0..cap {
         for kv in 0..kvh {
             for d in 0..hd {
-                out[(kv * hd + d) * cap + p] = half::bf16::from_f32(c[(p * kvh + kv) * hd + d]);
+                out[attn_prep::v_index(kv, d, p, hd, cap)] = half::bf16::from_f32(c[(p * kvh + kv) * hd + d]);
             }
         }
     }
     out
 }
 
-/// A transposed device V cache [kvh, hd, cap] back to position-major f32 [cap, kvh, hd].
+/// A device V cache (`attn_prep::v_index`) back to position-major f32 [cap, kvh, hd].
 pub fn v_cache_f32(vt: &[half::bf16], cap: usize, kvh: usize, hd: usize) -> Vec<f32> {
     let mut out = vec![0.0f32; cap * kvh * hd];
     for p in 0..cap {
         for kv in 0..kvh {
             for d in 0..hd {
-                out[(p * kvh + kv) * hd + d] = vt[(kv * hd + d) * cap + p].to_f32();
+                out[(p * kvh + kv) * hd + d] = vt[attn_prep::v_index(kv, d, p, hd, cap)].to_f32();
             }
         }
     }
