@@ -78,7 +78,10 @@ __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
 
     const AdSplit sp = ad_split(p);
     const int s = blockIdx.x;
-    if (s >= sp.splits) return;  // n from the device: the grid covers max_splits
+    if (s >= sp.splits) {  // n from the device: the grid covers max_splits
+        pdl_enter();  // every block waits (pdl.cuh)
+        return;
+    }
     const int kv = blockIdx.y;
     const int group = p.nh / p.kvh;
     const int g0 = blockIdx.z * 8;
@@ -87,25 +90,6 @@ __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int st_begin = s * sp.per, st_end = min(sp.stages, st_begin + sp.per);
     const int n = sp.n;
-
-    // q fragments: lane (g, t) holds head g's dims 32u + 8t .. +8 as hi/lo bf16 (k-steps 2u and 2u+1).
-    uint32_t qa[HD / 32][2][4];
-    {
-        const bool live = g < ng;
-        const float* qr = p.q + (long long)(h0 + (live ? g : 0)) * HD;
-#pragma unroll
-        for (int u = 0; u < HD / 32; ++u) {
-            float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
-            if (live) {
-                x0 = __ldg(reinterpret_cast<const float4*>(qr + 32 * u + 8 * t));
-                x1 = __ldg(reinterpret_cast<const float4*>(qr + 32 * u + 8 * t + 4));
-            }
-            split_bf16(x0.x, x0.y, qa[u][0][0], qa[u][0][1]);
-            split_bf16(x0.z, x0.w, qa[u][0][2], qa[u][0][3]);
-            split_bf16(x1.x, x1.y, qa[u][1][0], qa[u][1][1]);
-            split_bf16(x1.z, x1.w, qa[u][1][2], qa[u][1][3]);
-        }
-    }
 
     auto issue = [&](int st, int buf) {
         const int base = st * AD_STAGE;
@@ -137,13 +121,43 @@ __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
     // refilled now is the previous stage's (its reads ended at the barrier closing that stage).
     auto prev = [](int b) { return NS == 2 ? b ^ 1 : (b == 0 ? NS - 1 : b - 1); };
     auto next = [](int b) { return NS == 2 ? b ^ 1 : (b + 1 == NS ? 0 : b + 1); };
-    issue(st_begin, 0);  // every split has a stage
-    cp_async_commit_group();
-#pragma unroll
-    for (int i = 1; i < NS - 1; ++i) {
-        if (st_begin + i < st_end) issue(st_begin + i, i);
+    auto prologue = [&]() {
+        issue(st_begin, 0);  // every split has a stage
         cp_async_commit_group();
+#pragma unroll
+        for (int i = 1; i < NS - 1; ++i) {
+            if (st_begin + i < st_end) issue(st_begin + i, i);
+            cp_async_commit_group();
+        }
+    };
+    // The prologue's stages are copied before the PDL wait (pdl.cuh) when none of them holds the
+    // newest position, the one this kernel's predecessor (the attention prep) appends: every other
+    // position was written by earlier steps. (n is the host's, uploaded before the step.)
+    const bool early = min(st_begin + NS - 2, st_end - 1) < sp.stages - 1;
+    if (early) prologue();
+    pdl_enter();
+
+    // q fragments: lane (g, t) holds head g's dims 32u + 8t .. +8 as hi/lo bf16 (k-steps 2u and 2u+1).
+    uint32_t qa[HD / 32][2][4];
+    {
+        const bool live = g < ng;
+        const float* qr = p.q + (long long)(h0 + (live ? g : 0)) * HD;
+#pragma unroll
+        for (int u = 0; u < HD / 32; ++u) {
+            float4 x0 = make_float4(0.f, 0.f, 0.f, 0.f), x1 = x0;
+            if (live) {
+                // q is the predecessor's output: L2 loads, not the non-coherent path (pdl.cuh).
+                x0 = __ldcg(reinterpret_cast<const float4*>(qr + 32 * u + 8 * t));
+                x1 = __ldcg(reinterpret_cast<const float4*>(qr + 32 * u + 8 * t + 4));
+            }
+            split_bf16(x0.x, x0.y, qa[u][0][0], qa[u][0][1]);
+            split_bf16(x0.z, x0.w, qa[u][0][2], qa[u][0][3]);
+            split_bf16(x1.x, x1.y, qa[u][1][0], qa[u][1][1]);
+            split_bf16(x1.z, x1.w, qa[u][1][2], qa[u][1][3]);
+        }
     }
+
+    if (!early) prologue();
     int buf = 0;
     for (int st = st_begin; st < st_end; ++st) {
         if (st + NS - 1 < st_end) issue(st + NS - 1, prev(buf));
@@ -246,7 +260,7 @@ __device__ __forceinline__ void attn_decode(const AttnDecodeParams& p) {
 }
 
 #define AD_ENTRY(name, HD, NW, NS)                                                                            \
-    extern "C" __global__ void __launch_bounds__(NW * 32) name(const AttnDecodeParams p) { pdl_enter();        \
+    extern "C" __global__ void __launch_bounds__(NW * 32) name(const AttnDecodeParams p) { /* waits inside */ \
         attn_decode<HD, NW, NS>(p);                                                                           \
     }
 AD_ENTRY(attn_decode_d32, 32, 2, 2)
