@@ -79,15 +79,20 @@ __device__ __forceinline__ float rope_rotate(bool first_half, float a, float b, 
     return first_half ? __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)) : __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
 }
 
-extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPrepParams p) { pdl_enter();
+extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPrepParams p) {
     __shared__ float row[PREP_MAX_HD];
     const int t = blockIdx.x;
     const int head = blockIdx.y;
     const int d = threadIdx.x;
     const int hd = p.hd;
-    const int pos0 = p.pos_dev ? *p.pos_dev : p.pos0;
+    const int pos0 = p.pos_dev ? *p.pos_dev : p.pos0;  // the host's (uploaded before a decode step)
     const bool is_q = head < p.nh;
     const bool live = d < hd;
+    // This element's RoPE (cos, sin) depend on the position alone: computed (f64) before the PDL wait.
+    const int half = p.rot / 2;
+    float rc = 1.0f, rs = 0.0f;
+    if (live && d < p.rot) rope_cs(p.theta, p.rot, d < half ? d : d - half, pos0 + t, rc, rs);
+    pdl_enter();
 
     const float* src;
     const float* w;
@@ -118,13 +123,10 @@ extern "C" __global__ void __launch_bounds__(PREP_MAX_HD) attn_prep(const AttnPr
     __syncthreads();
     if (!live) return;
 
-    const int half = p.rot / 2;
     float out = y;
     if (d < p.rot) {
         const int i = d < half ? d : d - half;
-        float c, s;
-        rope_cs(p.theta, p.rot, i, pos0 + t, c, s);
-        out = rope_rotate(d < half, row[i], row[i + half], c, s);
+        out = rope_rotate(d < half, row[i], row[i + half], rc, rs);
     }
     if (is_q) {
         dst[d] = out;
