@@ -33,7 +33,8 @@
 // Work split: a block of 8 warps takes RT = 8/KS tiles of 16 rows; the KS warps of a tile split its
 // rounds (split-K, summed through shared memory in a fixed order: deterministic). Blocks stride over
 // row tiles (x staged once per block). Each warp keeps the next round's loads in flight while it
-// computes the current one; the first round's are issued before the PDL wait. (Issuing all of a
+// computes the current one (DEPTH 2: the next two); the first round's (two) are issued before the
+// PDL wait. (Issuing all of a
 // warp's rounds at once, tried, needed ~110 registers a thread and lost in the decode graph.)
 
 #include <stdint.h>
@@ -42,8 +43,9 @@
 #include "gemv.cuh"
 #include "gemv_tc.cuh"
 
-template <int KS, bool SWIGLU, bool I8>
+template <int KS, bool SWIGLU, bool I8, int DEPTH>
 __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
+    static_assert(DEPTH == 1 || DEPTH == 2, "rounds in flight ahead of the one computed");
     constexpr int RT = TC_WARPS / KS;  // row tiles per block
     constexpr int NW = SWIGLU ? 2 : 1;
     constexpr int ROUND_BYTES = I8 ? I8_ROUND : TC_ROUND;
@@ -86,11 +88,12 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
     const int tiles = (rows + 15) >> 4;
     const int tile0 = blockIdx.x * RT + rt;
     TcRows R[NW];
-    TcLoad A[NW], B[NW];
+    TcLoad A[NW], B[NW], C[NW];  // C: DEPTH 2 only
 #pragma unroll
     for (int mm = 0; mm < NW; ++mm) {
         R[mm] = rows_of(tile0, mm);
         R[mm].load(A[mm], r0);  // weights may be read before the wait
+        if (DEPTH == 2 && r0 + 1 < r1) R[mm].load(B[mm], r0 + 1);
     }
     pdl_enter();
     const float inv = I8 ? i8_stage(p, x, xs, Xs, sig, cols) : tc_stage(p, x, xs, Xs, cols);
@@ -129,25 +132,53 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
             for (int mm = 0; mm < NW; ++mm) {
                 R[mm] = rows_of(tile, mm);
                 R[mm].load(A[mm], r0);
+                if (DEPTH == 2 && r0 + 1 < r1) R[mm].load(B[mm], r0 + 1);
             }
         }
         first = false;
         float acc[NW][2];
 #pragma unroll
         for (int mm = 0; mm < NW; ++mm) acc[mm][0] = acc[mm][1] = 0.0f;
-        for (int r = r0; r < r1; r += 2) {
-            const bool has1 = r + 1 < r1;
-            if (has1) {
+        if constexpr (DEPTH == 1) {
+            // One round in flight: A holds round r; B takes r + 1 while r is computed, then A r + 2.
+            for (int r = r0; r < r1; r += 2) {
+                const bool has1 = r + 1 < r1;
+                if (has1) {
 #pragma unroll
-                for (int mm = 0; mm < NW; ++mm) R[mm].load(B[mm], r + 1);
+                    for (int mm = 0; mm < NW; ++mm) R[mm].load(B[mm], r + 1);
+                }
+                round(r, A, acc);
+                if (has1) {
+                    if (r + 2 < r1) {
+#pragma unroll
+                        for (int mm = 0; mm < NW; ++mm) R[mm].load(A[mm], r + 2);
+                    }
+                    round(r + 1, B, acc);
+                }
             }
-            round(r, A, acc);
-            if (has1) {
+        } else {
+            // Two rounds in flight: at the top A holds round r and B r + 1; C takes r + 2 while r is
+            // computed, then the buffer just used takes the round two ahead of the next one computed.
+            for (int r = r0; r < r1; r += 3) {
                 if (r + 2 < r1) {
 #pragma unroll
-                    for (int mm = 0; mm < NW; ++mm) R[mm].load(A[mm], r + 2);
+                    for (int mm = 0; mm < NW; ++mm) R[mm].load(C[mm], r + 2);
                 }
-                round(r + 1, B, acc);
+                round(r, A, acc);
+                if (r + 1 < r1) {
+                    if (r + 3 < r1) {
+#pragma unroll
+                        for (int mm = 0; mm < NW; ++mm) R[mm].load(A[mm], r + 3);
+                    }
+                    round(r + 1, B, acc);
+                }
+                if (r + 2 < r1) {
+                    if (r + 4 < r1) {
+#pragma unroll
+                        for (int mm = 0; mm < NW; ++mm) R[mm].load(B[mm], r + 4);
+                    }
+                    round(r + 2, C, acc);
+                }
             }
         }
 #pragma unroll
@@ -288,23 +319,29 @@ MIX_TC_ENTRY(affine_mix_tc_q4_u2, 2)
 MIX_TC_ENTRY(affine_mix_tc_q4_u5, 5)
 MIX_TC_ENTRY(affine_mix_tc_q4_u8, 8)
 
-#define GEMV_TC_ENTRY(name, KS, SW, I8) \
-    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, SW, I8>(p); }
+#define GEMV_TC_ENTRY(name, KS, SW, I8, DEPTH) \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, SW, I8, DEPTH>(p); }
 
-GEMV_TC_ENTRY(affine_gemv_tc_q4_k1, 1, false, false)
-GEMV_TC_ENTRY(affine_gemv_tc_q4_k2, 2, false, false)
-GEMV_TC_ENTRY(affine_gemv_tc_q4_k4, 4, false, false)
-GEMV_TC_ENTRY(affine_gemv_tc_q4_k8, 8, false, false)
-GEMV_TC_ENTRY(affine_swiglu_tc_q4_k1, 1, true, false)
-GEMV_TC_ENTRY(affine_swiglu_tc_q4_k2, 2, true, false)
-GEMV_TC_ENTRY(affine_swiglu_tc_q4_k4, 4, true, false)
-GEMV_TC_ENTRY(affine_swiglu_tc_q4_k8, 8, true, false)
+GEMV_TC_ENTRY(affine_gemv_tc_q4_k1, 1, false, false, 1)
+GEMV_TC_ENTRY(affine_gemv_tc_q4_k2, 2, false, false, 1)
+GEMV_TC_ENTRY(affine_gemv_tc_q4_k4, 4, false, false, 1)
+GEMV_TC_ENTRY(affine_gemv_tc_q4_k8, 8, false, false, 1)
+GEMV_TC_ENTRY(affine_swiglu_tc_q4_k1, 1, true, false, 1)
+GEMV_TC_ENTRY(affine_swiglu_tc_q4_k2, 2, true, false, 1)
+GEMV_TC_ENTRY(affine_swiglu_tc_q4_k4, 4, true, false, 1)
+GEMV_TC_ENTRY(affine_swiglu_tc_q4_k8, 8, true, false, 1)
 // The integer form (gemv_tc.cuh): x as three byte planes, int8 mmas.
-GEMV_TC_ENTRY(affine_gemv_i8_q4_k1, 1, false, true)
-GEMV_TC_ENTRY(affine_gemv_i8_q4_k2, 2, false, true)
-GEMV_TC_ENTRY(affine_gemv_i8_q4_k4, 4, false, true)
-GEMV_TC_ENTRY(affine_gemv_i8_q4_k8, 8, false, true)
-GEMV_TC_ENTRY(affine_swiglu_i8_q4_k1, 1, true, true)
-GEMV_TC_ENTRY(affine_swiglu_i8_q4_k2, 2, true, true)
-GEMV_TC_ENTRY(affine_swiglu_i8_q4_k4, 4, true, true)
-GEMV_TC_ENTRY(affine_swiglu_i8_q4_k8, 8, true, true)
+GEMV_TC_ENTRY(affine_gemv_i8_q4_k1, 1, false, true, 1)
+GEMV_TC_ENTRY(affine_gemv_i8_q4_k2, 2, false, true, 1)
+GEMV_TC_ENTRY(affine_gemv_i8_q4_k4, 4, false, true, 1)
+GEMV_TC_ENTRY(affine_gemv_i8_q4_k8, 8, false, true, 1)
+GEMV_TC_ENTRY(affine_swiglu_i8_q4_k1, 1, true, true, 1)
+GEMV_TC_ENTRY(affine_swiglu_i8_q4_k2, 2, true, true, 1)
+GEMV_TC_ENTRY(affine_swiglu_i8_q4_k4, 4, true, true, 1)
+GEMV_TC_ENTRY(affine_swiglu_i8_q4_k8, 8, true, true, 1)
+// Two rounds in flight (the bf16 form, one matrix; opt-in, LILY_GEMV_DEPTH=2): twice the weight bytes
+// in flight a warp for 12 more registers a thread.
+GEMV_TC_ENTRY(affine_gemv_tc_q4_k1_d2, 1, false, false, 2)
+GEMV_TC_ENTRY(affine_gemv_tc_q4_k2_d2, 2, false, false, 2)
+GEMV_TC_ENTRY(affine_gemv_tc_q4_k4_d2, 4, false, false, 2)
+GEMV_TC_ENTRY(affine_gemv_tc_q4_k8_d2, 8, false, false, 2)

@@ -249,7 +249,8 @@ pub fn gemv_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
 /// of 64 with the fast decode: the tensor-core kernel, `affine_gemv_tc`, unless `LILY_GEMV=ffma`;
 /// otherwise the pipelined kernel for rows of at least 4 chunks per lane when its shared memory fits,
 /// else the register one). Tensor cores: 9..=12 = a K split of 1, 2, 4, 8; their integer form
-/// (`LILY_GEMV=i8` for the automatic choice): 13..=16 = the same splits. Register kernel: 8 = its automatic choice,
+/// (`LILY_GEMV=i8` for the automatic choice): 13..=16 = the same splits; two rounds of weights in flight a
+/// warp (`LILY_GEMV_DEPTH=2`): 17..=20 = the same splits. Register kernel: 8 = its automatic choice,
 /// 1..=4 = (U, NR) = (1, 8), (2, 4), (4, 2), (8, 1) chunks × rows in flight per lane (rows of more
 /// than 16 chunks). Pipelined kernel: 5..=7 = (U, NR) = (1, 4), (2, 2), (4, 1) per pipeline stage.
 /// The 4-bit `Exact` decode exists only in the register kernel.
@@ -674,15 +675,19 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     // the register kernel wins on SwiGLU (8.8 vs 10.2 us) and on 8192x2048 (8.6 vs 9.3 us).
     // The tensor-core kernels (affine_gemv_tc.cu) take 4-bit, group-64 weights with the fast decode,
     // unless a variant 1..=8 forces an FFMA kernel: automatically (0) unless `LILY_GEMV=ffma`, or
-    // forced with the K split 9..=12 = 1, 2, 4, 8; the integer form (`LILY_GEMV=i8`), forced: 13..=16.
+    // forced with the K split 9..=12 = 1, 2, 4, 8; the integer form (`LILY_GEMV=i8`), forced: 13..=16;
+    // two rounds in flight (`LILY_GEMV_DEPTH=2`, the bf16 form of one matrix), forced: 17..=20.
     let group = w.group_size().unwrap_or(0);
     let tc_ok = route.is_none() && (*fam == Q4 || *fam == SW_Q4) && affine_gemv_tc::fits(w.bits(), group, cols);
-    // (K split, 0 = chosen by the plan; the integer form)
     let tc = match forced {
-        0 if tc_ok && affine_gemv_tc::enabled() && affine_gemv_tc::preferred(rows, cols, slots) => Some((0, affine_gemv_tc::int8_auto())),
-        9..=12 if tc_ok => Some((1usize << (forced - 9), false)),
-        13..=16 if tc_ok => Some((1usize << (forced - 13), true)),
-        9..=16 => return Err(CudaError::Shape(format!("gemv: no tensor-core kernel for {}-bit weights, group {group}, cols {cols}", w.bits()))),
+        0 if tc_ok && affine_gemv_tc::enabled() && affine_gemv_tc::preferred(rows, cols, slots) => {
+            let int8 = affine_gemv_tc::int8_auto();
+            Some(affine_gemv_tc::Form { ks: 0, int8, deep: !int8 && !swiglu && affine_gemv_tc::depth2_auto() })
+        }
+        9..=12 if tc_ok => Some(affine_gemv_tc::Form { ks: 1 << (forced - 9), ..Default::default() }),
+        13..=16 if tc_ok => Some(affine_gemv_tc::Form { ks: 1 << (forced - 13), int8: true, deep: false }),
+        17..=20 if tc_ok => Some(affine_gemv_tc::Form { ks: 1 << (forced - 17), int8: false, deep: true }),
+        9..=20 => return Err(CudaError::Shape(format!("gemv: no tensor-core kernel for {}-bit weights, group {group}, cols {cols}", w.bits()))),
         _ => None,
     };
     let use_async = match forced {
@@ -786,8 +791,8 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         return Err(CudaError::Shape("gemv: accumulating into its own input".into()));
     }
     // x (and the norm weight) are read as float4s by the tensor-core kernels.
-    if let Some((ks, int8)) = tc.filter(|_| (params.x | params.norm_w).is_multiple_of(16)) {
-        let (name, grid, smem) = affine_gemv_tc::plan(dev, rows, cols, slots, swiglu, ks, int8)?;
+    if let Some(form) = tc.filter(|_| (params.x | params.norm_w).is_multiple_of(16)) {
+        let (name, grid, smem) = affine_gemv_tc::plan(dev, rows, cols, slots, swiglu, form)?;
         let cfg = LaunchConfig { grid_dim: (grid, slots as u32, 1), block_dim: (affine_gemv_tc::THREADS, 1, 1), shared_mem_bytes: smem };
         return launch(dev, name, cfg, &params);
     }

@@ -13,12 +13,23 @@ const SWIGLU: [&str; 4] = ["affine_swiglu_tc_q4_k1", "affine_swiglu_tc_q4_k2", "
 /// The integer form (x as three byte planes, int8 mmas; `gemv_tc.cuh`), by K split.
 const GEMV_I8: [&str; 4] = ["affine_gemv_i8_q4_k1", "affine_gemv_i8_q4_k2", "affine_gemv_i8_q4_k4", "affine_gemv_i8_q4_k8"];
 const SWIGLU_I8: [&str; 4] = ["affine_swiglu_i8_q4_k1", "affine_swiglu_i8_q4_k2", "affine_swiglu_i8_q4_k4", "affine_swiglu_i8_q4_k8"];
+/// The bf16 form of one matrix with two rounds in flight a warp (`LILY_GEMV_DEPTH=2`), by K split.
+const GEMV_D2: [&str; 4] = ["affine_gemv_tc_q4_k1_d2", "affine_gemv_tc_q4_k2_d2", "affine_gemv_tc_q4_k4_d2", "affine_gemv_tc_q4_k8_d2"];
 /// The down projection with the combine, by most (slot, round) units a warp loads at once.
 const MIX: [(&str, usize); 3] = [("affine_mix_tc_q4_u2", 2), ("affine_mix_tc_q4_u5", 5), ("affine_mix_tc_q4_u8", 8)];
 pub(crate) const KERNELS: &[&str] = &[
     GEMV[0], GEMV[1], GEMV[2], GEMV[3], SWIGLU[0], SWIGLU[1], SWIGLU[2], SWIGLU[3], MIX[0].0, MIX[1].0, MIX[2].0, GEMV_I8[0], GEMV_I8[1],
-    GEMV_I8[2], GEMV_I8[3], SWIGLU_I8[0], SWIGLU_I8[1], SWIGLU_I8[2], SWIGLU_I8[3],
+    GEMV_I8[2], GEMV_I8[3], SWIGLU_I8[0], SWIGLU_I8[1], SWIGLU_I8[2], SWIGLU_I8[3], GEMV_D2[0], GEMV_D2[1], GEMV_D2[2], GEMV_D2[3],
 ];
+
+/// Which tensor-core GEMV kernel: the K split (0: chosen by [`plan`]), the integer form, and two
+/// rounds of weights in flight a warp instead of one (the bf16 form of one matrix only).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Form {
+    pub ks: usize,
+    pub int8: bool,
+    pub deep: bool,
+}
 
 /// Threads per block (8 warps), as `TC_WARPS` in the .cu.
 pub(crate) const THREADS: u32 = 256;
@@ -49,6 +60,13 @@ pub(crate) fn int8_auto() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_GEMV").is_ok_and(|v| v == "i8"))
 }
 
+/// Whether the automatic choice keeps two rounds in flight a warp where it can (the bf16 form of one
+/// matrix; `LILY_GEMV_DEPTH=2`, read once; opt-in until it is measured on a GPU).
+pub(crate) fn depth2_auto() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_GEMV_DEPTH").is_ok_and(|v| v == "2"))
+}
+
 /// Whether a shape fits the kernels: 4-bit, group 64, whole rounds of 128 columns.
 pub(crate) fn fits(bits: u32, group: usize, cols: usize) -> bool {
     bits == 4 && group == 64 && cols > 0 && cols.is_multiple_of(ROUND_COLS)
@@ -77,11 +95,14 @@ pub(crate) fn plan_mix(dev: &Device, rows: usize, cols: usize, ns: usize) -> Res
     Ok(Some((name, rows.div_ceil(16).min(cap.max(1)) as u32, smem as u32)))
 }
 
-/// The launch for `rows × cols` over `slots`: (kernel, grid x, dynamic shared memory bytes); `int8`
-/// takes the integer form.
-/// `ks`: the K split (1, 2, 4, 8), or 0 to choose it: the smallest that gives every SM 16 warp tasks,
-/// among those leaving each warp at least two rounds.
-pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu: bool, ks: usize, int8: bool) -> Result<(&'static str, u32, u32)> {
+/// The launch for `rows × cols` over `slots`: (kernel, grid x, dynamic shared memory bytes) of the
+/// kernel `form` names. Its K split `ks` (1, 2, 4, 8), or 0 to choose it: the smallest that gives every
+/// SM 16 warp tasks, among those leaving each warp at least two rounds.
+pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu: bool, form: Form) -> Result<(&'static str, u32, u32)> {
+    let Form { ks, int8, deep } = form;
+    if deep && (swiglu || int8) {
+        return Err(CudaError::Shape("gemv (tensor cores): two rounds in flight only in the bf16 form of one matrix".into()));
+    }
     let rounds = cols / ROUND_COLS;
     let tiles = rows.div_ceil(16);
     let auto = ks == 0;
@@ -111,11 +132,12 @@ pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu:
     }
     let launch = |ks: usize| -> Result<(&'static str, usize, usize)> {
         let i = ks.trailing_zeros() as usize;
-        let name = match (swiglu, int8) {
-            (false, false) => GEMV[i],
-            (true, false) => SWIGLU[i],
-            (false, true) => GEMV_I8[i],
-            (true, true) => SWIGLU_I8[i],
+        let name = match (swiglu, int8, deep) {
+            (false, false, true) => GEMV_D2[i],
+            (false, false, _) => GEMV[i],
+            (true, false, _) => SWIGLU[i],
+            (false, true, _) => GEMV_I8[i],
+            (true, true, _) => SWIGLU_I8[i],
         };
         let want = rows.div_ceil(16 * (8 / ks));
         let cap = (dev.resident_blocks(name, THREADS, smem as u32)? as usize / slots).max(1);
