@@ -340,3 +340,21 @@ fn bench_gdn_chunked() {
         assert!(dev.download(&out).unwrap().iter().all(|v| v.is_finite()));
     }
 }
+
+/// One call of the default chunked rule at the 35B shape and a 4096-token chunk, for `ncu` (run with
+/// `--ignored ncu_gdn_chunked`): the prep and the sequential state pass, one launch each.
+#[test]
+#[ignore = "for profiling with ncu on the GPU machine"]
+fn ncu_gdn_chunked() {
+    let Some(dev) = device() else { return };
+    let (d, t) = (REAL, 4096);
+    let mut rng = Rng::new(9);
+    let (qkv, g, beta, state0) = inputs(&mut rng, &d, t);
+    let (qkv, g, beta) = (dev.upload(&qkv).unwrap(), dev.upload(&g).unwrap(), dev.upload(&beta).unwrap());
+    let mut state = dev.upload(&state0).unwrap();
+    let mut out = dev.zeros::<f32>(t * d.value_dim()).unwrap();
+    let mut scratch = dev.zeros::<f32>(scratch_len(&d, t)).unwrap();
+    chunked::delta_rule_chunked(&dev, &d, t, &qkv, &g, &beta, &mut state, &mut out, &mut scratch).unwrap();
+    dev.synchronize().unwrap();
+    assert!(dev.download(&out).unwrap().iter().all(|v| v.is_finite()));
+}
