@@ -192,7 +192,7 @@ __device__ __forceinline__ void gemm_tile(const GemmParams& p) {
 
     int matrix, m_begin, m_end;
     if (GROUPED) {
-        if (!find_group_tile<THREADS>(p.offsets, p.t, p.count, BM, matrix, m_begin, m_end)) return;
+        if (!find_group_tile<THREADS>(p.offsets, p.t, p.count, BM, blockIdx.x, matrix, m_begin, m_end)) return;
     } else {
         matrix = p.matrix;
         m_begin = blockIdx.x * BM;

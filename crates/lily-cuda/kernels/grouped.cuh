@@ -1,14 +1,14 @@
 // The grouped (MoE prefill) GEMMs' work split, shared by gemm.cu and gemm_wgmma.cu: E experts, a device
-// array offsets[E + 1] (slots offsets[e] .. offsets[e + 1] use expert e, clamped to n); the grid's x
-// covers the worst case ceil(n / bm) + E token tiles, and block x finds its (expert, tile) from a
-// block-wide scan of the per-expert tile counts, or exits.
+// array offsets[E + 1] (slots offsets[e] .. offsets[e + 1] use expert e, clamped to n); one grid
+// dimension covers the worst case ceil(n / bm) + E token tiles, and the block with token-tile index mt
+// finds its (expert, tile) from a block-wide scan of the per-expert tile counts, or exits.
 #pragma once
 #include <stdint.h>
 
-// Which (expert, first slot, end slot) block blockIdx.x handles; false if none. THREADS threads (the
-// block), E <= 2 * THREADS. All threads must call it (it synchronises).
+// Which (expert, first slot, end slot) the block of token-tile index mt handles; false if none. THREADS
+// threads (the block), E <= 2 * THREADS. All threads must call it (it synchronises).
 template <int THREADS>
-__device__ __forceinline__ bool find_group_tile(const uint32_t* offsets, int n_slots, int E, int bm, int& expert, int& m_begin, int& m_end) {
+__device__ __forceinline__ bool find_group_tile(const uint32_t* offsets, int n_slots, int E, int bm, int mt, int& expert, int& m_begin, int& m_end) {
     __shared__ int warp_tot[THREADS / 32];
     __shared__ int found[3];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -41,7 +41,6 @@ __device__ __forceinline__ bool find_group_tile(const uint32_t* offsets, int n_s
     int before = 0;
     for (int w = 0; w < warp; ++w) before += warp_tot[w];
     const int start = before + incl - local;  // tiles before expert 2*tid
-    const int mt = blockIdx.x;
     if (mt >= start && mt < start + local) {
         const bool k = mt >= start + tiles[0];  // the second expert of this thread
         const int j = mt - start - (k ? tiles[0] : 0);

@@ -48,9 +48,18 @@ struct WgParams {
     cols: i32,
     count: i32,
     matrix: i32,
+    rows_fast: i32,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for WgParams {}
+
+/// Whether grouped GEMMs launch a token tile's weight-row tiles consecutively (the default), so that
+/// the tile's x is read from DRAM once; `LILY_GROUPED_ORDER=tokens` (read once) keeps the plain
+/// GEMMs' order, token tiles first, for A/B runs.
+fn grouped_rows_fast() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_GROUPED_ORDER").map_or(true, |v| v != "tokens"))
+}
 
 const THREADS: usize = 256;
 /// Weight rows a block (SwiGLU: 64 outputs of gate and up).
@@ -318,9 +327,15 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
         cols: c.cols as i32,
         count: experts as i32,
         matrix: c.matrix as i32,
+        rows_fast: (c.grouped.is_some() && grouped_rows_fast()) as i32,
     };
+    let row_tiles = c.rows.div_ceil(out_per_block);
+    let grid = if p.rows_fast != 0 { (row_tiles, m_tiles) } else { (m_tiles, row_tiles) };
+    if grid.1 > 65535 {
+        return Err(CudaError::Shape(format!("wgmma gemm: {} tiles along the grid's y", grid.1)));
+    }
     let cfg = LaunchConfig {
-        grid_dim: (m_tiles as u32, c.rows.div_ceil(out_per_block) as u32, 1),
+        grid_dim: (grid.0 as u32, grid.1 as u32, 1),
         block_dim: (128 * v.wgs as u32, 1, 1),
         shared_mem_bytes: smem_bytes(v) as u32,
     };
