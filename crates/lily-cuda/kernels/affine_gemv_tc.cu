@@ -34,8 +34,8 @@
 // rounds (split-K, summed through shared memory in a fixed order: deterministic). Blocks stride over
 // row tiles (x staged once per block). Each warp keeps the next round's loads in flight while it
 // computes the current one (DEPTH 2: the next two); the first round's (two) are issued before the
-// PDL wait. (Issuing all of a
-// warp's rounds at once, tried, needed ~110 registers a thread and lost in the decode graph.)
+// PDL wait. (Issuing all of a warp's rounds at once, tried, needed ~110 registers a thread and lost
+// in the decode graph.)
 
 #include <stdint.h>
 #include <cuda_bf16.h>

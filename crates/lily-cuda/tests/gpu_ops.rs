@@ -432,6 +432,13 @@ const I8_TOL: f64 = 1e-5;
 /// int8 mmas: 13..=16), with every K split a shape allows, against f64: plain, SwiGLU, rows that are
 /// not whole 16-row tiles, 1 to 64 rounds of 128 columns; then each form with the fused norm and
 /// residual add and indexed slots with a bad index.
+/// A forced tensor-core variant (9..=20, as `affine_gemv::gemv_tuned` numbers them) as the benchmark
+/// tables name it: its form and K split.
+fn tc_form(variant: u32) -> String {
+    let v = variant - 9;
+    format!("{} k{}", ["tc", "i8", "tc d2"][v as usize / 4], 1 << (v % 4))
+}
+
 #[test]
 fn gemv_tensor_cores_every_split() {
     let Some(dev) = device() else { return };
@@ -1094,9 +1101,7 @@ fn bench_ops() {
                 (4, Q4Decode::Exact, _) => "gemv q4 exact (reg)".to_string(),
                 (_, _, 0) => format!("gemv q{bits}"),
                 (_, _, 8) => format!("gemv q{bits} reg"),
-                (_, _, f @ 9..=12) => format!("gemv q{bits} tc k{}", 1 << (f - 9)),
-                (_, _, f @ 13..=16) => format!("gemv q{bits} i8 k{}", 1 << (f - 13)),
-                (_, _, f @ 17..=20) => format!("gemv q{bits} tc d2 k{}", 1 << (f - 17)),
+                (_, _, f @ 9..=20) => format!("gemv q{bits} {}", tc_form(f)),
                 (_, _, f) => format!("gemv q{bits} async {}", ["u1r4", "u2r2", "u4r1"][f as usize - 5]),
             };
             rows_out.push(Row { kernel, shape: format!("{label} {rows}x{cols} g{gs}"), bytes, t, spread: s });
@@ -1129,9 +1134,7 @@ fn bench_ops() {
         let moe_kernel = |what: &str, forced: u32| match forced {
             0 => format!("{what} (auto)"),
             8 => format!("{what} reg"),
-            f @ 9..=12 => format!("{what} tc k{}", 1 << (f - 9)),
-            f @ 13..=16 => format!("{what} i8 k{}", 1 << (f - 13)),
-            f => format!("{what} tc d2 k{}", 1 << (f - 17)),
+            f => format!("{what} {}", tc_form(f)),
         };
         for forced in [0u32, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20] {
             let (t, s) = time_op(&dev, 25, 20, |i| {

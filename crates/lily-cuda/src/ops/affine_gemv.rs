@@ -684,9 +684,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
             let int8 = affine_gemv_tc::int8_auto();
             Some(affine_gemv_tc::Form { ks: 0, int8, deep: !int8 && !swiglu && affine_gemv_tc::depth2_auto() })
         }
-        9..=12 if tc_ok => Some(affine_gemv_tc::Form { ks: 1 << (forced - 9), ..Default::default() }),
-        13..=16 if tc_ok => Some(affine_gemv_tc::Form { ks: 1 << (forced - 13), int8: true, deep: false }),
-        17..=20 if tc_ok => Some(affine_gemv_tc::Form { ks: 1 << (forced - 17), int8: false, deep: true }),
+        9..=20 if tc_ok => affine_gemv_tc::Form::forced(forced),
         9..=20 => return Err(CudaError::Shape(format!("gemv: no tensor-core kernel for {}-bit weights, group {group}, cols {cols}", w.bits()))),
         _ => None,
     };

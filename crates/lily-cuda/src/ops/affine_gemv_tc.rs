@@ -31,6 +31,15 @@ pub(crate) struct Form {
     pub deep: bool,
 }
 
+impl Form {
+    /// The form a forced GEMV variant names (`affine_gemv::gemv_tuned`): 9..=12 the bf16 form, 13..=16
+    /// the integer form, 17..=20 the bf16 form with two rounds in flight, each at a K split of 1, 2, 4, 8.
+    pub(crate) fn forced(variant: u32) -> Option<Form> {
+        let v = variant.checked_sub(9).filter(|v| *v < 12)?;
+        Some(Form { ks: 1 << (v % 4), int8: v / 4 == 1, deep: v / 4 == 2 })
+    }
+}
+
 /// Threads per block (8 warps), as `TC_WARPS` in the .cu.
 pub(crate) const THREADS: u32 = 256;
 /// Columns per round (4 lanes × 32 codes) and staged bytes per round (`TC_ROUND`).
@@ -154,4 +163,20 @@ pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu:
         (name, want, cap) = launch(k)?;
     }
     Ok((name, want.min(cap) as u32, smem as u32))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn forced_variants_name_each_form_and_split() {
+        assert_eq!(Form::forced(9), Some(Form { ks: 1, int8: false, deep: false }));
+        assert_eq!(Form::forced(12), Some(Form { ks: 8, int8: false, deep: false }));
+        assert_eq!(Form::forced(14), Some(Form { ks: 2, int8: true, deep: false }));
+        assert_eq!(Form::forced(19), Some(Form { ks: 4, int8: false, deep: true }));
+        for v in [0, 8, 21, 100] {
+            assert_eq!(Form::forced(v), None, "variant {v}");
+        }
+    }
 }

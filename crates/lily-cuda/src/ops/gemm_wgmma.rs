@@ -265,6 +265,17 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
     debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
     let q8 = c.bits == 8;
     debug_assert!(c.bits == 4 || (q8 && c.w2.0 == 0 && c.grouped.is_none() && num == Num::Half && wrows == 128));
+    // The grid (checked before anything is launched): token tiles × weight-row tiles, or the other way
+    // round for grouped calls (a token tile's row tiles consecutive: `grouped_rows_fast`).
+    let swiglu = c.w2.0 != 0;
+    let (_, _, experts) = c.grouped.unwrap_or((0, 0, 0));
+    let m_tiles = c.t.div_ceil(bt) + experts;
+    let row_tiles = c.rows.div_ceil(if swiglu { wrows / 2 } else { wrows });
+    let rows_fast = c.grouped.is_some() && grouped_rows_fast();
+    let grid = if rows_fast { (row_tiles, m_tiles) } else { (m_tiles, row_tiles) };
+    if grid.1 > 65535 {
+        return Err(CudaError::Shape(format!("wgmma gemm: {} tiles along the grid's y", grid.1)));
+    }
     let groups = c.cols / GROUP;
     let planes = num.planes();
     let plane_bytes = (c.x_rows * c.cols * 2).next_multiple_of(256);
@@ -290,15 +301,13 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
         dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?.holds = Some(key);
     }
 
-    let swiglu = c.w2.0 != 0;
     let form = match (swiglu, c.grouped.is_some()) {
         (false, false) => 0,
         (true, false) => 1,
         (false, true) => 2,
         (true, true) => 3,
     };
-    let (offsets, gather, experts) = c.grouped.unwrap_or((0, 0, 0));
-    let m_tiles = c.t.div_ceil(bt) + experts;
+    let (offsets, gather, _) = c.grouped.unwrap_or((0, 0, 0));
     let (name, v) = if q8 {
         let i = if bt == 128 { 0 } else { 1 };
         (NAMES_Q8[i], variant_q8(i))
@@ -307,7 +316,6 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
         (NAMES[form * VARIANTS + vi], variant(vi))
     };
     debug_assert_eq!((v.bt, v.num, v.rows()), (bt, num, wrows));
-    let out_per_block = if swiglu { wrows / 2 } else { wrows };
     let p = WgParams {
         w: c.w.0,
         scales: c.w.1,
@@ -327,13 +335,8 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
         cols: c.cols as i32,
         count: experts as i32,
         matrix: c.matrix as i32,
-        rows_fast: (c.grouped.is_some() && grouped_rows_fast()) as i32,
+        rows_fast: rows_fast as i32,
     };
-    let row_tiles = c.rows.div_ceil(out_per_block);
-    let grid = if p.rows_fast != 0 { (row_tiles, m_tiles) } else { (m_tiles, row_tiles) };
-    if grid.1 > 65535 {
-        return Err(CudaError::Shape(format!("wgmma gemm: {} tiles along the grid's y", grid.1)));
-    }
     let cfg = LaunchConfig {
         grid_dim: (grid.0 as u32, grid.1 as u32, 1),
         block_dim: (128 * v.wgs as u32, 1, 1),
