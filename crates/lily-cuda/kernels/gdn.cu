@@ -33,15 +33,11 @@
 //     squares is exchanged between a head's S blocks through distributed shared memory, and the
 //     shared q/k conv state is shifted by the cluster's first block once every block has read it
 //     (both after one cluster barrier; a second one keeps each block's shared memory alive until
-//     the others have read it). The v channels are each one block's own. The state columns, the
-//     head's constants and the norm weight are loaded before the PDL wait (nothing earlier in the
-//     step writes them; the state by cp.async into shared memory), so their round trip overlaps the
-//     input projection's tail.
+//     the others have read it). The v channels are each one block's own.
 
 #include <stdint.h>
 #include "pdl.cuh"
 #include "reduce.cuh"
-#include "async_copy.cuh"
 
 struct GdnConvQkParams {
     const float* x;        // [T, C] pre-conv projections, rows x_stride apart
@@ -431,8 +427,7 @@ __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.w
 
 template <int NR>
 __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
-    // q [Dk] | k [Dk] | v [Dv/S] after the conv | (16-byte aligned) the block's state columns [Dk][Dv/S + 8]
-    extern __shared__ __align__(16) float step_smem[];
+    extern __shared__ float step_smem[];  // q [Dk] | k [Dk] | v [Dv/S] after the conv
     __shared__ float ss_part;            // this block's sum of squares of its outputs (read by the head's blocks)
     constexpr int RG = 4;
     const int S = p.slices;
@@ -445,39 +440,6 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     float* sq = step_smem;
     float* sk = step_smem + dk;
     float* sv = step_smem + 2 * dk;
-
-    // The rule's layout, as gdn_recurrent (T = 1): warp w owns columns c0 + 8w .. +7, lane = rg·8 + column.
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int rg = lane >> 3;
-    const int lc = warp * 8 + (lane & 7);  // column within the block
-    const int col = c0 + lc;
-    const bool active = lc < cols;
-    const bool owner = active && rg == 0;  // writes column col's output
-
-    // Before the PDL wait (pdl.cuh), what no kernel of this step writes: the state columns (this
-    // kernel's own output at the previous token; copied into shared memory, rows padded by 8 floats so
-    // that the rule's lanes read them conflict-free), the head's constants and the norm weight. The
-    // state's round trip then overlaps the input projection instead of following the conv and norms.
-    float* St = p.state + (long long)j * dk * dv;
-    const int spitch = cols + 8;
-    float* sst = step_smem + ((2 * dk + cols + 3) & ~3);
-    {
-        const int cch = cols >> 2;  // 16-byte chunks of a row (cols is a multiple of 8)
-        for (int c = threadIdx.x; c < dk * cch; c += blockDim.x) {
-            const int d = c / cch, q4 = c - d * cch;
-            cp_async16(smem_addr(sst + d * spitch + 4 * q4), St + (long long)d * dv + c0 + 4 * q4, true);
-        }
-        cp_async_commit_group();
-    }
-    const float neg_a = -expf(p.a_log[j]);
-    const float dt_bias = p.dt_bias[j];
-    const float nw = owner ? p.norm_w[col] : 0.0f;
-    pdl_wait();
-    pdl_launch_dependents();
-    // The input projection's other outputs this block reads, in flight with x's: a, b of head j, z of
-    // its columns.
-    const float a_in = p.a[j], b_in = p.b[j];
-    const float zv = owner ? p.z[(long long)j * dv + col] : 0.0f;
 
     // Conv + SiLU of the key head's q and k channels, from the old conv state (shifted at the end).
     float ssq = 0.0f, ssk = 0.0f;
@@ -515,21 +477,27 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     const float qs = (1.0f / sqrtf(ssq + 1e-6f)) * (1.0f / sqrtf((float)dk));
     const float ks = 1.0f / sqrtf(ssk + 1e-6f);
     for (int c = threadIdx.x; c < 2 * dk; c += blockDim.x) step_smem[c] *= c < dk ? qs : ks;
-    cp_async_wait_group<0>();  // this thread's state copies; the barrier shows every thread's
     __syncthreads();
 
     // The gates of head j.
-    const float ga = a_in + dt_bias;
+    const float neg_a = -expf(p.a_log[j]);
+    const float ga = p.a[j] + p.dt_bias[j];
     const float sp = ga > 20.0f ? ga : log1pf(expf(ga));
     const float decay = expf(neg_a * sp);
-    const float bt = 1.0f / (1.0f + expf(-b_in));
+    const float bt = 1.0f / (1.0f + expf(-p.b[j]));
 
-    // The rule, on the state copied above.
+    // The rule, as gdn_recurrent (T = 1): warp w owns columns c0 + 8w .. +7, lane = rg·8 + column.
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int rg = lane >> 3;
+    const int lc = warp * 8 + (lane & 7);  // column within the block
+    const int col = c0 + lc;
+    const bool active = lc < cols;
+    float* St = p.state + (long long)j * dk * dv;
     float s[NR];
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
         const int d = rg + RG * i;
-        s[i] = (active && d < dk) ? sst[d * spitch + lc] : 0.0f;
+        s[i] = (active && d < dk) ? St[(long long)d * dv + col] : 0.0f;
     }
     const float v = active ? sv[lc] : 0.0f;
     float kv = 0.0f;
@@ -559,6 +527,7 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
 
     // Gated RMSNorm over the head's Dv outputs: this block's part of the sum of squares, then the
     // head's S parts (in slice order, in every block alike) through distributed shared memory.
+    const bool owner = active && rg == 0;
     const float part = block_sum_reusable(owner ? o * o : 0.0f);
     if (threadIdx.x == 0) ss_part = part;
     cluster_arrive();  // ss_part written; this block is done reading the q/k conv state
@@ -574,7 +543,10 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
         oss += v2;
     }
     const float inv = 1.0f / sqrtf(oss / (float)dv + p.eps);
-    if (owner) p.y[(long long)j * dv + col] = nw * (o * inv) * silu_f(zv);
+    if (owner) {
+        const long long i = (long long)j * dv + col;
+        p.y[i] = p.norm_w[col] * (o * inv) * silu_f(p.z[i]);
+    }
 
     // Every block of the cluster has read the q/k conv state: the cluster's first block shifts it.
     if (j % ratio == 0 && slice == 0) {
@@ -588,9 +560,9 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     cluster_wait();
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r2(const GdnStepParams p) { gdn_step<2>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r4(const GdnStepParams p) { gdn_step<4>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r8(const GdnStepParams p) { gdn_step<8>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r16(const GdnStepParams p) { gdn_step<16>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r32(const GdnStepParams p) { gdn_step<32>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r64(const GdnStepParams p) { gdn_step<64>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r2(const GdnStepParams p) { pdl_enter(); gdn_step<2>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r4(const GdnStepParams p) { pdl_enter(); gdn_step<4>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r8(const GdnStepParams p) { pdl_enter(); gdn_step<8>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r16(const GdnStepParams p) { pdl_enter(); gdn_step<16>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r32(const GdnStepParams p) { pdl_enter(); gdn_step<32>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r64(const GdnStepParams p) { pdl_enter(); gdn_step<64>(p); }

@@ -151,18 +151,6 @@ const STEP: &[(usize, &str)] = &[
     (64, "gdn_step_r64"),
 ];
 
-/// Lets the step kernels take more than 48 KB of dynamic shared memory (the state columns of a block:
-/// up to Dk·(Dv + 8) floats, [`step_smem_bytes`]).
-pub(crate) fn configure(dev: &Device) -> Result<()> {
-    super::allow_optin_smem(dev, STEP.iter().map(|(_, name)| name))
-}
-
-/// Dynamic shared memory of a step block with `cols` state columns: q and k [Dk] and v [cols] after
-/// the conv, then (16-byte aligned) the state columns [Dk][cols + 8] (`gdn_step` in `kernels/gdn.cu`).
-fn step_smem_bytes(dk: usize, cols: usize) -> usize {
-    4 * ((2 * dk + cols).next_multiple_of(4) + dk * (cols + 8))
-}
-
 pub(crate) const KERNELS: &[&str] = &[
     "gdn_step_r2",
     "gdn_step_r4",
@@ -556,14 +544,7 @@ where
     };
     let cols = dims.head_v_dim / slices;
     let &(_, name) = STEP.iter().find(|(nr, _)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ MAX_DK checked");
-    let smem = step_smem_bytes(dims.head_k_dim, cols);
-    if smem > dev.max_smem_optin() as usize {
-        return Err(CudaError::Shape(format!("gdn step: {smem} bytes of shared memory for {dims:?}")));
-    }
-    if !p.state.is_multiple_of(16) {
-        return Err(CudaError::Shape("gdn step: the state must be 16-byte aligned (it is copied in 16-byte pieces)".into()));
-    }
-    let smem = smem as u32;
+    let smem = (4 * (2 * dims.head_k_dim + cols)) as u32;
     let cfg = LaunchConfig { grid_dim: (hv as u32 * slices as u32, 1, 1), block_dim: (4 * cols as u32, 1, 1), shared_mem_bytes: smem };
     super::launch_cluster(dev, name, cfg, ((hv / dims.num_k_heads) * slices) as u32, &p)
 }

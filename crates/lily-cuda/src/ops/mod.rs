@@ -53,7 +53,6 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     gemm::configure(dev)?;
     gemm_wgmma::configure(dev)?;
     attention::configure(dev)?;
-    gdn::configure(dev)?;
     gdn_chunked::configure(dev)?;
     moe_decode::configure(dev)?;
     attn_prefill::configure(dev)
