@@ -248,9 +248,10 @@ pub fn gemv_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
 /// [`gemv_with`] with a forced kernel (benchmarks and tests). 0 = automatic (4-bit weights in groups
 /// of 64 with the fast decode: the tensor-core kernel, `affine_gemv_tc`, unless `LILY_GEMV=ffma`;
 /// otherwise the pipelined kernel for rows of at least 4 chunks per lane when its shared memory fits,
-/// else the register one). Tensor cores: 9..=12 = a K split of 1, 2, 4, 8; their integer form
-/// (`LILY_GEMV=i8` for the automatic choice): 13..=16 = the same splits; two rounds of weights in flight a
-/// warp (`LILY_GEMV_DEPTH=2`): 17..=20 = the same splits. Register kernel: 8 = its automatic choice,
+/// else the register one). Tensor cores, bf16 form (`LILY_GEMV=bf16` for the automatic choice): 9..=12 =
+/// a K split of 1, 2, 4, 8; their integer form (the automatic choice's default): 13..=16 = the same
+/// splits; two rounds of weights in flight a warp (`LILY_GEMV=bf16 LILY_GEMV_DEPTH=2`): 17..=20 = the
+/// same splits. Register kernel: 8 = its automatic choice,
 /// 1..=4 = (U, NR) = (1, 8), (2, 4), (4, 2), (8, 1) chunks × rows in flight per lane (rows of more
 /// than 16 chunks). Pipelined kernel: 5..=7 = (U, NR) = (1, 4), (2, 2), (4, 1) per pipeline stage.
 /// The 4-bit `Exact` decode exists only in the register kernel.
@@ -675,7 +676,8 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     // the register kernel wins on SwiGLU (8.8 vs 10.2 us) and on 8192x2048 (8.6 vs 9.3 us).
     // The tensor-core kernels (affine_gemv_tc.cu) take 4-bit, group-64 weights with the fast decode,
     // unless a variant 1..=8 forces an FFMA kernel: automatically (0) unless `LILY_GEMV=ffma`, or
-    // forced with the K split 9..=12 = 1, 2, 4, 8; the integer form (`LILY_GEMV=i8`), forced: 13..=16;
+    // forced with the K split 9..=12 = 1, 2, 4, 8 (the bf16 form, `LILY_GEMV=bf16`); the integer form
+    // (the default), forced: 13..=16;
     // two rounds in flight (`LILY_GEMV_DEPTH=2`, the bf16 form of one matrix), forced: 17..=20.
     let group = w.group_size().unwrap_or(0);
     let tc_ok = route.is_none() && (*fam == Q4 || *fam == SW_Q4) && affine_gemv_tc::fits(w.bits(), group, cols);

@@ -62,15 +62,16 @@ pub(crate) fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_GEMV").map(|v| v != "ffma").unwrap_or(true))
 }
 
-/// Whether the automatic choice takes the integer form (`LILY_GEMV=i8`, read once; opt-in until it is
-/// measured on a GPU).
+/// Whether the automatic choice takes the integer form (the default since the twelfth session's
+/// measurement, docs/PERF.md; `LILY_GEMV=bf16` keeps the bf16 form, read once).
 pub(crate) fn int8_auto() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_GEMV").is_ok_and(|v| v == "i8"))
+    *ON.get_or_init(|| std::env::var("LILY_GEMV").map(|v| v != "bf16").unwrap_or(true))
 }
 
 /// Whether the automatic choice keeps two rounds in flight a warp where it can (the bf16 form of one
-/// matrix; `LILY_GEMV_DEPTH=2`, read once; opt-in until it is measured on a GPU).
+/// matrix, so with `LILY_GEMV=bf16`; `LILY_GEMV_DEPTH=2`, read once; opt-in: even on an H100, where
+/// lm_head already reaches 89% of the copy bandwidth, and not yet measured on an H200).
 pub(crate) fn depth2_auto() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("LILY_GEMV_DEPTH").is_ok_and(|v| v == "2"))
