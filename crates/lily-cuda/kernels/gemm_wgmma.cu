@@ -86,7 +86,7 @@ struct WgParams {
     int cols;                  // K, a multiple of 64
     int count;                 // grouped: experts
     int matrix;                // plain: which matrix of the stack
-    int rows_fast;             // grouped: blockIdx.x is the weight-row tile and blockIdx.y the token tile
+    int pad_;
 };
 
 constexpr int GROUP = 64;    // K a step
@@ -181,14 +181,15 @@ extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_stage_half(const Wg
     if (lane == 0) p.sums[row] = up;
 }
 
-// The block's tile: which matrix and slots (tokens) it takes, or none. Grouped with rows_fast, the
-// blocks of one token tile (all its weight-row tiles) are consecutive in launch order, so the tile's x
-// comes from DRAM once and its row tiles read it from L2; token tiles first (the plain GEMMs' order),
-// each row tile passes over every expert's x in turn (at a 4K chunk the down projection's x, 34 MB
-// staged, is then read from DRAM once a row tile: its traffic ~0.9 GB a layer where ~0.45 is needed).
+// The block's tile: which matrix and slots (tokens) it takes, or none. Grouped, blockIdx.x is the
+// weight-row tile and blockIdx.y the token tile, so the blocks of one token tile (all its row tiles)
+// are consecutive in launch order: the tile's x comes from DRAM once and its row tiles read it from
+// L2. (Token tiles first, the plain GEMMs' order, made each row tile a pass over every expert's x: at
+// a 4K chunk the down projection's 34 MB of staged x came from DRAM once a row tile; measured 16.2 →
+// 12.9 ms for moe.down at 4K on an H100, docs/PERF.md.)
 template <int BT, int NT, bool GROUPED>
 __device__ __forceinline__ bool tile_slots(const WgParams& p, int& matrix, int& m_begin, int& m_end) {
-    if (GROUPED) return find_group_tile<NT>(p.offsets, p.t, p.count, BT, p.rows_fast ? blockIdx.y : blockIdx.x, matrix, m_begin, m_end);
+    if (GROUPED) return find_group_tile<NT>(p.offsets, p.t, p.count, BT, blockIdx.y, matrix, m_begin, m_end);
     matrix = p.matrix;
     m_begin = blockIdx.x * BT;
     m_end = min(m_begin + BT, p.t);
@@ -235,7 +236,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
 
     int matrix, m_begin, m_end;
     if (!tile_slots<BT, NT, GROUPED>(p, matrix, m_begin, m_end)) return;
-    const int n_tile = GROUPED && p.rows_fast ? blockIdx.x : blockIdx.y;
+    const int n_tile = GROUPED ? blockIdx.x : blockIdx.y;
 
     // Tile row r -> (from the up matrix, output row).
     auto out_row = [&](int r) { return SWIGLU ? n_tile * BW_OUT + (r >> 4) * 8 + (r & 7) : n_tile * BW_OUT + r; };

@@ -426,18 +426,11 @@ fn describe(w: &DeviceMatrix) -> String {
 /// grouped, 128 tokens from 96 slots an expert on average, else 64 (a mixed split, 128-token tiles
 /// with each expert's tail in 64-token ones, measured no faster: a tile costs its expert's weight
 /// reads whatever it holds).
-/// `LILY_GROUPED_ROWS=256` (read once, for A/B runs) gives the grouped ones 256 weight rows a block,
-/// which halves the re-reads of each expert tile's x from L2.
+/// The grouped ones on 256 weight rows a block (half the L2 re-reads of each expert tile's x) measured
+/// slower (PERF.md, 2026-12-05 twelfth session: gate/up +8%, down +9% at a 4K chunk).
 fn half_tile(dev: &Device, grouped: bool, t: usize, experts: usize, wg_tiles: usize) -> Tile {
     if grouped {
-        static ROWS256: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let wide = *ROWS256.get_or_init(|| std::env::var("LILY_GROUPED_ROWS").is_ok_and(|v| v == "256"));
-        return match (t / experts >= 96, wide) {
-            (true, false) => Tile::Wg128,
-            (false, false) => Tile::Wg64,
-            (true, true) => Tile::Wg128x256,
-            (false, true) => Tile::Wg64x256,
-        };
+        return if t / experts >= 96 { Tile::Wg128 } else { Tile::Wg64 };
     }
     if t.div_ceil(128) * wg_tiles >= dev.sm_count() as usize {
         Tile::Wg128
