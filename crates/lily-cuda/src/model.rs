@@ -60,7 +60,7 @@ const LOGIT_ROWS: usize = 128;
 
 /// Tokens one prefill pass runs at once unless told otherwise (`lily_engine::DEFAULT_MAX_CHUNK` names
 /// the same value for the CLI).
-pub const DEFAULT_MAX_CHUNK: usize = 4096;
+pub const DEFAULT_MAX_CHUNK: usize = 8192;
 
 /// How to open the model on the GPU.
 #[derive(Clone, Debug)]

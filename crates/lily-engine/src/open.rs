@@ -38,10 +38,11 @@ pub enum EngineError {
     NoCuda(String),
 }
 
-/// CUDA: the default of [`OpenOptions::max_chunk`], tokens one prefill pass runs at once. 4096 measured
-/// 10% faster than 2048 at a 4K prompt and 8192 no faster (docs/PERF.md, 2026-12-02 third session);
-/// its activations take 1.66 GB on the 35B model.
-pub const DEFAULT_MAX_CHUNK: usize = 4096;
+/// CUDA: the default of [`OpenOptions::max_chunk`], tokens one prefill pass runs at once. 8192 measured
+/// 2–5% faster than 4096 on 8K–128K prompts and 16384 no faster (docs/PERF.md, 2026-12-05 twelfth
+/// session; the third session had found 4096 10% faster than 2048); its activations take ~3.5 GB on
+/// the 35B model (4096: 1.74 GB), so a GPU with little memory to spare wants `--max-chunk 4096`.
+pub const DEFAULT_MAX_CHUNK: usize = 8192;
 #[cfg(feature = "cuda")]
 const _: () = assert!(DEFAULT_MAX_CHUNK == lily_cuda::model::DEFAULT_MAX_CHUNK);
 

@@ -193,7 +193,8 @@ struct LoadArgs {
     /// built into this binary (for trying a kernel rebuilt on the GPU machine).
     #[arg(long, value_name = "DIR")]
     kernel_dir: Option<PathBuf>,
-    /// CUDA: the most prompt tokens one forward pass runs at once (bigger is faster, uses more memory).
+    /// CUDA: the most prompt tokens one forward pass runs at once (bigger is faster and uses more
+    /// memory: ~3.5 GB of activations at 8192 on the 35B model, 1.74 GB at 4096).
     #[arg(long, default_value_t = lily_engine::DEFAULT_MAX_CHUNK)]
     max_chunk: usize,
 }
