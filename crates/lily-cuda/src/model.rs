@@ -1056,7 +1056,10 @@ fn moe(
     let used = e.min(t * k); // experts with at least one slot (at most)
     mark_grouped(dev, "moe.gate_up", &ex.gate, 2, used, t * k)?;
     let gate_up = gemm::Opts { reuse_x: true, ..routed };
-    gemm::grouped_swiglu_gemm_with(dev, &ex.gate, &ex.up, &a.offsets, Some(&a.rows), &a.normed, t * k, &mut a.act, gate_up)?; // [T·k, I]
+    // x is the chunk's T rows of a.normed, not the whole buffer: a gathered GEMM stages as many rows
+    // as x holds, and T rows are what the shared expert staged (reused here).
+    let normed = a.normed.slice(0..t * h);
+    gemm::grouped_swiglu_gemm_with(dev, &ex.gate, &ex.up, &a.offsets, Some(&a.rows), &normed, t * k, &mut a.act, gate_up)?; // [T·k, I]
     if let Some((_, _, sd, m, _)) = shared_mlp {
         mark_linear(dev, "moe.shared", sd, t)?;
         gemm::gemm_with(dev, sd, m, &a.shared_act, t, &mut a.shared_out, prefill_opts())?; // [T, H]
