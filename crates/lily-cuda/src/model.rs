@@ -1057,7 +1057,7 @@ fn moe(
     mark_grouped(dev, "moe.gate_up", &ex.gate, 2, used, t * k)?;
     let gate_up = gemm::Opts { reuse_x: true, ..routed };
     // x is the chunk's T rows of a.normed, not the whole buffer: a gathered GEMM stages as many rows
-    // as x holds, and T rows are what the shared expert staged (reused here).
+    // as x holds, and T rows are what the GEMMs on a.normed before it staged, so that staging is reused.
     let normed = a.normed.slice(0..t * h);
     gemm::grouped_swiglu_gemm_with(dev, &ex.gate, &ex.up, &a.offsets, Some(&a.rows), &normed, t * k, &mut a.act, gate_up)?; // [T·k, I]
     if let Some((_, _, sd, m, _)) = shared_mlp {

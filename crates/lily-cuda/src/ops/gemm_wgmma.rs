@@ -261,7 +261,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
     // round for grouped calls, whose blocks of one token tile run consecutively (`tile_slots` in the
     // kernel: measured +3% on the 4K prefill, the down projection 16.2 → 12.9 ms, PERF.md).
     let swiglu = c.w2.0 != 0;
-    let (_, _, experts) = c.grouped.unwrap_or((0, 0, 0));
+    let (offsets, gather, experts) = c.grouped.unwrap_or((0, 0, 0));
     let m_tiles = c.t.div_ceil(bt) + experts;
     let row_tiles = c.rows.div_ceil(if swiglu { wrows / 2 } else { wrows });
     let grid = if c.grouped.is_some() { (row_tiles, m_tiles) } else { (m_tiles, row_tiles) };
@@ -299,7 +299,6 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
         (false, true) => 2,
         (true, true) => 3,
     };
-    let (offsets, gather, _) = c.grouped.unwrap_or((0, 0, 0));
     let (name, v) = if q8 {
         let i = if bt == 128 { 0 } else { 1 };
         (NAMES_Q8[i], variant_q8(i))
