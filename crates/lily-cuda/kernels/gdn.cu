@@ -36,6 +36,7 @@
 //     the others have read it). The v channels are each one block's own.
 
 #include <stdint.h>
+#include "async_copy.cuh"
 #include "pdl.cuh"
 #include "reduce.cuh"
 
@@ -422,8 +423,6 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_gated_norm(const GdnGated
     for (int i = lane; i < p.dv; i += 32) y[i] = p.w[i] * (x[i] * inv) * silu_f(z[i]);
 }
 
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 template <int NR>
 __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
