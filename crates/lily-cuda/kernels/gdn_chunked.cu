@@ -718,27 +718,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const Gd
 // operands are split where they are loaded. Copies (cp.async, 16 bytes, zero-filled past the chunk):
 // W, Q and the decays (two buffers) of chunk c+1 once step 1 of chunk c is done with W and Q; P and K
 // (two buffers each) at the start of chunk c−1; U into the state warps' registers with W.
-//
-// gdn_chunk_state_tc1_mc: the same with the column tiles of a value head as one thread-block cluster
-// (grid x = ⌈Dv/32⌉ = the cluster, ≤ 4). W, Q, K, P and the decays are the same for every tile of a
-// head, and the cp.async form reads them from L2 once per tile (4× at Dv = 128: ~15 MB a chunk over
-// the 128 blocks of the 35B shape, ~43% of L2's bandwidth over the pass); here each block of the
-// cluster copies every cs-th row with bulk copies (the TMA) multicast into all the cluster's blocks,
-// counted on an mbarrier in each (A: W, Q, e of the next chunk; B0/B1: K and P, two buffers). A buffer
-// is refilled only once every block of the cluster has read it: the pass's two __syncthreads become
-// cluster barriers. Rows of Q and K past the last chunk's n are zeroed by each block in its own
-// memory (W, U and P are zero there in the scratch). U stays per tile (registers, as above).
-//
-// gdn_chunk_state_tc1_pf (and _mc_pf): each chunk's copies wait for global memory, not for L2: the
-// scratch (169 MB at T = 4096) does not stay in L2 between the prep and this pass, and the copies of
-// W, Q and U are issued only one step of the chain before they are used. At the top of chunk c the
-// head's first tile asks L2 to prefetch everything chunk c + 2 will read (W, U, P, e: one bulk prefetch
-// each; Q and K: a row each), so the copies of the next chunk find their bytes in L2.
 #define GDC_S2 36  // row stride of S and V' in (hi, lo) pairs
 #define GDC_TC_SMEM (4 * (2 * GDC_CH * GDC_WS + 2 * GDC_CH * GDC_KS + 2 * GDC_CH * GDC_PS + 4 * GDC_CH) + 8 * (GDC_MAXD + GDC_CH) * GDC_S2)
-#define GDC_TC_MC_SMEM (GDC_TC_SMEM + 3 * 8)  // + the mbarriers A, B0, B1
 
-template <int NT, bool MC, bool PF>
+template <int NT>
 __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
     extern __shared__ __align__(16) float sm[];
     float* const sW = sm;                            // [64][WS]
@@ -768,33 +751,10 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
     const int r0 = 16 * mi + g, r1 = r0 + 8;
     float upre[2][4];  // state warps: U of the next chunk at their step-1 elements
 
-    // MC: the mbarriers after the state and V' tiles; this block's rank and the cluster's size.
-    const uint32_t bars = smem_addr(sV + GDC_CH * GDC_S2);  // A, B0, B1 (8 bytes each)
-    const int rank = MC ? (int)cluster_rank() : 0, cs = MC ? (int)cluster_size() : 1;
-    const uint16_t mask = (uint16_t)((1u << cs) - 1);
-    const uint32_t row_bytes = 4u * (uint32_t)dk;
-    // MC: zero rows n.. of a [64][stride] buffer in this block's own memory (the last chunk's Q or K).
-    auto zero_rows = [&](float* buf, int stride, int n) {
-        for (int idx = tid; idx < (GDC_CH - n) * dk; idx += 512) buf[(n + idx / dk) * stride + idx % dk] = 0.0f;
-    };
-
     auto issue_a = [&](int chunk) {
         const int t0 = chunk * GDC_CH, n = min(GDC_CH, p.t_len - t0);
         const long long blk = (long long)chunk * p.hv + j;
-        if (MC) {
-            if (warp == 0) {
-                if (lane == 0) mbar_arrive_expect_tx(bars, row_bytes * (GDC_CH + n) + 8 * GDC_CH);
-                __syncwarp();
-                for (int r = rank + cs * lane; r < GDC_CH; r += 32 * cs) {
-                    bulk_copy_multicast(smem_addr(sW + r * GDC_WS), p.w + (blk * GDC_CH + r) * dk, row_bytes, bars, mask);
-                    if (r < n)
-                        bulk_copy_multicast(smem_addr(sQ + r * GDC_WS), p.qkv + (long long)(t0 + r) * C + qoff, row_bytes, bars, mask);
-                }
-                if (lane == 31 && rank == cs - 1)
-                    bulk_copy_multicast(smem_addr(sE + (chunk & 1) * 2 * GDC_CH), p.e + blk * 2 * GDC_CH, 8 * GDC_CH, bars, mask);
-            }
-            if (n < GDC_CH) zero_rows(sQ, GDC_WS, n);
-        } else if (piece_in) {
+        if (piece_in) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int r = prow + 16 * i;
@@ -804,7 +764,7 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
                 cp_async16z(smem_addr(sQ + r * GDC_WS + piece), q, in ? 16 : 0);
             }
         }
-        if (!MC && tid < 2 * GDC_CH / 4)
+        if (tid < 2 * GDC_CH / 4)
             cp_async16z(smem_addr(sE + (chunk & 1) * 2 * GDC_CH + 4 * tid), p.e + blk * 2 * GDC_CH + 4 * tid, 16);
         if (!out_warp) {
 #pragma unroll
@@ -824,20 +784,6 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
         const long long blk = (long long)chunk * p.hv + j;
         float* const kb = sK + (chunk & 1) * GDC_CH * GDC_KS;
         float* const pb = sP + (chunk & 1) * GDC_CH * GDC_PS;
-        if (MC) {
-            const uint32_t bar = bars + 8 * (1 + (chunk & 1));
-            if (warp == 0) {
-                if (lane == 0) mbar_arrive_expect_tx(bar, row_bytes * n + 4 * GDC_CH * GDC_CH);
-                __syncwarp();
-                for (int r = rank + cs * lane; r < GDC_CH; r += 32 * cs) {
-                    if (r < n)
-                        bulk_copy_multicast(smem_addr(kb + r * GDC_KS), p.qkv + (long long)(t0 + r) * C + koff, row_bytes, bar, mask);
-                    bulk_copy_multicast(smem_addr(pb + r * GDC_PS), p.p + (blk * GDC_CH + r) * GDC_CH, 4 * GDC_CH, bar, mask);
-                }
-            }
-            if (n < GDC_CH) zero_rows(kb, GDC_KS, n);
-            return;
-        }
         if (piece_in) {
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
@@ -876,29 +822,6 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
         sacc[x][2] = in ? S[(long long)(ms + g + 8) * dv + col] : 0.0f;
         sacc[x][3] = in ? S[(long long)(ms + g + 8) * dv + col + 1] : 0.0f;
     }
-    // PF: the head's first tile, warp 0, asks L2 for what chunk c2 will read (see above).
-    auto prefetch = [&](int c2) {
-        if (blockIdx.x != 0 || warp != 0) return;
-        const int t2 = c2 * GDC_CH, n2 = min(GDC_CH, p.t_len - t2);
-        const long long blk = (long long)c2 * p.hv + j;
-        if (lane == 0) bulk_prefetch_l2(p.w + blk * GDC_CH * dk, row_bytes * GDC_CH);
-        if (lane == 1) bulk_prefetch_l2(p.u + blk * GDC_CH * dv, 4u * GDC_CH * dv);
-        if (lane == 2) bulk_prefetch_l2(p.p + blk * GDC_CH * GDC_CH, 4u * GDC_CH * GDC_CH);
-        if (lane == 3) bulk_prefetch_l2(p.e + blk * 2 * GDC_CH, 8u * GDC_CH);
-        for (int r = lane; r < n2; r += 32) {
-            bulk_prefetch_l2(p.qkv + (long long)(t2 + r) * C + qoff, row_bytes);
-            bulk_prefetch_l2(p.qkv + (long long)(t2 + r) * C + koff, row_bytes);
-        }
-    };
-    if (PF && nc > 1) prefetch(1);
-    if (MC) {
-        // Every block's mbarriers exist before any block's copies signal them.
-        if (tid == 0) {
-            for (int b = 0; b < 3; ++b) mbar_init(bars + 8 * b, 1);
-            fence_mbarrier_init();
-        }
-        cluster_sync();
-    }
     if (nc > 0) {
         issue_a(0);
         cp_async_commit_group();
@@ -909,19 +832,10 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
     for (int chunk = 0; chunk < nc; ++chunk) {
         const int t0 = chunk * GDC_CH, n = min(GDC_CH, p.t_len - t0);
         const float* E = sE + (chunk & 1) * 2 * GDC_CH;
-        if (MC) {
-            // This chunk's rows have landed here; then every block of the cluster is past the previous
-            // chunk (its K and P buffer, the one refilled next, is free everywhere) and S is visible.
-            mbar_wait(bars, chunk & 1);
-            mbar_wait(bars + 8 * (1 + (chunk & 1)), (chunk >> 1) & 1);
-            cluster_sync();
-        } else {
-            cp_async_wait_group<0>();
-            __syncthreads();  // this chunk's copies and S are visible; V' is free
-        }
+        cp_async_wait_group<0>();
+        __syncthreads();  // this chunk's copies and S are visible; V' is free
         if (chunk + 1 < nc) issue_b(chunk + 1);
         cp_async_commit_group();
-        if (PF && chunk + 2 < nc) prefetch(chunk + 2);
 
         // 1. (W or Q) S over Dk, for two n8 tiles.
         float big[2][4], small[2][4];
@@ -961,9 +875,7 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
                     split_pair(upre[x][2] - (big[x][2] + small[x][2]), upre[x][3] - (big[x][3] + small[x][3]));
             }
         }
-        // V' visible; W, Q free (MC: in every block of the cluster); S read.
-        if (MC) cluster_sync();
-        else __syncthreads();
+        __syncthreads();  // V' visible; W, Q free; S read
         if (chunk + 1 < nc) issue_a(chunk + 1);
         cp_async_commit_group();
 
@@ -1033,12 +945,7 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
             *reinterpret_cast<float2*>(&S[(long long)(ms + g + 8) * dv + col]) = make_float2(sacc[x][2], sacc[x][3]);
         }
     }
-    // MC: no block leaves while copies it issued may still be landing in the others.
-    if (MC) cluster_sync();
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<3, false, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, false, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_mc(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, true, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_pf(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, false, true>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_mc_pf(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, true, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<3>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1>(p); }

@@ -10,11 +10,10 @@
 //! FFMA, or `gdn_chunk_prep_tc` with its products on the tensor cores); then the sequential pass, one
 //! block per (value head, tile of state columns), carries the state tile through the chunks and writes
 //! the output ([`StateKernel`]: `gdn_chunk_state_t{16,32}` on FFMA with 16 or 32 columns, or
-//! `gdn_chunk_state_tc` on the tensor cores with 32; `_tc1` the same in 1xTF32; `_tc1_mc` that with a
-//! head's column tiles as one cluster sharing each chunk's loads). The tensor-core kernels
+//! `gdn_chunk_state_tc` on the tensor cores with 32; `_tc1` the same in 1xTF32). The tensor-core kernels
 //! (mma.sync m16n8k8) need Dk a multiple of 16 and Dv of 8, and are the default where the shape allows; the FFMA
 //! ones take any Dk, Dv ≤ [`MAX_D`]. The default is the 1xTF32 pair; `LILY_GDN_CHUNK=tf32x3` takes the
-//! 3xTF32 pair, `=mc` the clustered pass and `=ffma` the FFMA kernels, for A/B runs.
+//! 3xTF32 pair and `=ffma` the FFMA kernels, for A/B runs.
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -73,7 +72,7 @@ struct GdnChunkStateParams {
 unsafe impl DeviceRepr for GdnChunkStateParams {}
 
 pub(crate) const KERNELS: &[&str] =
-    &["gdn_chunk_prep", "gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_state_t16", "gdn_chunk_state_t32", "gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_mc", "gdn_chunk_state_tc1_pf", "gdn_chunk_state_tc1_mc_pf"];
+    &["gdn_chunk_prep", "gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_state_t16", "gdn_chunk_state_t32", "gdn_chunk_state_tc", "gdn_chunk_state_tc1"];
 
 /// `GDC_PREP_SMEM` in `kernels/gdn_chunked.cu`: Γ [64] f64, then K, Q/V [64, 136], A [64, 65], X [64, 72]
 /// and three vectors [64], f32.
@@ -83,17 +82,9 @@ const PREP_TC_SMEM: usize = 8 * 64 + 4 * (2 * 64 * 136 + 64 * 65 + 64 * 72 + 3 *
 /// [2, 2, 64] f32, then S [128, 36] and V' [64, 36] as (hi, lo) tf32 pairs.
 const TC_SMEM: usize = 4 * (2 * 64 * 132 + 2 * 64 * 136 + 2 * 64 * 68 + 4 * 64) + 8 * (128 + 64) * 36;
 
-/// `GDC_TC_MC_SMEM`: [`TC_SMEM`] and three mbarriers.
-const TC_MC_SMEM: usize = TC_SMEM + 3 * 8;
-
 pub(crate) fn configure(dev: &Device) -> Result<()> {
     for name in ["gdn_chunk_state_tc", "gdn_chunk_state_tc1"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, TC_SMEM as i32)?;
-    }
-    dev.function("gdn_chunk_state_tc1_pf")?
-        .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, TC_SMEM as i32)?;
-    for name in ["gdn_chunk_state_tc1_mc", "gdn_chunk_state_tc1_mc_pf"] {
-        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, TC_MC_SMEM as i32)?;
     }
     for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, PREP_TC_SMEM as i32)?;
@@ -138,14 +129,6 @@ pub enum StateKernel {
     Tensor,
     /// The same in 1xTF32.
     Tensor1,
-    /// [`StateKernel::Tensor1`] with a value head's column tiles as one thread-block cluster: each
-    /// chunk's W, Q, K, P and decays read from L2 once per head (bulk copies multicast into every
-    /// tile's shared memory) instead of once per tile.
-    Tensor1Mc,
-    /// [`StateKernel::Tensor1`] with L2 prefetches two chunks ahead.
-    Tensor1Pf,
-    /// [`StateKernel::Tensor1Mc`] with L2 prefetches two chunks ahead.
-    Tensor1McPf,
 }
 
 impl StateKernel {
@@ -153,19 +136,13 @@ impl StateKernel {
     pub fn supports(self, dims: &GdnDims) -> bool {
         match self {
             StateKernel::Ffma16 | StateKernel::Ffma32 => true,
-            StateKernel::Tensor
-            | StateKernel::Tensor1
-            | StateKernel::Tensor1Mc
-            | StateKernel::Tensor1Pf
-            | StateKernel::Tensor1McPf => tensor_shape(dims),
+            StateKernel::Tensor | StateKernel::Tensor1 => tensor_shape(dims),
         }
     }
 }
 
 /// `LILY_GDN_CHUNK` (read once, for A/B runs): `ffma` keeps the FFMA kernels, `tf32x3` takes the
-/// 3xTF32 tensor-core ones, `mc` the 1xTF32 pass in clusters ([`StateKernel::Tensor1Mc`]), `pf` with
-/// L2 prefetches ([`StateKernel::Tensor1Pf`]), `mcpf` both; otherwise
-/// (the default) the 1xTF32 ones where the shape allows (docs/PERF.md,
+/// 3xTF32 tensor-core ones; otherwise (the default) the 1xTF32 ones where the shape allows (docs/PERF.md,
 /// 2026-12-03 sixth session: 20% faster a layer, 2.8e-4 perplexity from MLX-LM float32 at full size
 /// where MLX-LM's own bf16 run is 1.6e-2).
 fn chunk_env() -> &'static str {
@@ -178,12 +155,6 @@ pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel
     if chunk_env() != "ffma" && tensor_shape(dims) {
         if chunk_env() == "tf32x3" {
             return (PrepKernel::Tensor, StateKernel::Tensor);
-        }
-        match chunk_env() {
-            "mc" => return (PrepKernel::Tensor1, StateKernel::Tensor1Mc),
-            "pf" => return (PrepKernel::Tensor1, StateKernel::Tensor1Pf),
-            "mcpf" => return (PrepKernel::Tensor1, StateKernel::Tensor1McPf),
-            _ => {}
         }
         return (PrepKernel::Tensor1, StateKernel::Tensor1);
     }
@@ -273,9 +244,6 @@ where
         StateKernel::Ffma32 => ("gdn_chunk_state_t32", 32, 512, 0),
         StateKernel::Tensor => ("gdn_chunk_state_tc", 32, 512, TC_SMEM as u32),
         StateKernel::Tensor1 => ("gdn_chunk_state_tc1", 32, 512, TC_SMEM as u32),
-        StateKernel::Tensor1Mc => ("gdn_chunk_state_tc1_mc", 32, 512, TC_MC_SMEM as u32),
-        StateKernel::Tensor1Pf => ("gdn_chunk_state_tc1_pf", 32, 512, TC_SMEM as u32),
-        StateKernel::Tensor1McPf => ("gdn_chunk_state_tc1_mc_pf", 32, 512, TC_MC_SMEM as u32),
     };
     if t_len == 0 {
         return Ok(());
@@ -317,29 +285,5 @@ where
         block_dim: (threads, 1, 1),
         shared_mem_bytes: smem,
     };
-    if matches!(kernel, StateKernel::Tensor1Mc | StateKernel::Tensor1McPf) {
-        let cluster = mc_cluster(dev, cfg, dv.div_ceil(tile) as u32, hv as u32)?;
-        return super::launch_cluster(dev, name, cfg, cluster, &run);
-    }
     launch(dev, name, cfg, &run)
-}
-
-/// The cluster size of [`StateKernel::Tensor1Mc`]: the largest of 4, 2 that divides a head's `tiles`
-/// column tiles and keeps every cluster of the grid resident at once (the pass's blocks run all chunks
-/// side by side: a second wave would double it; on the H100, clusters of 4 of these 223 KB blocks fit
-/// 30 at once, fewer than the 35B shape's 32 heads), else 1. `LILY_GDN_MC_CLUSTER` sets it (A/B runs;
-/// it must divide `tiles`).
-fn mc_cluster(dev: &Device, cfg: LaunchConfig, tiles: u32, heads: u32) -> Result<u32> {
-    static ENV: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-    if let Some(c) = *ENV.get_or_init(|| std::env::var("LILY_GDN_MC_CLUSTER").ok().and_then(|v| v.parse().ok())) {
-        return Ok(c);
-    }
-    for cluster in [4, 2] {
-        if tiles.is_multiple_of(cluster)
-            && super::max_active_clusters(dev, "gdn_chunk_state_tc1_mc", cfg, cluster)? * cluster >= tiles * heads
-        {
-            return Ok(cluster);
-        }
-    }
-    Ok(1)
 }

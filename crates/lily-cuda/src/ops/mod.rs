@@ -177,34 +177,3 @@ fn launch_ex<P: DeviceRepr>(dev: &Device, f: &cudarc::driver::CudaFunction, cfg:
     unsafe { sys::cuLaunchKernelEx(&lc, f.cu_function(), args.as_mut_ptr(), std::ptr::null_mut()) }.result()?;
     Ok(())
 }
-
-/// How many clusters of `cluster` blocks of kernel `name` (block and shared memory as in `cfg`) can be
-/// resident on the device at once (`cuOccupancyMaxActiveClusters`): a grid of more clusters runs in
-/// waves.
-pub(crate) fn max_active_clusters(dev: &Device, name: &'static str, cfg: LaunchConfig, cluster: u32) -> Result<u32> {
-    use cudarc::driver::sys;
-    let f = dev.function(name)?;
-    // SAFETY: a zeroed attribute is a valid value of this plain C union/struct; id and value are set below.
-    let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-    attr.value.clusterDim.x = cluster;
-    attr.value.clusterDim.y = 1;
-    attr.value.clusterDim.z = 1;
-    let lc = sys::CUlaunchConfig {
-        gridDimX: cfg.grid_dim.0,
-        gridDimY: cfg.grid_dim.1,
-        gridDimZ: cfg.grid_dim.2,
-        blockDimX: cfg.block_dim.0,
-        blockDimY: cfg.block_dim.1,
-        blockDimZ: cfg.block_dim.2,
-        sharedMemBytes: cfg.shared_mem_bytes,
-        hStream: dev.stream().cu_stream(),
-        attrs: &mut attr,
-        numAttrs: 1,
-    };
-    let mut n: std::ffi::c_int = 0;
-    dev.context().bind_to_thread()?;
-    // SAFETY: `n` and `lc` (with its one attribute) are valid for the call, which only reads `lc`.
-    unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &lc) }.result()?;
-    Ok(n.max(0) as u32)
-}
