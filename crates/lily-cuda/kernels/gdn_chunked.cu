@@ -718,10 +718,17 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const Gd
 // operands are split where they are loaded. Copies (cp.async, 16 bytes, zero-filled past the chunk):
 // W, Q and the decays (two buffers) of chunk c+1 once step 1 of chunk c is done with W and Q; P and K
 // (two buffers each) at the start of chunk c−1; U into the state warps' registers with W.
+//
+// gdn_chunk_state_tc1_ldsm: the same with the A fragments of steps 1 and 2 (W or Q, and P: row-major
+// [token][k]) loaded by one ldmatrix.x4 a k-step instead of four 32-bit shared loads (a 32-bit element
+// is a pair of b16, so matrix i's lane (g, t4) gets word t4 of row g: a0..a3 exactly; row strides of
+// 528 and 272 bytes keep the eight rows of each matrix on distinct banks). The values, and so the
+// output, are the same bits. Why: ncu (H100, T = 4096) puts a third of the pass's stall samples on
+// shared loads, MIO throttle first among the stall reasons (docs/PERF.md, thirteenth session).
 #define GDC_S2 36  // row stride of S and V' in (hi, lo) pairs
 #define GDC_TC_SMEM (4 * (2 * GDC_CH * GDC_WS + 2 * GDC_CH * GDC_KS + 2 * GDC_CH * GDC_PS + 4 * GDC_CH) + 8 * (GDC_MAXD + GDC_CH) * GDC_S2)
 
-template <int NT>
+template <int NT, bool LDSM>
 __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
     extern __shared__ __align__(16) float sm[];
     float* const sW = sm;                            // [64][WS]
@@ -845,10 +852,12 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
             for (int e = 0; e < 4; ++e) big[x][e] = small[x][e] = 0.0f;
         {
             const float* a = (out_warp ? sQ : sW) + r0 * GDC_WS + t4;
+            // LDSM: lane l addresses row 16mi + l%8 + 8·(l/8 % 2), words 4·(l/16).. of the k-step.
+            const uint32_t a_lds = smem_addr((out_warp ? sQ : sW) + (16 * mi + (lane & 7) + 8 * ((lane >> 3) & 1)) * GDC_WS + 4 * (lane >> 4));
             const uint2* b = sS + t4 * GDC_S2 + cb + g;
 #pragma unroll 4
             for (int k = 0; k < dk; k += 8) {
-                const Tf32A af = split_a(a[k], a[k + 8 * GDC_WS], a[k + 4], a[k + 8 * GDC_WS + 4]);
+                const Tf32A af = LDSM ? ldsm_a(a_lds + 4 * k) : split_a(a[k], a[k + 8 * GDC_WS], a[k + 4], a[k + 8 * GDC_WS + 4]);
 #pragma unroll
                 for (int x = 0; x < 2; ++x)
                     mma_xtf32<NT>(big[x], small[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
@@ -882,6 +891,7 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
         if (out_warp) {
             // 2. O += P V' over the tokens up to the tile's last row, then written out.
             const float* P = sP + (chunk & 1) * GDC_CH * GDC_PS + r0 * GDC_PS + t4;
+            const uint32_t p_lds = smem_addr(sP + (chunk & 1) * GDC_CH * GDC_PS + (16 * mi + (lane & 7) + 8 * ((lane >> 3) & 1)) * GDC_PS + 4 * (lane >> 4));
             const uint2* b = sV + t4 * GDC_S2 + cb + g;
             float os[2][4];
 #pragma unroll
@@ -889,7 +899,7 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) os[x][e] = 0.0f;
             for (int k = 0; k < 16 * (mi + 1); k += 8) {
-                const Tf32A af = split_a(P[k], P[k + 8 * GDC_PS], P[k + 4], P[k + 8 * GDC_PS + 4]);
+                const Tf32A af = LDSM ? ldsm_a(p_lds + 4 * k) : split_a(P[k], P[k + 8 * GDC_PS], P[k + 4], P[k + 8 * GDC_PS + 4]);
 #pragma unroll
                 for (int x = 0; x < 2; ++x) mma_xtf32<NT>(o[x], os[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
             }
@@ -947,5 +957,6 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<3>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<3, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_ldsm(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, true>(p); }

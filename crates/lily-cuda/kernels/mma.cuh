@@ -101,6 +101,15 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_
                  : "r"(addr));
 }
 
+// The split A fragment of one m16n8k8 tf32 product from a row-major f32 tile in shared memory by one
+// ldmatrix.x4: `addr` is this lane's row address (lane l: row l%8 + 8·(l/8 % 2), columns 4·(l/16)..
+// of the k-step; 16-byte aligned). The same registers as split_a of the four 32-bit loads.
+__device__ __forceinline__ Tf32A ldsm_a(uint32_t addr) {
+    uint32_t r0, r1, r2, r3;
+    ldmatrix_x4(addr, r0, r1, r2, r3);
+    return split_a(__uint_as_float(r0), __uint_as_float(r1), __uint_as_float(r2), __uint_as_float(r3));
+}
+
 __device__ __forceinline__ void sts128(uint32_t addr, uint4 v) {
     asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
 }

@@ -23,8 +23,8 @@ use lily_cuda::ops::gdn::{self, GdnDims};
 use lily_cuda::ops::gdn_chunked::{self as chunked, scratch_len, PrepKernel, StateKernel};
 
 /// Every (prep, sequential pass) pair of kernels; the 1xTF32 ones (Tensor1) alone and with the
-/// f32-exact ones.
-const KERNELS: [(PrepKernel, StateKernel); 9] = [
+/// f32-exact ones; the ldmatrix pass (held to the 1xTF32 one bit for bit after the 1xTF32 prep).
+const KERNELS: [(PrepKernel, StateKernel); 10] = [
     (PrepKernel::Ffma, StateKernel::Ffma16),
     (PrepKernel::Ffma, StateKernel::Ffma32),
     (PrepKernel::Ffma, StateKernel::Tensor),
@@ -34,12 +34,13 @@ const KERNELS: [(PrepKernel, StateKernel); 9] = [
     (PrepKernel::Tensor1, StateKernel::Tensor1),
     (PrepKernel::Tensor1, StateKernel::Ffma32),
     (PrepKernel::Ffma, StateKernel::Tensor1),
+    (PrepKernel::Tensor1, StateKernel::Tensor1Ldsm),
 ];
 
 /// Whether a pair rounds its operands to tf32 (10 mantissa bits): held to TOL1 against the definition
 /// (an indexing or decay bug costs O(1)), the others, good to f32 rounding, to TOL.
 fn rounds_to_tf32((prep, state): (PrepKernel, StateKernel)) -> bool {
-    prep == PrepKernel::Tensor1 || state == StateKernel::Tensor1
+    prep == PrepKernel::Tensor1 || matches!(state, StateKernel::Tensor1 | StateKernel::Tensor1Ldsm)
 }
 
 /// The tolerance of the default kernels on this shape (1xTF32 where the tensor cores take it).
@@ -172,6 +173,7 @@ fn check_case(dev: &Device, d: &GdnDims, t: usize, seed: u64) -> f64 {
     let mut e_kern = 0.0f64;
     let mut e_tf32 = 0.0f64;
     let mut ffma = Vec::new();
+    let mut tc1 = Vec::new();
     for kernel in KERNELS {
         if !supports(d, kernel) {
             continue;
@@ -185,7 +187,13 @@ fn check_case(dev: &Device, d: &GdnDims, t: usize, seed: u64) -> f64 {
         *worst = worst.max(eo).max(es);
         if kernel.0 == PrepKernel::Ffma && matches!(kernel.1, StateKernel::Ffma16 | StateKernel::Ffma32) {
             ffma.push((ok, sk));
+        } else if kernel.0 == PrepKernel::Tensor1 && matches!(kernel.1, StateKernel::Tensor1 | StateKernel::Tensor1Ldsm) {
+            tc1.push((ok, sk));
         }
+    }
+    // The ldmatrix pass loads the same values into the same registers: the same bits.
+    if let [(o1, s1), (o2, s2)] = &tc1[..] {
+        assert!(o1 == o2 && s1 == s2, "{what}: the ldmatrix 1xTF32 pass differs from the per-load one");
     }
     let e_tiles = check(&ffma[0].0, &ffma[1].0, 1e-6, &format!("{what}: out, FFMA tile 16 vs 32"))
         .max(check(&ffma[0].1, &ffma[1].1, 1e-6, &format!("{what}: state, FFMA tile 16 vs 32")));
