@@ -725,11 +725,22 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const Gd
 // 528 and 272 bytes keep the eight rows of each matrix on distinct banks). The values, and so the
 // output, are the same bits. Why: ncu (H100, T = 4096) puts a third of the pass's stall samples on
 // shared loads, MIO throttle first among the stall reasons (docs/PERF.md, thirteenth session).
+//
+// gdn_chunk_state_tc1_ldsmb: that, and S and V' kept as single tf32 words (1xTF32 reads only the
+// high part of the pairs) and transposed, S^T [32 columns][128, stride 132] and V'^T [32][64, stride
+// 68], so that their B fragments are ldmatrix rows as well: b0, b1 of n-tile x at k-step k are words
+// k + t4 and k + 4 + t4 of row 8x + g, one ldmatrix.x4 for two n-tiles (four 32-bit loads before).
+// Step 1's shared instructions a k-step 8 → 2, step 2's likewise, step 3's B 8 → 2 (its A, K read
+// transposed, stays four loads); the writes of V' and S become 32-bit stores (transposed). 29 KB less
+// shared memory. The same values in the same registers: the same bits.
 #define GDC_S2 36  // row stride of S and V' in (hi, lo) pairs
+#define GDC_ST 132 // S^T row stride (words; ≡ 4 mod 32: ldmatrix rows on distinct banks)
+#define GDC_VT 68  // V'^T row stride
 #define GDC_TC_SMEM (4 * (2 * GDC_CH * GDC_WS + 2 * GDC_CH * GDC_KS + 2 * GDC_CH * GDC_PS + 4 * GDC_CH) + 8 * (GDC_MAXD + GDC_CH) * GDC_S2)
 
-template <int NT, bool LDSM>
+template <int NT, bool LDSM, bool TB>
 __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
+    static_assert(!TB || (NT == 1 && LDSM), "the transposed single-word S and V' are the 1xTF32 ldmatrix form's");
     extern __shared__ __align__(16) float sm[];
     float* const sW = sm;                            // [64][WS]
     float* const sQ = sW + GDC_CH * GDC_WS;          // [64][WS]
@@ -738,6 +749,8 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
     float* const sE = sP + 2 * GDC_CH * GDC_PS;      // [2][e^Γ 64 | e^{Γ_last−Γ} 64]
     uint2* const sS = reinterpret_cast<uint2*>(sE + 4 * GDC_CH);  // S [128][S2] (hi, lo)
     uint2* const sV = sS + GDC_MAXD * GDC_S2;                     // V' [64][S2] (hi, lo)
+    uint32_t* const sST = reinterpret_cast<uint32_t*>(sE + 4 * GDC_CH);  // TB: S^T [32][ST] tf32 words
+    uint32_t* const sVT = sST + GDC_TW * GDC_ST;                          // TB: V'^T [32][VT]
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
@@ -815,8 +828,16 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
         const bool in = d < dk && c0 + c < dv;
         const float a = in ? S[(long long)d * dv + c0 + c] : 0.0f;
         const float b = in ? S[(long long)d * dv + c0 + c + 1] : 0.0f;
-        *reinterpret_cast<uint4*>(&sS[d * GDC_S2 + c]) = split_pair(a, b);
+        if (TB) {
+            sST[c * GDC_ST + d] = tf32_bits(a);
+            sST[(c + 1) * GDC_ST + d] = tf32_bits(b);
+        } else {
+            *reinterpret_cast<uint4*>(&sS[d * GDC_S2 + c]) = split_pair(a, b);
+        }
     }
+    // TB: lane l's ldmatrix row of B fragments: row (8·(l/16) + l%8) of a pair of n-tiles, words
+    // 4·(l/8 % 2).. of the k-step (matrices: b0 and b1 of the first n-tile, then of the second).
+    const int b_row = (lane & 7) + 8 * (lane >> 4), b_word = 4 * ((lane >> 3) & 1);
     const int ms = 16 * w8;        // state warps: state rows ms + g, ms + g + 8
     const bool ms_in = ms < dk;
     float sacc[4][4];              // ... columns 8x + 2t4 (+1), x < 4
@@ -855,12 +876,20 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
             // LDSM: lane l addresses row 16mi + l%8 + 8·(l/8 % 2), words 4·(l/16).. of the k-step.
             const uint32_t a_lds = smem_addr((out_warp ? sQ : sW) + (16 * mi + (lane & 7) + 8 * ((lane >> 3) & 1)) * GDC_WS + 4 * (lane >> 4));
             const uint2* b = sS + t4 * GDC_S2 + cb + g;
+            const uint32_t b_lds = smem_addr(sST + (cb + b_row) * GDC_ST + b_word);
 #pragma unroll 4
             for (int k = 0; k < dk; k += 8) {
                 const Tf32A af = LDSM ? ldsm_a(a_lds + 4 * k) : split_a(a[k], a[k + 8 * GDC_WS], a[k + 4], a[k + 8 * GDC_WS + 4]);
+                if (TB) {
+                    uint32_t b00, b01, b10, b11;
+                    ldmatrix_x4(b_lds + 4 * k, b00, b01, b10, b11);
+                    mma_xtf32<NT>(big[0], small[0], af, make_uint2(b00, 0u), make_uint2(b01, 0u));
+                    mma_xtf32<NT>(big[1], small[1], af, make_uint2(b10, 0u), make_uint2(b11, 0u));
+                } else {
 #pragma unroll
-                for (int x = 0; x < 2; ++x)
-                    mma_xtf32<NT>(big[x], small[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
+                    for (int x = 0; x < 2; ++x)
+                        mma_xtf32<NT>(big[x], small[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
+                }
             }
         }
         float o[2][4];
@@ -878,10 +907,17 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
                 const int col = cb + 8 * x + 2 * t4;
-                *reinterpret_cast<uint4*>(&sV[r0 * GDC_S2 + col]) =
-                    split_pair(upre[x][0] - (big[x][0] + small[x][0]), upre[x][1] - (big[x][1] + small[x][1]));
-                *reinterpret_cast<uint4*>(&sV[r1 * GDC_S2 + col]) =
-                    split_pair(upre[x][2] - (big[x][2] + small[x][2]), upre[x][3] - (big[x][3] + small[x][3]));
+                if (TB) {
+                    sVT[col * GDC_VT + r0] = tf32_bits(upre[x][0] - (big[x][0] + small[x][0]));
+                    sVT[(col + 1) * GDC_VT + r0] = tf32_bits(upre[x][1] - (big[x][1] + small[x][1]));
+                    sVT[col * GDC_VT + r1] = tf32_bits(upre[x][2] - (big[x][2] + small[x][2]));
+                    sVT[(col + 1) * GDC_VT + r1] = tf32_bits(upre[x][3] - (big[x][3] + small[x][3]));
+                } else {
+                    *reinterpret_cast<uint4*>(&sV[r0 * GDC_S2 + col]) =
+                        split_pair(upre[x][0] - (big[x][0] + small[x][0]), upre[x][1] - (big[x][1] + small[x][1]));
+                    *reinterpret_cast<uint4*>(&sV[r1 * GDC_S2 + col]) =
+                        split_pair(upre[x][2] - (big[x][2] + small[x][2]), upre[x][3] - (big[x][3] + small[x][3]));
+                }
             }
         }
         __syncthreads();  // V' visible; W, Q free; S read
@@ -893,6 +929,7 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
             const float* P = sP + (chunk & 1) * GDC_CH * GDC_PS + r0 * GDC_PS + t4;
             const uint32_t p_lds = smem_addr(sP + (chunk & 1) * GDC_CH * GDC_PS + (16 * mi + (lane & 7) + 8 * ((lane >> 3) & 1)) * GDC_PS + 4 * (lane >> 4));
             const uint2* b = sV + t4 * GDC_S2 + cb + g;
+            const uint32_t v_lds = smem_addr(sVT + (cb + b_row) * GDC_VT + b_word);
             float os[2][4];
 #pragma unroll
             for (int x = 0; x < 2; ++x)
@@ -901,7 +938,15 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
             for (int k = 0; k < 16 * (mi + 1); k += 8) {
                 const Tf32A af = LDSM ? ldsm_a(p_lds + 4 * k) : split_a(P[k], P[k + 8 * GDC_PS], P[k + 4], P[k + 8 * GDC_PS + 4]);
 #pragma unroll
-                for (int x = 0; x < 2; ++x) mma_xtf32<NT>(o[x], os[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
+                if (TB) {
+                    uint32_t b00, b01, b10, b11;
+                    ldmatrix_x4(v_lds + 4 * k, b00, b01, b10, b11);
+                    mma_xtf32<NT>(o[0], os[0], af, make_uint2(b00, 0u), make_uint2(b01, 0u));
+                    mma_xtf32<NT>(o[1], os[1], af, make_uint2(b10, 0u), make_uint2(b11, 0u));
+                } else {
+#pragma unroll
+                    for (int x = 0; x < 2; ++x) mma_xtf32<NT>(o[x], os[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
+                }
             }
 #pragma unroll
             for (int x = 0; x < 2; ++x) {
@@ -920,6 +965,7 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
             const float* K = sK + (chunk & 1) * GDC_CH * GDC_KS + t4 * GDC_KS + ms + g;
             const float* ek = E + GDC_CH + t4;
             const uint2* b = sV + t4 * GDC_S2 + g;
+            const uint32_t v_lds = smem_addr(sVT + b_row * GDC_VT + b_word);  // n-tiles 2h, 2h + 1: + 16h rows
             // ΔS in fresh accumulators, then S = e^{Γ_last} S + ΔS in f32 FMAs: the tensor cores' adds do
             // not round to nearest, and S would pass through them (and their bias) at every chunk.
             float ds[4][4];
@@ -932,15 +978,33 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
                 const float* ka = K + k * GDC_KS;
                 const Tf32A af = split_a(ka[0] * e0, ka[8] * e0, ka[4 * GDC_KS] * e1, ka[4 * GDC_KS + 8] * e1);
 #pragma unroll
-                for (int x = 0; x < 4; ++x) mma_xtf32<NT>(ds[x], ds[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
+                if (TB) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        uint32_t b00, b01, b10, b11;
+                        ldmatrix_x4(v_lds + 4 * (16 * h * GDC_VT + k), b00, b01, b10, b11);
+                        mma_xtf32<NT>(ds[2 * h], ds[2 * h], af, make_uint2(b00, 0u), make_uint2(b01, 0u));
+                        mma_xtf32<NT>(ds[2 * h + 1], ds[2 * h + 1], af, make_uint2(b10, 0u), make_uint2(b11, 0u));
+                    }
+                } else {
+#pragma unroll
+                    for (int x = 0; x < 4; ++x) mma_xtf32<NT>(ds[x], ds[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
+                }
             }
 #pragma unroll
             for (int x = 0; x < 4; ++x) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) sacc[x][e] = fmaf(sacc[x][e], elast, ds[x][e]);
                 const int col = 8 * x + 2 * t4;
-                *reinterpret_cast<uint4*>(&sS[(ms + g) * GDC_S2 + col]) = split_pair(sacc[x][0], sacc[x][1]);
-                *reinterpret_cast<uint4*>(&sS[(ms + g + 8) * GDC_S2 + col]) = split_pair(sacc[x][2], sacc[x][3]);
+                if (TB) {
+                    sST[col * GDC_ST + ms + g] = tf32_bits(sacc[x][0]);
+                    sST[(col + 1) * GDC_ST + ms + g] = tf32_bits(sacc[x][1]);
+                    sST[col * GDC_ST + ms + g + 8] = tf32_bits(sacc[x][2]);
+                    sST[(col + 1) * GDC_ST + ms + g + 8] = tf32_bits(sacc[x][3]);
+                } else {
+                    *reinterpret_cast<uint4*>(&sS[(ms + g) * GDC_S2 + col]) = split_pair(sacc[x][0], sacc[x][1]);
+                    *reinterpret_cast<uint4*>(&sS[(ms + g + 8) * GDC_S2 + col]) = split_pair(sacc[x][2], sacc[x][3]);
+                }
             }
         }
     }
@@ -957,6 +1021,7 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<3, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_ldsm(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<3, false, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, false, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_ldsm(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, true, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_ldsmb(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, true, true>(p); }

@@ -11,10 +11,10 @@
 //! block per (value head, tile of state columns), carries the state tile through the chunks and writes
 //! the output ([`StateKernel`]: `gdn_chunk_state_t{16,32}` on FFMA with 16 or 32 columns, or
 //! `gdn_chunk_state_tc` on the tensor cores with 32; `_tc1` the same in 1xTF32, `_tc1_ldsm` that with
-//! ldmatrix loads). The tensor-core kernels
+//! ldmatrix loads of its A fragments, `_tc1_ldsmb` of its B fragments too). The tensor-core kernels
 //! (mma.sync m16n8k8) need Dk a multiple of 16 and Dv of 8, and are the default where the shape allows; the FFMA
 //! ones take any Dk, Dv ≤ [`MAX_D`]. The default is the 1xTF32 pair; `LILY_GDN_CHUNK=tf32x3` takes the
-//! 3xTF32 pair, `=ldsm` the ldmatrix pass and `=ffma` the FFMA kernels, for A/B runs.
+//! 3xTF32 pair, `=ldsm` and `=ldsmb` the ldmatrix passes and `=ffma` the FFMA kernels, for A/B runs.
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -73,7 +73,7 @@ struct GdnChunkStateParams {
 unsafe impl DeviceRepr for GdnChunkStateParams {}
 
 pub(crate) const KERNELS: &[&str] =
-    &["gdn_chunk_prep", "gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_state_t16", "gdn_chunk_state_t32", "gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsm"];
+    &["gdn_chunk_prep", "gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_state_t16", "gdn_chunk_state_t32", "gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsm", "gdn_chunk_state_tc1_ldsmb"];
 
 /// `GDC_PREP_SMEM` in `kernels/gdn_chunked.cu`: Γ [64] f64, then K, Q/V [64, 136], A [64, 65], X [64, 72]
 /// and three vectors [64], f32.
@@ -84,7 +84,7 @@ const PREP_TC_SMEM: usize = 8 * 64 + 4 * (2 * 64 * 136 + 64 * 65 + 64 * 72 + 3 *
 const TC_SMEM: usize = 4 * (2 * 64 * 132 + 2 * 64 * 136 + 2 * 64 * 68 + 4 * 64) + 8 * (128 + 64) * 36;
 
 pub(crate) fn configure(dev: &Device) -> Result<()> {
-    for name in ["gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsm"] {
+    for name in ["gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsm", "gdn_chunk_state_tc1_ldsmb"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, TC_SMEM as i32)?;
     }
     for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1"] {
@@ -132,6 +132,9 @@ pub enum StateKernel {
     Tensor1,
     /// [`StateKernel::Tensor1`] with the A fragments of W, Q and P loaded by ldmatrix (the same bits).
     Tensor1Ldsm,
+    /// [`StateKernel::Tensor1Ldsm`] with S and V' as single tf32 words, transposed, their B fragments
+    /// by ldmatrix too (the same bits).
+    Tensor1Ldsmb,
 }
 
 impl StateKernel {
@@ -139,14 +142,16 @@ impl StateKernel {
     pub fn supports(self, dims: &GdnDims) -> bool {
         match self {
             StateKernel::Ffma16 | StateKernel::Ffma32 => true,
-            StateKernel::Tensor | StateKernel::Tensor1 | StateKernel::Tensor1Ldsm => tensor_shape(dims),
+            StateKernel::Tensor | StateKernel::Tensor1 | StateKernel::Tensor1Ldsm | StateKernel::Tensor1Ldsmb => {
+                tensor_shape(dims)
+            }
         }
     }
 }
 
 /// `LILY_GDN_CHUNK` (read once, for A/B runs): `ffma` keeps the FFMA kernels, `tf32x3` takes the
-/// 3xTF32 tensor-core ones, `ldsm` the 1xTF32 pass with ldmatrix loads ([`StateKernel::Tensor1Ldsm`]);
-/// otherwise (the default) the 1xTF32 ones where the shape allows (docs/PERF.md,
+/// 3xTF32 tensor-core ones, `ldsm` the 1xTF32 pass with ldmatrix loads ([`StateKernel::Tensor1Ldsm`]),
+/// `ldsmb` with its B fragments by ldmatrix too ([`StateKernel::Tensor1Ldsmb`]); otherwise (the default) the 1xTF32 ones where the shape allows (docs/PERF.md,
 /// 2026-12-03 sixth session: 20% faster a layer, 2.8e-4 perplexity from MLX-LM float32 at full size
 /// where MLX-LM's own bf16 run is 1.6e-2).
 fn chunk_env() -> &'static str {
@@ -162,6 +167,9 @@ pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel
         }
         if chunk_env() == "ldsm" {
             return (PrepKernel::Tensor1, StateKernel::Tensor1Ldsm);
+        }
+        if chunk_env() == "ldsmb" {
+            return (PrepKernel::Tensor1, StateKernel::Tensor1Ldsmb);
         }
         return (PrepKernel::Tensor1, StateKernel::Tensor1);
     }
@@ -252,6 +260,7 @@ where
         StateKernel::Tensor => ("gdn_chunk_state_tc", 32, 512, TC_SMEM as u32),
         StateKernel::Tensor1 => ("gdn_chunk_state_tc1", 32, 512, TC_SMEM as u32),
         StateKernel::Tensor1Ldsm => ("gdn_chunk_state_tc1_ldsm", 32, 512, TC_SMEM as u32),
+        StateKernel::Tensor1Ldsmb => ("gdn_chunk_state_tc1_ldsmb", 32, 512, TC_SMEM as u32),
     };
     if t_len == 0 {
         return Ok(());
