@@ -738,6 +738,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const Gd
 #define GDC_VT 68  // V'^T row stride
 #define GDC_TC_SMEM (4 * (2 * GDC_CH * GDC_WS + 2 * GDC_CH * GDC_KS + 2 * GDC_CH * GDC_PS + 4 * GDC_CH) + 8 * (GDC_MAXD + GDC_CH) * GDC_S2)
 
+// TB: c0 += a·b0 and c1 += a·b1 in 1xTF32 for two n-tiles whose B fragments (tf32 words, transposed:
+// rows = columns of B) one ldmatrix.x4 loads from `addr` (this lane's row address, see b_row below).
+__device__ __forceinline__ void mma_two_ntiles_ldsm(float (&c0)[4], float (&c1)[4], const Tf32A& a, uint32_t addr) {
+    uint32_t b00, b01, b10, b11;
+    ldmatrix_x4(addr, b00, b01, b10, b11);
+    mma_tf32(c0, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b00, b01);
+    mma_tf32(c1, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b10, b11);
+}
+
 template <int NT, bool LDSM, bool TB>
 __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
     static_assert(!TB || (NT == 1 && LDSM), "the transposed single-word S and V' are the 1xTF32 ldmatrix form's");
@@ -881,10 +890,7 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
             for (int k = 0; k < dk; k += 8) {
                 const Tf32A af = LDSM ? ldsm_a(a_lds + 4 * k) : split_a(a[k], a[k + 8 * GDC_WS], a[k + 4], a[k + 8 * GDC_WS + 4]);
                 if (TB) {
-                    uint32_t b00, b01, b10, b11;
-                    ldmatrix_x4(b_lds + 4 * k, b00, b01, b10, b11);
-                    mma_xtf32<NT>(big[0], small[0], af, make_uint2(b00, 0u), make_uint2(b01, 0u));
-                    mma_xtf32<NT>(big[1], small[1], af, make_uint2(b10, 0u), make_uint2(b11, 0u));
+                    mma_two_ntiles_ldsm(big[0], big[1], af, b_lds + 4 * k);
                 } else {
 #pragma unroll
                     for (int x = 0; x < 2; ++x)
@@ -937,12 +943,8 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
                 for (int e = 0; e < 4; ++e) os[x][e] = 0.0f;
             for (int k = 0; k < 16 * (mi + 1); k += 8) {
                 const Tf32A af = LDSM ? ldsm_a(p_lds + 4 * k) : split_a(P[k], P[k + 8 * GDC_PS], P[k + 4], P[k + 8 * GDC_PS + 4]);
-#pragma unroll
                 if (TB) {
-                    uint32_t b00, b01, b10, b11;
-                    ldmatrix_x4(v_lds + 4 * k, b00, b01, b10, b11);
-                    mma_xtf32<NT>(o[0], os[0], af, make_uint2(b00, 0u), make_uint2(b01, 0u));
-                    mma_xtf32<NT>(o[1], os[1], af, make_uint2(b10, 0u), make_uint2(b11, 0u));
+                    mma_two_ntiles_ldsm(o[0], o[1], af, v_lds + 4 * k);
                 } else {
 #pragma unroll
                     for (int x = 0; x < 2; ++x) mma_xtf32<NT>(o[x], os[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
@@ -977,15 +979,9 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
                 const float e0 = ek[k], e1 = ek[k + 4];
                 const float* ka = K + k * GDC_KS;
                 const Tf32A af = split_a(ka[0] * e0, ka[8] * e0, ka[4 * GDC_KS] * e1, ka[4 * GDC_KS + 8] * e1);
-#pragma unroll
                 if (TB) {
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        uint32_t b00, b01, b10, b11;
-                        ldmatrix_x4(v_lds + 4 * (16 * h * GDC_VT + k), b00, b01, b10, b11);
-                        mma_xtf32<NT>(ds[2 * h], ds[2 * h], af, make_uint2(b00, 0u), make_uint2(b01, 0u));
-                        mma_xtf32<NT>(ds[2 * h + 1], ds[2 * h + 1], af, make_uint2(b10, 0u), make_uint2(b11, 0u));
-                    }
+                    for (int h = 0; h < 2; ++h) mma_two_ntiles_ldsm(ds[2 * h], ds[2 * h + 1], af, v_lds + 4 * (16 * h * GDC_VT + k));
                 } else {
 #pragma unroll
                     for (int x = 0; x < 4; ++x) mma_xtf32<NT>(ds[x], ds[x], af, b[k * GDC_S2 + 8 * x], b[(k + 4) * GDC_S2 + 8 * x]);
