@@ -12,6 +12,10 @@
 # parity: `lily score --backend cuda` on 193 random ids against MLX-LM (when installed); cpuref: the
 # same against `lily score --backend cpu`. bench: `lily bench` over LENGTHS (default the ten lengths
 # 256…128K), REPEATS (default 3), 64 decode tokens.
+# ab: `lily bench` under each of the environments in AB_ENVS (space-separated; each VAR=VALUE, several
+# joined by commas, `-` for none: e.g. AB_ENVS="- LILY_GDN_CHUNK=ldsm LILY_GDN_CHUNK=ldsmb"), ROUNDS
+# (default 2) rounds in turn, over AB_LENGTHS (default 4K,32K), 8 decode tokens, one repeat; then a
+# table of prefill / decode tok/s, one row per environment, a column per round and length.
 # side: the side-by-side with MLX-LM on MODEL's bytes: ROUNDS (default 2) rounds, each MLX-LM's
 # mlx_baseline.py (path in MLX_BASELINE) then `lily bench`, over SIDE_LENGTHS (default 256,1024,4096),
 # 64 decode tokens, prefill in 2048-token steps for both; tools/side_table.py prints the table.
@@ -54,7 +58,7 @@ if [[ $suite == *,opbench,* ]]; then
   done
 fi
 
-if [[ $suite == *,parity,* || $suite == *,bench,* ]] && [ ! -f "$model/config.json" ]; then
+if [[ $suite == *,parity,* || $suite == *,bench,* || $suite == *,ab,* ]] && [ ! -f "$model/config.json" ]; then
   t0=$(date +%s)
   "$dir/lily" synth --config qwen3.6-35b-a3b --out "$model" 2>&1 | tail -2
   echo "synth: $(( $(date +%s) - t0 )) s"
@@ -102,6 +106,26 @@ if [[ $suite == *,bench,* ]]; then
     --decode-tokens 64 --repeats "${REPEATS:-3}" --json "$out/bench.json" 2>&1 | tee "$out/bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
   grep -E "^\|" "$out/bench.log" >"$out/bench.md"
+fi
+
+if [[ $suite == *,ab,* ]]; then
+  envs=(${AB_ENVS:--})
+  for r in $(seq 1 "${ROUNDS:-2}"); do
+    for i in "${!envs[@]}"; do
+      e=${envs[$i]}
+      assigns=(); [ "$e" = - ] || IFS=, read -ra assigns <<<"$e"
+      env "${assigns[@]}" "$dir/lily" bench --backend cuda --model "$model" --lengths "${AB_LENGTHS:-4K,32K}" \
+        --decode-tokens 8 --repeats 1 >"$out/ab_${i}_$r.log" 2>&1 || status=1
+    done
+  done
+  echo "| environment | $(for r in $(seq 1 "${ROUNDS:-2}"); do echo -n "round $r (length: prefill / decode tok/s) | "; done)"
+  for i in "${!envs[@]}"; do
+    row="| ${envs[$i]} |"
+    for r in $(seq 1 "${ROUNDS:-2}"); do
+      row+=" $(grep -E '^\| [0-9]' "$out/ab_${i}_$r.log" | awk -F'|' '{gsub(/ /, ""); printf "%s: %s / %s; ", $2, $3, $4}') |"
+    done
+    echo "$row"
+  done | tee "$out/ab.md"
 fi
 
 if [[ $suite == *,side,* ]]; then
