@@ -423,7 +423,6 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_gated_norm(const GdnGated
     for (int i = lane; i < p.dv; i += 32) y[i] = p.w[i] * (x[i] * inv) * silu_f(z[i]);
 }
 
-
 template <int NR>
 __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     extern __shared__ float step_smem[];  // q [Dk] | k [Dk] | v [Dv/S] after the conv

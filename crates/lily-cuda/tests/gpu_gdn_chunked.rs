@@ -189,7 +189,9 @@ fn check_case(dev: &Device, d: &GdnDims, t: usize, seed: u64) -> f64 {
         *worst = worst.max(eo).max(es);
         if kernel.0 == PrepKernel::Ffma && matches!(kernel.1, StateKernel::Ffma16 | StateKernel::Ffma32) {
             ffma.push((ok, sk));
-        } else if kernel.0 == PrepKernel::Tensor1 && kernel.1 != StateKernel::Ffma32 {
+        } else if kernel.0 == PrepKernel::Tensor1
+            && matches!(kernel.1, StateKernel::Tensor1 | StateKernel::Tensor1Ldsm | StateKernel::Tensor1Ldsmb)
+        {
             tc1.push((kernel.1, ok, sk));
         }
     }

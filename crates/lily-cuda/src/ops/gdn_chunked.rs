@@ -151,7 +151,8 @@ impl StateKernel {
 
 /// `LILY_GDN_CHUNK` (read once, for A/B runs): `ffma` keeps the FFMA kernels, `tf32x3` takes the
 /// 3xTF32 tensor-core ones, `ldsm` the 1xTF32 pass with ldmatrix loads ([`StateKernel::Tensor1Ldsm`]),
-/// `ldsmb` with its B fragments by ldmatrix too ([`StateKernel::Tensor1Ldsmb`]); otherwise (the default) the 1xTF32 ones where the shape allows (docs/PERF.md,
+/// `ldsmb` with its B fragments by ldmatrix too ([`StateKernel::Tensor1Ldsmb`]); otherwise (the
+/// default) the 1xTF32 ones where the shape allows (docs/PERF.md,
 /// 2026-12-03 sixth session: 20% faster a layer, 2.8e-4 perplexity from MLX-LM float32 at full size
 /// where MLX-LM's own bf16 run is 1.6e-2).
 fn chunk_env() -> &'static str {
@@ -162,16 +163,12 @@ fn chunk_env() -> &'static str {
 /// The kernels [`delta_rule_chunked`] runs for this shape on this device.
 pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel) {
     if chunk_env() != "ffma" && tensor_shape(dims) {
-        if chunk_env() == "tf32x3" {
-            return (PrepKernel::Tensor, StateKernel::Tensor);
-        }
-        if chunk_env() == "ldsm" {
-            return (PrepKernel::Tensor1, StateKernel::Tensor1Ldsm);
-        }
-        if chunk_env() == "ldsmb" {
-            return (PrepKernel::Tensor1, StateKernel::Tensor1Ldsmb);
-        }
-        return (PrepKernel::Tensor1, StateKernel::Tensor1);
+        return match chunk_env() {
+            "tf32x3" => (PrepKernel::Tensor, StateKernel::Tensor),
+            "ldsm" => (PrepKernel::Tensor1, StateKernel::Tensor1Ldsm),
+            "ldsmb" => (PrepKernel::Tensor1, StateKernel::Tensor1Ldsmb),
+            _ => (PrepKernel::Tensor1, StateKernel::Tensor1),
+        };
     }
     // 32-column tiles read each chunk's W, Q, K and P from L2 half as often as 16-column ones; 16 only
     // when 32 would leave more than half of the SMs idle (small models).
