@@ -13,7 +13,7 @@
 # same against `lily score --backend cpu`. bench: `lily bench` over LENGTHS (default the ten lengths
 # 256…128K), REPEATS (default 3), 64 decode tokens.
 # ab: `lily bench` under each of the environments in AB_ENVS (space-separated; each VAR=VALUE, several
-# joined by commas, `-` for none: e.g. AB_ENVS="- LILY_GDN_CHUNK=ldsm LILY_GDN_CHUNK=ldsmb"), ROUNDS
+# joined by commas, `-` for none: e.g. AB_ENVS="- LILY_GDN_CHUNK=tc1 LILY_GDN_CHUNK=ffma"), ROUNDS
 # (default 2) rounds in turn, over AB_LENGTHS (default 4K,32K), 8 decode tokens, one repeat; then a
 # table of prefill / decode tok/s, one row per environment, a column per round and length.
 # side: the side-by-side with MLX-LM on MODEL's bytes: ROUNDS (default 2) rounds, each MLX-LM's

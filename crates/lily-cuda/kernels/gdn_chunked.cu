@@ -490,7 +490,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_t32(const G
 #define GDC_XS 72   // X row stride
 #define GDC_PREP_SMEM (8 * GDC_CH + 4 * (2 * GDC_CH * GDC_RS + GDC_CH * GDC_AS + GDC_CH * GDC_XS + 3 * GDC_CH))
 
-template <int NT>
+template <int NT, bool BLK>
 __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     extern __shared__ __align__(16) float sm[];
     double* const gam = reinterpret_cast<double*>(sm);           // Γ_i (f64)
@@ -636,9 +636,9 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
         cp_async_commit_group();
     }
 
-    // 3. X = (I + A)⁻¹, row by row, the sums as gdn_chunk_prep's. Column col of X depends only on
-    //    itself, and its four threads are lanes of one warp: a warp barrier orders its rows.
-    {
+    if (!BLK) {
+        // 3. X = (I + A)⁻¹, row by row, the sums as gdn_chunk_prep's. Column col of X depends only on
+        //    itself, and its four threads are lanes of one warp: a warp barrier orders its rows.
         const int col = tid >> 2, part = tid & 3;
         if (part == 0) sX[col] = col == 0 ? 1.0f : 0.0f;
         __syncwarp();
@@ -651,6 +651,49 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
             if (part == 0) sX[i * GDC_XS + col] = (i == col ? 1.0f : 0.0f) - sum;
             __syncwarp();
+        }
+    } else {
+        // 3 (BLK). X = (I + A)⁻¹ by 16×16 blocks (T = I + A, blocks T_bc; X_bc likewise):
+        //   the diagonal X_bb = T_bb⁻¹, the four at once, by forward substitution (15 rows, not 63);
+        //   then by distance d = b − c = 1, 2, 3: Y = Σ_{k=c}^{b−1} T_bk X_kc and X_bc = −X_bb Y.
+        // Y is kept in the upper block (c, b) of sX, which nothing reads: step 4 reads X's blocks on
+        // and below the diagonal only. The same maths as the row-by-row solve, the sums in another
+        // order (f32 throughout).
+        {
+            const int col = tid >> 2, part = tid & 3, b0 = col & ~15;  // col's diagonal block starts at b0
+            if (part == 0) sX[b0 * GDC_XS + col] = b0 == col ? 1.0f : 0.0f;
+            __syncwarp();
+            for (int i = b0 + 1; i < b0 + 16; ++i) {
+                float sum = 0.0f;
+                if (i < n)
+                    for (int jj = (col & ~3) + part; jj < i; jj += 4) sum = fmaf(sA[i * GDC_AS + jj], sX[jj * GDC_XS + col], sum);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+                if (part == 0) sX[i * GDC_XS + col] = (i == col ? 1.0f : 0.0f) - sum;
+                __syncwarp();
+            }
+        }
+        const int r = (tid >> 4) & 15, c = tid & 15;  // this thread's element of a 16×16 block
+#pragma unroll 1
+        for (int d = 1; d < 4; ++d) {
+            __syncthreads();  // the blocks of distances below d are written
+            for (int cb = 0; cb + d < 4; ++cb) {
+                const int bb = cb + d;
+                // Y[r][c] = Σ_{m = 16cb}^{16bb − 1} A[16bb + r][m] X[m][16cb + c] (rows past n: A is 0 there).
+                float y = 0.0f;
+                const float* arow = sA + (16 * bb + r) * GDC_AS;
+                for (int m = 16 * cb; m < 16 * bb; ++m) y = fmaf(arow[m], sX[m * GDC_XS + 16 * cb + c], y);
+                sX[(16 * cb + r) * GDC_XS + 16 * bb + c] = y;
+            }
+            __syncthreads();  // Y visible
+            for (int cb = 0; cb + d < 4; ++cb) {
+                const int bb = cb + d;
+                // X[16bb + r][16cb + c] = −Σ_{m ≤ r} X_bb[r][m] Y[m][c].
+                float x = 0.0f;
+                const float* xrow = sX + (16 * bb + r) * GDC_XS + 16 * bb;
+                for (int m = 0; m <= r; ++m) x = fmaf(xrow[m], sX[(16 * cb + m) * GDC_XS + 16 * bb + c], x);
+                sX[(16 * bb + r) * GDC_XS + 16 * cb + c] = -x;
+            }
         }
     }
     cp_async_wait_group<0>();
@@ -703,8 +746,11 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
 // The entry points: the products in 3xTF32 (to f32 rounding), or in 1xTF32 ("_tc1": each operand
 // rounded to tf32, a third of the MMAs; the default since the sixth session; LILY_GDN_CHUNK=tf32x3
 // keeps 3xTF32, see ops/gdn_chunked.rs).
-extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<3>(p); }
-extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<3, false>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1, false>(p); }
+// gdn_chunk_prep_tc1_blk: gdn_chunk_prep_tc1 with X = (I + A)⁻¹ by 16×16 blocks (step 3, BLK): a
+// sequential chain of 15 row steps and three block levels instead of 63 row steps.
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1_blk(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1, true>(p); }
 
 // ---------------------------------------------------------------------------------------------------
 // gdn_chunk_state_tc: the sequential pass on the tensor cores. grid (⌈Dv/32⌉, Hv), 512 threads (16
@@ -719,20 +765,20 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const Gd
 // W, Q and the decays (two buffers) of chunk c+1 once step 1 of chunk c is done with W and Q; P and K
 // (two buffers each) at the start of chunk c−1; U into the state warps' registers with W.
 //
-// gdn_chunk_state_tc1_ldsm: the same with the A fragments of steps 1 and 2 (W or Q, and P: row-major
-// [token][k]) loaded by one ldmatrix.x4 a k-step instead of four 32-bit shared loads (a 32-bit element
-// is a pair of b16, so matrix i's lane (g, t4) gets word t4 of row g: a0..a3 exactly; row strides of
-// 528 and 272 bytes keep the eight rows of each matrix on distinct banks). The values, and so the
-// output, are the same bits. Why: ncu (H100, T = 4096) puts a third of the pass's stall samples on
-// shared loads, MIO throttle first among the stall reasons (docs/PERF.md, thirteenth session).
-//
-// gdn_chunk_state_tc1_ldsmb: that, and S and V' kept as single tf32 words (1xTF32 reads only the
-// high part of the pairs) and transposed, S^T [32 columns][128, stride 132] and V'^T [32][64, stride
-// 68], so that their B fragments are ldmatrix rows as well: b0, b1 of n-tile x at k-step k are words
-// k + t4 and k + 4 + t4 of row 8x + g, one ldmatrix.x4 for two n-tiles (four 32-bit loads before).
-// Step 1's shared instructions a k-step 8 → 2, step 2's likewise, step 3's B 8 → 2 (its A, K read
-// transposed, stays four loads); the writes of V' and S become 32-bit stores (transposed). 29 KB less
-// shared memory. The same values in the same registers: the same bits.
+// gdn_chunk_state_tc1_ldsmb (the default since the fourteenth session): the 1xTF32 pass with its
+// shared loads by ldmatrix. The A fragments of steps 1 and 2 (W or Q, and P: row-major [token][k]) are
+// one ldmatrix.x4 a k-step instead of four 32-bit shared loads (a 32-bit element is a pair of b16, so
+// matrix i's lane (g, t4) gets word t4 of row g: a0..a3 exactly; row strides of 528 and 272 bytes keep
+// the eight rows of each matrix on distinct banks). S and V' are kept as single tf32 words (1xTF32
+// reads only the high part of the pairs) and transposed, S^T [32 columns][128, stride 132] and V'^T
+// [32][64, stride 68], so that their B fragments are ldmatrix rows as well: b0, b1 of n-tile x at
+// k-step k are words k + t4 and k + 4 + t4 of row 8x + g, one ldmatrix.x4 for two n-tiles (four 32-bit
+// loads before). Step 1's shared instructions a k-step 8 → 2, step 2's likewise, step 3's B 8 → 2 (its
+// A, K read transposed, stays four loads); the writes of V' and S become 32-bit stores (transposed).
+// 29 KB less shared memory. The same values in the same registers: the same bits as _tc1. Why: ncu
+// (H100, T = 4096) put a third of _tc1's stall samples on shared loads, MIO throttle first among the
+// stall reasons; measured on an H200 (docs/PERF.md, fourteenth session) 351 → 295 µs a layer. The A
+// fragments alone by ldmatrix gained nothing (352 µs: the same shared wavefronts in fewer instructions).
 #define GDC_S2 36  // row stride of S and V' in (hi, lo) pairs
 #define GDC_ST 132 // S^T row stride (words; ≡ 4 mod 32: ldmatrix rows on distinct banks)
 #define GDC_VT 68  // V'^T row stride
@@ -747,9 +793,9 @@ __device__ __forceinline__ void mma_two_ntiles_ldsm(float (&c0)[4], float (&c1)[
     mma_tf32(c1, a.hi[0], a.hi[1], a.hi[2], a.hi[3], b10, b11);
 }
 
-template <int NT, bool LDSM, bool TB>
+template <int NT, bool TB>
 __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
-    static_assert(!TB || (NT == 1 && LDSM), "the transposed single-word S and V' are the 1xTF32 ldmatrix form's");
+    static_assert(!TB || NT == 1, "the transposed single-word S and V' are the 1xTF32 ldmatrix form's");
     extern __shared__ __align__(16) float sm[];
     float* const sW = sm;                            // [64][WS]
     float* const sQ = sW + GDC_CH * GDC_WS;          // [64][WS]
@@ -882,13 +928,13 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
             for (int e = 0; e < 4; ++e) big[x][e] = small[x][e] = 0.0f;
         {
             const float* a = (out_warp ? sQ : sW) + r0 * GDC_WS + t4;
-            // LDSM: lane l addresses row 16mi + l%8 + 8·(l/8 % 2), words 4·(l/16).. of the k-step.
+            // TB: lane l addresses row 16mi + l%8 + 8·(l/8 % 2), words 4·(l/16).. of the k-step.
             const uint32_t a_lds = smem_addr((out_warp ? sQ : sW) + (16 * mi + (lane & 7) + 8 * ((lane >> 3) & 1)) * GDC_WS + 4 * (lane >> 4));
             const uint2* b = sS + t4 * GDC_S2 + cb + g;
             const uint32_t b_lds = smem_addr(sST + (cb + b_row) * GDC_ST + b_word);
 #pragma unroll 4
             for (int k = 0; k < dk; k += 8) {
-                const Tf32A af = LDSM ? ldsm_a(a_lds + 4 * k) : split_a(a[k], a[k + 8 * GDC_WS], a[k + 4], a[k + 8 * GDC_WS + 4]);
+                const Tf32A af = TB ? ldsm_a(a_lds + 4 * k) : split_a(a[k], a[k + 8 * GDC_WS], a[k + 4], a[k + 8 * GDC_WS + 4]);
                 if (TB) {
                     mma_two_ntiles_ldsm(big[0], big[1], af, b_lds + 4 * k);
                 } else {
@@ -942,7 +988,7 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) os[x][e] = 0.0f;
             for (int k = 0; k < 16 * (mi + 1); k += 8) {
-                const Tf32A af = LDSM ? ldsm_a(p_lds + 4 * k) : split_a(P[k], P[k + 8 * GDC_PS], P[k + 4], P[k + 8 * GDC_PS + 4]);
+                const Tf32A af = TB ? ldsm_a(p_lds + 4 * k) : split_a(P[k], P[k + 8 * GDC_PS], P[k + 4], P[k + 8 * GDC_PS + 4]);
                 if (TB) {
                     mma_two_ntiles_ldsm(o[0], o[1], af, v_lds + 4 * k);
                 } else {
@@ -1017,7 +1063,6 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<3, false, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, false, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_ldsm(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, true, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_ldsmb(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, true, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<3, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_ldsmb(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, true>(p); }

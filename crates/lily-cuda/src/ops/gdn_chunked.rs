@@ -10,11 +10,12 @@
 //! FFMA, or `gdn_chunk_prep_tc` with its products on the tensor cores); then the sequential pass, one
 //! block per (value head, tile of state columns), carries the state tile through the chunks and writes
 //! the output ([`StateKernel`]: `gdn_chunk_state_t{16,32}` on FFMA with 16 or 32 columns, or
-//! `gdn_chunk_state_tc` on the tensor cores with 32; `_tc1` the same in 1xTF32, `_tc1_ldsm` that with
-//! ldmatrix loads of its A fragments, `_tc1_ldsmb` of its B fragments too). The tensor-core kernels
-//! (mma.sync m16n8k8) need Dk a multiple of 16 and Dv of 8, and are the default where the shape allows; the FFMA
-//! ones take any Dk, Dv ≤ [`MAX_D`]. The default is the 1xTF32 pair; `LILY_GDN_CHUNK=tf32x3` takes the
-//! 3xTF32 pair, `=ldsm` and `=ldsmb` the ldmatrix passes and `=ffma` the FFMA kernels, for A/B runs.
+//! `gdn_chunk_state_tc` on the tensor cores with 32; `_tc1` the same in 1xTF32, `_tc1_ldsmb` that with
+//! its shared loads by ldmatrix). The tensor-core kernels (mma.sync m16n8k8) need Dk a multiple of 16
+//! and Dv of 8, and are the default where the shape allows; the FFMA ones take any Dk, Dv ≤ [`MAX_D`].
+//! The default is the 1xTF32 prep with the ldmatrix pass; `LILY_GDN_CHUNK=tc1` takes the 1xTF32 pass
+//! without ldmatrix (the same bits), `=tf32x3` the 3xTF32 pair and `=ffma` the FFMA kernels, for A/B
+//! runs.
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -73,7 +74,7 @@ struct GdnChunkStateParams {
 unsafe impl DeviceRepr for GdnChunkStateParams {}
 
 pub(crate) const KERNELS: &[&str] =
-    &["gdn_chunk_prep", "gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_state_t16", "gdn_chunk_state_t32", "gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsm", "gdn_chunk_state_tc1_ldsmb"];
+    &["gdn_chunk_prep", "gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_prep_tc1_blk", "gdn_chunk_state_t16", "gdn_chunk_state_t32", "gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsmb"];
 
 /// `GDC_PREP_SMEM` in `kernels/gdn_chunked.cu`: Γ [64] f64, then K, Q/V [64, 136], A [64, 65], X [64, 72]
 /// and three vectors [64], f32.
@@ -84,10 +85,10 @@ const PREP_TC_SMEM: usize = 8 * 64 + 4 * (2 * 64 * 136 + 64 * 65 + 64 * 72 + 3 *
 const TC_SMEM: usize = 4 * (2 * 64 * 132 + 2 * 64 * 136 + 2 * 64 * 68 + 4 * 64) + 8 * (128 + 64) * 36;
 
 pub(crate) fn configure(dev: &Device) -> Result<()> {
-    for name in ["gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsm", "gdn_chunk_state_tc1_ldsmb"] {
+    for name in ["gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsmb"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, TC_SMEM as i32)?;
     }
-    for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1"] {
+    for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_prep_tc1_blk"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, PREP_TC_SMEM as i32)?;
     }
     Ok(())
@@ -102,6 +103,9 @@ pub enum PrepKernel {
     Tensor,
     /// The same in 1xTF32 (operands rounded to tf32, f32 sums; a third of the MMAs).
     Tensor1,
+    /// [`PrepKernel::Tensor1`] with (I + A)⁻¹ by 16×16 blocks (15 sequential row steps, not 63; the
+    /// same maths, f32 sums in another order).
+    Tensor1Blocked,
 }
 
 impl PrepKernel {
@@ -109,8 +113,13 @@ impl PrepKernel {
     pub fn supports(self, dims: &GdnDims) -> bool {
         match self {
             PrepKernel::Ffma => true,
-            PrepKernel::Tensor | PrepKernel::Tensor1 => tensor_shape(dims),
+            PrepKernel::Tensor | PrepKernel::Tensor1 | PrepKernel::Tensor1Blocked => tensor_shape(dims),
         }
+    }
+
+    /// Whether this prep rounds its products' operands to tf32.
+    pub fn rounds_to_tf32(self) -> bool {
+        matches!(self, PrepKernel::Tensor1 | PrepKernel::Tensor1Blocked)
     }
 }
 
@@ -130,10 +139,9 @@ pub enum StateKernel {
     Tensor,
     /// The same in 1xTF32.
     Tensor1,
-    /// [`StateKernel::Tensor1`] with the A fragments of W, Q and P loaded by ldmatrix (the same bits).
-    Tensor1Ldsm,
-    /// [`StateKernel::Tensor1Ldsm`] with S and V' as single tf32 words, transposed, their B fragments
-    /// by ldmatrix too (the same bits).
+    /// [`StateKernel::Tensor1`] with its shared loads by ldmatrix: the A fragments of W, Q and P, and
+    /// the B fragments of S and V' (kept as single tf32 words, transposed). The same bits; 16% faster
+    /// (docs/PERF.md, fourteenth session).
     Tensor1Ldsmb,
 }
 
@@ -142,19 +150,23 @@ impl StateKernel {
     pub fn supports(self, dims: &GdnDims) -> bool {
         match self {
             StateKernel::Ffma16 | StateKernel::Ffma32 => true,
-            StateKernel::Tensor | StateKernel::Tensor1 | StateKernel::Tensor1Ldsm | StateKernel::Tensor1Ldsmb => {
-                tensor_shape(dims)
-            }
+            StateKernel::Tensor | StateKernel::Tensor1 | StateKernel::Tensor1Ldsmb => tensor_shape(dims),
         }
+    }
+
+    /// Whether this pass rounds its operands to tf32 (1xTF32: 10 mantissa bits kept, f32 sums).
+    pub fn rounds_to_tf32(self) -> bool {
+        matches!(self, StateKernel::Tensor1 | StateKernel::Tensor1Ldsmb)
     }
 }
 
 /// `LILY_GDN_CHUNK` (read once, for A/B runs): `ffma` keeps the FFMA kernels, `tf32x3` takes the
-/// 3xTF32 tensor-core ones, `ldsm` the 1xTF32 pass with ldmatrix loads ([`StateKernel::Tensor1Ldsm`]),
-/// `ldsmb` with its B fragments by ldmatrix too ([`StateKernel::Tensor1Ldsmb`]); otherwise (the
-/// default) the 1xTF32 ones where the shape allows (docs/PERF.md,
-/// 2026-12-03 sixth session: 20% faster a layer, 2.8e-4 perplexity from MLX-LM float32 at full size
-/// where MLX-LM's own bf16 run is 1.6e-2).
+/// 3xTF32 tensor-core ones, `tc1` the 1xTF32 pass without ldmatrix ([`StateKernel::Tensor1`]), `blk`
+/// the prep with the blocked inverse ([`PrepKernel::Tensor1Blocked`]);
+/// otherwise (the default) the 1xTF32 prep and the ldmatrix pass ([`StateKernel::Tensor1Ldsmb`]) where
+/// the shape allows (docs/PERF.md, 2026-12-03 sixth session: 1xTF32 20% faster a layer, 2.8e-4
+/// perplexity from MLX-LM float32 at full size where MLX-LM's own bf16 run is 1.6e-2; the fourteenth
+/// session: the ldmatrix pass 16% faster than the plain one, the same bits).
 fn chunk_env() -> &'static str {
     static V: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     V.get_or_init(|| std::env::var("LILY_GDN_CHUNK").unwrap_or_default())
@@ -165,9 +177,9 @@ pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel
     if chunk_env() != "ffma" && tensor_shape(dims) {
         return match chunk_env() {
             "tf32x3" => (PrepKernel::Tensor, StateKernel::Tensor),
-            "ldsm" => (PrepKernel::Tensor1, StateKernel::Tensor1Ldsm),
-            "ldsmb" => (PrepKernel::Tensor1, StateKernel::Tensor1Ldsmb),
-            _ => (PrepKernel::Tensor1, StateKernel::Tensor1),
+            "tc1" => (PrepKernel::Tensor1, StateKernel::Tensor1),
+            "blk" => (PrepKernel::Tensor1Blocked, StateKernel::Tensor1Ldsmb),
+            _ => (PrepKernel::Tensor1, StateKernel::Tensor1Ldsmb),
         };
     }
     // 32-column tiles read each chunk's W, Q, K and P from L2 half as often as 16-column ones; 16 only
@@ -256,7 +268,6 @@ where
         StateKernel::Ffma32 => ("gdn_chunk_state_t32", 32, 512, 0),
         StateKernel::Tensor => ("gdn_chunk_state_tc", 32, 512, TC_SMEM as u32),
         StateKernel::Tensor1 => ("gdn_chunk_state_tc1", 32, 512, TC_SMEM as u32),
-        StateKernel::Tensor1Ldsm => ("gdn_chunk_state_tc1_ldsm", 32, 512, TC_SMEM as u32),
         StateKernel::Tensor1Ldsmb => ("gdn_chunk_state_tc1_ldsmb", 32, 512, TC_SMEM as u32),
     };
     if t_len == 0 {
@@ -284,6 +295,7 @@ where
         PrepKernel::Ffma => ("gdn_chunk_prep", 0),
         PrepKernel::Tensor => ("gdn_chunk_prep_tc", PREP_TC_SMEM as u32),
         PrepKernel::Tensor1 => ("gdn_chunk_prep_tc1", PREP_TC_SMEM as u32),
+        PrepKernel::Tensor1Blocked => ("gdn_chunk_prep_tc1_blk", PREP_TC_SMEM as u32),
     };
     let cfg = LaunchConfig {
         grid_dim: (t_len.div_ceil(CHUNK) as u32, hv as u32, 1),
