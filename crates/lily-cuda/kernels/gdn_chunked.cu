@@ -490,6 +490,28 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_t32(const G
 #define GDC_XS 72   // X row stride
 #define GDC_PREP_SMEM (8 * GDC_CH + 4 * (2 * GDC_CH * GDC_RS + GDC_CH * GDC_AS + GDC_CH * GDC_XS + 3 * GDC_CH))
 
+// Column col of X = (I + A)⁻¹ (A strictly lower triangular, [64][AS]; X [64][XS]) on rows r0 .. r0 + 15
+// (BLK: col's diagonal 16×16 block, r0 = col rounded down to 16) or, with r0 = 0 and all 64 rows, the
+// whole column: X[r0][col] = δ, then row by row X[i][col] = δ − Σ_{r0 ≤ jj < i} A[i][jj] X[jj][col].
+// The column's four threads (part = 0..3 of the sum's terms) are lanes of one warp, and columns do not
+// mix, so a warp barrier orders its rows. Rows past n (A is zero there) are the identity's.
+template <bool BLK>
+__device__ __forceinline__ void forward_rows(const float* sA, float* sX, int col, int part, int r0, int n) {
+    const int r1 = BLK ? r0 + 16 : GDC_CH;
+    if (part == 0) sX[r0 * GDC_XS + col] = r0 == col ? 1.0f : 0.0f;
+    __syncwarp();
+    for (int i = r0 + 1; i < r1; ++i) {
+        float sum = 0.0f;
+        // X is lower triangular: X[jj][col] = 0 for jj < col, so the terms start at col's row of 4.
+        if (i < n)
+            for (int jj = (col & ~3) + part; jj < i; jj += 4) sum = fmaf(sA[i * GDC_AS + jj], sX[jj * GDC_XS + col], sum);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        if (part == 0) sX[i * GDC_XS + col] = (i == col ? 1.0f : 0.0f) - sum;
+        __syncwarp();
+    }
+}
+
 template <int NT, bool BLK>
 __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     extern __shared__ __align__(16) float sm[];
@@ -637,21 +659,8 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     }
 
     if (!BLK) {
-        // 3. X = (I + A)⁻¹, row by row, the sums as gdn_chunk_prep's. Column col of X depends only on
-        //    itself, and its four threads are lanes of one warp: a warp barrier orders its rows.
-        const int col = tid >> 2, part = tid & 3;
-        if (part == 0) sX[col] = col == 0 ? 1.0f : 0.0f;
-        __syncwarp();
-        for (int i = 1; i < GDC_CH; ++i) {
-            float sum = 0.0f;
-            // X is lower triangular: X[jj][col] = 0 for jj < col, so the terms start at col's row of 4.
-            if (i < n)
-                for (int jj = (col & ~3) + part; jj < i; jj += 4) sum = fmaf(sA[i * GDC_AS + jj], sX[jj * GDC_XS + col], sum);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            if (part == 0) sX[i * GDC_XS + col] = (i == col ? 1.0f : 0.0f) - sum;
-            __syncwarp();
-        }
+        // 3. X = (I + A)⁻¹, row by row, the sums as gdn_chunk_prep's.
+        forward_rows<false>(sA, sX, tid >> 2, tid & 3, 0, n);
     } else {
         // 3 (BLK). X = (I + A)⁻¹ by 16×16 blocks (T = I + A, blocks T_bc; X_bc likewise):
         //   the diagonal X_bb = T_bb⁻¹, the four at once, by forward substitution (15 rows, not 63);
@@ -659,20 +668,7 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
         // Y is kept in the upper block (c, b) of sX, which nothing reads: step 4 reads X's blocks on
         // and below the diagonal only. The same maths as the row-by-row solve, the sums in another
         // order (f32 throughout).
-        {
-            const int col = tid >> 2, part = tid & 3, b0 = col & ~15;  // col's diagonal block starts at b0
-            if (part == 0) sX[b0 * GDC_XS + col] = b0 == col ? 1.0f : 0.0f;
-            __syncwarp();
-            for (int i = b0 + 1; i < b0 + 16; ++i) {
-                float sum = 0.0f;
-                if (i < n)
-                    for (int jj = (col & ~3) + part; jj < i; jj += 4) sum = fmaf(sA[i * GDC_AS + jj], sX[jj * GDC_XS + col], sum);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-                sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-                if (part == 0) sX[i * GDC_XS + col] = (i == col ? 1.0f : 0.0f) - sum;
-                __syncwarp();
-            }
-        }
+        forward_rows<true>(sA, sX, tid >> 2, tid & 3, (tid >> 2) & ~15, n);
         const int r = (tid >> 4) & 15, c = tid & 15;  // this thread's element of a 16×16 block
 #pragma unroll 1
         for (int d = 1; d < 4; ++d) {
