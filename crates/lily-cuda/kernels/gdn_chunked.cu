@@ -480,8 +480,10 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_t32(const G
 //      a (mod 4) takes m-tiles {a/2, 3 − a/2} and of each the n-tiles ≡ a (mod 2), 5 tiles a warp. The
 //      k index of an mma runs over Dk columns in pairs (lane t reads columns 2t, 2t+1 as one float2:
 //      the sum does not depend on how k is ordered), conflict-free with row stride 136;
-//   3. X = (I + A)⁻¹ by forward substitution, as gdn_chunk_prep but with warp barriers (a column's
-//      four threads are lanes of one warp, and columns do not mix), V's copy in flight meanwhile;
+//   3. X = (I + A)⁻¹ by 16×16 blocks: the diagonal blocks by forward substitution with warp barriers
+//      (a column's four threads are lanes of one warp, and columns do not mix), then the blocks below
+//      them by distance from the diagonal (measured 21% faster a prep than the 63-row-step solve,
+//      docs/PERF.md fourteenth session); V's copy in flight meanwhile;
 //   4. W = X (β e^Γ ⊙ K) and U = X (β ⊙ V), as (X diag(β e^Γ)) K and (X diag(β)) V: warps 0–3 W, 4–7 U,
 //      warp a (mod 4) the n-tiles 4a..4a+3 of every m-tile (X is lower triangular: m-tile i needs
 //      tokens < 16(i+1)).
@@ -490,17 +492,15 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_t32(const G
 #define GDC_XS 72   // X row stride
 #define GDC_PREP_SMEM (8 * GDC_CH + 4 * (2 * GDC_CH * GDC_RS + GDC_CH * GDC_AS + GDC_CH * GDC_XS + 3 * GDC_CH))
 
-// Column col of X = (I + A)⁻¹ (A strictly lower triangular, [64][AS]; X [64][XS]) on rows r0 .. r0 + 15
-// (BLK: col's diagonal 16×16 block, r0 = col rounded down to 16) or, with r0 = 0 and all 64 rows, the
-// whole column: X[r0][col] = δ, then row by row X[i][col] = δ − Σ_{r0 ≤ jj < i} A[i][jj] X[jj][col].
-// The column's four threads (part = 0..3 of the sum's terms) are lanes of one warp, and columns do not
-// mix, so a warp barrier orders its rows. Rows past n (A is zero there) are the identity's.
-template <bool BLK>
+// Column col of X = (I + A)⁻¹ (A strictly lower triangular, [64][AS]; X [64][XS]) on the rows of col's
+// diagonal 16×16 block, r0 .. r0 + 15 (r0 = col rounded down to 16): X[r0][col] = δ, then row by row
+// X[i][col] = δ − Σ_{r0 ≤ jj < i} A[i][jj] X[jj][col]. The column's four threads (part = 0..3 of the
+// sum's terms) are lanes of one warp, and columns do not mix, so a warp barrier orders its rows. Rows
+// past n (A is zero there) are the identity's.
 __device__ __forceinline__ void forward_rows(const float* sA, float* sX, int col, int part, int r0, int n) {
-    const int r1 = BLK ? r0 + 16 : GDC_CH;
     if (part == 0) sX[r0 * GDC_XS + col] = r0 == col ? 1.0f : 0.0f;
     __syncwarp();
-    for (int i = r0 + 1; i < r1; ++i) {
+    for (int i = r0 + 1; i < r0 + 16; ++i) {
         float sum = 0.0f;
         // X is lower triangular: X[jj][col] = 0 for jj < col, so the terms start at col's row of 4.
         if (i < n)
@@ -512,7 +512,7 @@ __device__ __forceinline__ void forward_rows(const float* sA, float* sX, int col
     }
 }
 
-template <int NT, bool BLK>
+template <int NT>
 __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     extern __shared__ __align__(16) float sm[];
     double* const gam = reinterpret_cast<double*>(sm);           // Γ_i (f64)
@@ -658,17 +658,14 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
         cp_async_commit_group();
     }
 
-    if (!BLK) {
-        // 3. X = (I + A)⁻¹, row by row, the sums as gdn_chunk_prep's.
-        forward_rows<false>(sA, sX, tid >> 2, tid & 3, 0, n);
-    } else {
-        // 3 (BLK). X = (I + A)⁻¹ by 16×16 blocks (T = I + A, blocks T_bc; X_bc likewise):
-        //   the diagonal X_bb = T_bb⁻¹, the four at once, by forward substitution (15 rows, not 63);
-        //   then by distance d = b − c = 1, 2, 3: Y = Σ_{k=c}^{b−1} T_bk X_kc and X_bc = −X_bb Y.
-        // Y is kept in the upper block (c, b) of sX, which nothing reads: step 4 reads X's blocks on
-        // and below the diagonal only. The same maths as the row-by-row solve, the sums in another
-        // order (f32 throughout).
-        forward_rows<true>(sA, sX, tid >> 2, tid & 3, (tid >> 2) & ~15, n);
+    {
+        // 3. X = (I + A)⁻¹ by 16×16 blocks (T = I + A, blocks T_bc; X_bc likewise): the diagonal
+        //    X_bb = T_bb⁻¹, the four at once, by forward substitution (15 row steps: the 63 of a
+        //    row-by-row solve were the prep's longest chain); then by distance d = b − c = 1, 2, 3:
+        //    Y = Σ_{k=c}^{b−1} T_bk X_kc and X_bc = −X_bb Y. Y is kept in the upper block (c, b) of sX,
+        //    which nothing reads: step 4 reads X's blocks on and below the diagonal only. f32 sums
+        //    throughout (the row-by-row solve's maths, summed in another order).
+        forward_rows(sA, sX, tid >> 2, tid & 3, (tid >> 2) & ~15, n);
         const int r = (tid >> 4) & 15, c = tid & 15;  // this thread's element of a 16×16 block
 #pragma unroll 1
         for (int d = 1; d < 4; ++d) {
@@ -742,11 +739,8 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
 // The entry points: the products in 3xTF32 (to f32 rounding), or in 1xTF32 ("_tc1": each operand
 // rounded to tf32, a third of the MMAs; the default since the sixth session; LILY_GDN_CHUNK=tf32x3
 // keeps 3xTF32, see ops/gdn_chunked.rs).
-extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<3, false>(p); }
-extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1, false>(p); }
-// gdn_chunk_prep_tc1_blk: gdn_chunk_prep_tc1 with X = (I + A)⁻¹ by 16×16 blocks (step 3, BLK): a
-// sequential chain of 15 row steps and three block levels instead of 63 row steps.
-extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1_blk(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1, true>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<3>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1>(p); }
 
 // ---------------------------------------------------------------------------------------------------
 // gdn_chunk_state_tc: the sequential pass on the tensor cores. grid (⌈Dv/32⌉, Hv), 512 threads (16

@@ -74,7 +74,7 @@ struct GdnChunkStateParams {
 unsafe impl DeviceRepr for GdnChunkStateParams {}
 
 pub(crate) const KERNELS: &[&str] =
-    &["gdn_chunk_prep", "gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_prep_tc1_blk", "gdn_chunk_state_t16", "gdn_chunk_state_t32", "gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsmb"];
+    &["gdn_chunk_prep", "gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_state_t16", "gdn_chunk_state_t32", "gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsmb"];
 
 /// `GDC_PREP_SMEM` in `kernels/gdn_chunked.cu`: Γ [64] f64, then K, Q/V [64, 136], A [64, 65], X [64, 72]
 /// and three vectors [64], f32.
@@ -88,7 +88,7 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     for name in ["gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsmb"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, TC_SMEM as i32)?;
     }
-    for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_prep_tc1_blk"] {
+    for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, PREP_TC_SMEM as i32)?;
     }
     Ok(())
@@ -103,9 +103,6 @@ pub enum PrepKernel {
     Tensor,
     /// The same in 1xTF32 (operands rounded to tf32, f32 sums; a third of the MMAs).
     Tensor1,
-    /// [`PrepKernel::Tensor1`] with (I + A)⁻¹ by 16×16 blocks (15 sequential row steps, not 63; the
-    /// same maths, f32 sums in another order).
-    Tensor1Blocked,
 }
 
 impl PrepKernel {
@@ -113,13 +110,13 @@ impl PrepKernel {
     pub fn supports(self, dims: &GdnDims) -> bool {
         match self {
             PrepKernel::Ffma => true,
-            PrepKernel::Tensor | PrepKernel::Tensor1 | PrepKernel::Tensor1Blocked => tensor_shape(dims),
+            PrepKernel::Tensor | PrepKernel::Tensor1 => tensor_shape(dims),
         }
     }
 
     /// Whether this prep rounds its products' operands to tf32.
     pub fn rounds_to_tf32(self) -> bool {
-        matches!(self, PrepKernel::Tensor1 | PrepKernel::Tensor1Blocked)
+        self == PrepKernel::Tensor1
     }
 }
 
@@ -161,8 +158,7 @@ impl StateKernel {
 }
 
 /// `LILY_GDN_CHUNK` (read once, for A/B runs): `ffma` keeps the FFMA kernels, `tf32x3` takes the
-/// 3xTF32 tensor-core ones, `tc1` the 1xTF32 pass without ldmatrix ([`StateKernel::Tensor1`]), `blk`
-/// the prep with the blocked inverse ([`PrepKernel::Tensor1Blocked`]);
+/// 3xTF32 tensor-core ones, `tc1` the 1xTF32 pass without ldmatrix ([`StateKernel::Tensor1`]);
 /// otherwise (the default) the 1xTF32 prep and the ldmatrix pass ([`StateKernel::Tensor1Ldsmb`]) where
 /// the shape allows (docs/PERF.md, 2026-12-03 sixth session: 1xTF32 20% faster a layer, 2.8e-4
 /// perplexity from MLX-LM float32 at full size where MLX-LM's own bf16 run is 1.6e-2; the fourteenth
@@ -178,7 +174,6 @@ pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel
         return match chunk_env() {
             "tf32x3" => (PrepKernel::Tensor, StateKernel::Tensor),
             "tc1" => (PrepKernel::Tensor1, StateKernel::Tensor1),
-            "blk" => (PrepKernel::Tensor1Blocked, StateKernel::Tensor1Ldsmb),
             _ => (PrepKernel::Tensor1, StateKernel::Tensor1Ldsmb),
         };
     }
@@ -295,7 +290,6 @@ where
         PrepKernel::Ffma => ("gdn_chunk_prep", 0),
         PrepKernel::Tensor => ("gdn_chunk_prep_tc", PREP_TC_SMEM as u32),
         PrepKernel::Tensor1 => ("gdn_chunk_prep_tc1", PREP_TC_SMEM as u32),
-        PrepKernel::Tensor1Blocked => ("gdn_chunk_prep_tc1_blk", PREP_TC_SMEM as u32),
     };
     let cfg = LaunchConfig {
         grid_dim: (t_len.div_ceil(CHUNK) as u32, hv as u32, 1),
