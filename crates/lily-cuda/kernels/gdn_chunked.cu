@@ -549,21 +549,25 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
         cp_async_commit_group();
     }
 
-    // 1. Gates: β, Γ (f64 prefix sum), e^Γ and e^{Γ_last−Γ}. The g are loaded by 64 threads at once
-    //    (into egs, as a staging place), then summed in order by one.
-    if (tid < GDC_CH) {
-        const bool in = tid < n;
-        bet[tid] = in ? p.beta[(long long)(t0 + tid) * p.hv + j] : 0.0f;
-        egs[tid] = in ? p.g[(long long)(t0 + tid) * p.hv + j] : 0.0f;
-    }
-    __syncthreads();
-    if (tid == 0) {
-        double acc = 0.0;
-#pragma unroll 8
-        for (int i = 0; i < GDC_CH; ++i) {
-            acc += (double)egs[i];
-            gam[i] = acc;
+    // 1. Gates: β, Γ (f64 prefix sum), e^Γ and e^{Γ_last−Γ}. Warp 0 loads the chunk's g, two a lane
+    //    (lane l: positions 2l, 2l + 1), and scans them in f64 across the warp (five shuffle steps);
+    //    warp 1 loads β meanwhile.
+    if (warp == 0) {
+        const int i0 = 2 * lane;
+        const double g0 = i0 < n ? (double)p.g[(long long)(t0 + i0) * p.hv + j] : 0.0;
+        const double g1 = i0 + 1 < n ? (double)p.g[(long long)(t0 + i0 + 1) * p.hv + j] : 0.0;
+        double incl = g0 + g1;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const double v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
         }
+        double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+        if (lane == 0) excl = 0.0;
+        gam[i0] = excl + g0;
+        gam[i0 + 1] = incl;
+    } else if (warp == 1) {
+        for (int i = lane; i < GDC_CH; i += 32) bet[i] = i < n ? p.beta[(long long)(t0 + i) * p.hv + j] : 0.0f;
     }
     __syncthreads();
     if (tid < GDC_CH) {

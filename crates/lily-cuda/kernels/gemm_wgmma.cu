@@ -42,9 +42,13 @@
 // x, y, z, w: code 16q + 4i + b is byte b of word i), so the staged x (and its permutation) is the 4-bit
 // kernels' own; one PRMT makes bytes (s, s + 4) of a word pair the 16-bit pair of step s.
 //
+// Warp-specialised persistent tiles (half numerics, 4-bit, 128 tokens; wg_tile_ws below): a producer
+// warpgroup fills the ring, two consumer warpgroups dequantise and multiply, one block an SM walks the
+// tiles; the same sums as wg_tile's half tiles, bit for bit.
+//
 // Entry points: gemm_wgmma_{plain, swiglu, grouped, grouped_swiglu}_n{64, 128}_{p1, p2, h128, h256}
 // (p: folded with 1 or 2 planes; h: half, 128 or 256 weight rows), gemm_wgmma_plain_n{64, 128}_h128_q8
-// (8-bit codes); dynamic shared memory: see smem_bytes in ops/gemm_wgmma.rs. Launch bounds: n128_p* one
+// (8-bit codes), gemm_wgmma_{form}_ws{128, 256} (warp-specialised, 128 or 256 weight rows); dynamic shared memory: see smem_bytes in ops/gemm_wgmma.rs. Launch bounds: n128_p* one
 // block an SM (up to 255 registers), n64_p* two, n128_h128* two, n64_h128 three (ptxas serialises its
 // MMAs for registers at that bound; the same tile at two blocks measured even, docs/PERF.md 2026-12-05;
 // n64_h128_q8 takes two), *_h256 (512 threads) one.
@@ -57,6 +61,7 @@
 #include "wgmma.cuh"
 #include "async_copy.cuh"
 #include "bf16.cuh"
+#include "mbarrier.cuh"
 
 struct WgStageParams {
     const float* x;      // [rows, cols]
@@ -524,6 +529,301 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
         }
     }
 }
+
+// ---- The warp-specialised, persistent tiles (half numerics, 4-bit codes, BT = 128 tokens).
+// Three warpgroups a block, one block an SM, each block walking tiles blockIdx.x, + gridDim.x, ...: the
+// first (the producer, its registers given back) fills a ring of NS stages (X and codes, the layout of
+// wg_tile's stages) with cp.async and marks each stage full on an mbarrier once its copies have landed;
+// the other two (the consumers, 64·MT weight rows each) wait for a stage, dequantise their codes from it,
+// issue their MMAs, and mark the stage before it empty once those have completed (wgmma_wait<1>). No
+// block-wide barrier in the main loop; the producer runs on into the next tile while the consumers write
+// the last one out. Grouped: token tiles as find_group_tile's, from a prefix over experts computed once
+// a block (group_tile_prefix); a tile index is (token tile, row tile) with row tiles fastest (grouped) or
+// token tiles fastest (plain), the launch orders of wg_tile.
+constexpr int WS_THREADS = 384;
+constexpr int WS_MAXE = 2 * WS_THREADS;  // experts a grouped call may have (group_tile_prefix)
+
+// The four f16 weight pairs of one word of 4-bit codes: pair s (0..3) holds nibbles s and s + 4 as
+// (s·q + b) in f16, as half_weight_pair(w, s, ...) (bit for bit) in 13 instructions instead of 19: one
+// LOP3 puts a nibble under the bits of 1024 in place (1024 + q, or 1024 + 16q for the nibbles of bits
+// 4-7 of each half, which one HFMA2 by 1/16 less 64 turns into q exactly), one shift serves pairs 2, 3.
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));  // (a & mask) | bits
+    return d;
+}
+__device__ __forceinline__ void half_weights4(uint32_t w, __half2 scale, __half2 bias, uint32_t& p0, uint32_t& p1, uint32_t& p2, uint32_t& p3) {
+    const uint32_t w8 = w >> 8;
+    const uint32_t v0 = lop3_and_or(w, 0x000F000Fu, 0x64006400u);
+    const uint32_t v1 = lop3_and_or(w, 0x00F000F0u, 0x64006400u);
+    const uint32_t v2 = lop3_and_or(w8, 0x000F000Fu, 0x64006400u);
+    const uint32_t v3 = lop3_and_or(w8, 0x00F000F0u, 0x64006400u);
+    const __half2 k1024 = __float2half2_rn(1024.0f), k16th = __float2half2_rn(0.0625f), k64 = __float2half2_rn(-64.0f);
+    const __half2 c0 = __hsub2(*reinterpret_cast<const __half2*>(&v0), k1024);
+    const __half2 c1 = __hfma2(*reinterpret_cast<const __half2*>(&v1), k16th, k64);
+    const __half2 c2 = __hsub2(*reinterpret_cast<const __half2*>(&v2), k1024);
+    const __half2 c3 = __hfma2(*reinterpret_cast<const __half2*>(&v3), k16th, k64);
+    const __half2 d0 = __hfma2(c0, scale, bias), d1 = __hfma2(c1, scale, bias), d2 = __hfma2(c2, scale, bias), d3 = __hfma2(c3, scale, bias);
+    p0 = *reinterpret_cast<const uint32_t*>(&d0);
+    p1 = *reinterpret_cast<const uint32_t*>(&d1);
+    p2 = *reinterpret_cast<const uint32_t*>(&d2);
+    p3 = *reinterpret_cast<const uint32_t*>(&d3);
+}
+
+template <int MT, int NS, bool SWIGLU, bool GROUPED>
+__device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
+    constexpr int BT = 128;
+    constexpr int BWT = 128 * MT;                // weight rows a tile (two consumer warpgroups)
+    constexpr int XB = BT * 128;                 // X bytes a stage: BT rows of 64 f16
+    constexpr int WB = BWT * 32;                 // codes a stage: BWT rows of 64 4-bit codes
+    constexpr int STAGE = (XB + WB + 1023) / 1024 * 1024;
+    constexpr int ND = BT / 2;                   // accumulators a thread an m64 tile
+    constexpr int BW_OUT = SWIGLU ? BWT / 2 : BWT;
+    constexpr int XRPT = BT / 16;                // X rows a producer thread loads (128 threads, 8 chunks a row)
+    constexpr int WLD = BWT * 2 / 128;           // 16-byte code chunks a producer thread loads (2 a row)
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ __align__(8) uint64_t bars[2 * NS];   // full[s], then empty[s]
+    __shared__ int tprefix[GROUPED ? WS_MAXE + 1 : 1];
+    __shared__ float tsc[2][BT];                 // the tile's slots' 2^e (NaN: a gathered row past x), by tile parity
+    const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const uint32_t full0 = smem_addr(bars), empty0 = full0 + 8 * NS;
+
+    const int tid = threadIdx.x;
+    const int rows = p.rows, cols = p.cols, nk = cols >> 6;
+    if (tid == 0) {
+        for (int s = 0; s < NS; ++s) {
+            mbar_init(full0 + 8 * s, 128);  // every producer thread, once its copies have landed
+            mbar_init(empty0 + 8 * s, 8);   // every consumer warp, once its MMAs have read the stage
+        }
+    }
+    int m_tiles;
+    if constexpr (GROUPED) m_tiles = group_tile_prefix<WS_THREADS>(p.offsets, p.t, p.count, BT, tprefix);
+    else m_tiles = (p.t + BT - 1) / BT;
+    __syncthreads();
+    const int row_tiles = (rows + BW_OUT - 1) / BW_OUT;
+    const int n_tiles = m_tiles * row_tiles;
+
+    // Tile i: (matrix, slots [m_begin, m_end), row tile).
+    auto tile_of = [&](int i, int& matrix, int& m_begin, int& m_end, int& n_tile) {
+        if constexpr (GROUPED) {
+            const int mt = i / row_tiles;
+            n_tile = i - mt * row_tiles;
+            group_tile_at(tprefix, p.offsets, p.t, p.count, BT, mt, matrix, m_begin, m_end);
+        } else {
+            const int mt = i % m_tiles;
+            n_tile = i / m_tiles;
+            matrix = p.matrix;
+            m_begin = mt * BT;
+            m_end = min(m_begin + BT, p.t);
+        }
+    };
+    // Tile row r -> output row (SwiGLU: gate rows 16i..16i+7, up rows 16i+8..16i+15 of outputs 8i..8i+7).
+    auto out_row = [&](int n_tile, int r) { return SWIGLU ? n_tile * BW_OUT + (r >> 4) * 8 + (r & 7) : n_tile * BW_OUT + r; };
+
+    if (tid < 128) {
+        // ---- Producer.
+        regs_release<40>();
+        const int xc = tid & 7, wh = tid & 1;
+        const uint32_t xdst = base + (tid >> 3) * 128 + ((xc ^ ((tid >> 3) & 7)) << 4);
+        const uint32_t wdst = base + XB + (tid >> 1) * 32 + wh * 16;
+        int s = 0;
+        uint32_t ph = 0;
+        for (int i = blockIdx.x; i < n_tiles; i += gridDim.x) {
+            int matrix, m_begin, m_end, n_tile;
+            tile_of(i, matrix, m_begin, m_end, n_tile);
+            uint32_t xoff[XRPT];
+            uint32_t x_ok = 0;
+#pragma unroll
+            for (int j = 0; j < XRPT; ++j) {
+                const int slot = m_begin + (tid >> 3) + 16 * j;
+                long long src = 0;
+                bool ok = false;
+                if (slot < m_end) {
+                    src = (GROUPED && p.gather) ? (long long)p.gather[slot] : (long long)slot;
+                    ok = src < p.x_rows;
+                }
+                xoff[j] = (uint32_t)((ok ? src : 0) * cols) + xc * 8;
+                x_ok |= (uint32_t)ok << j;
+            }
+            uint32_t wchunk[WLD];
+            uint32_t w_ok = 0, w_up = 0;
+#pragma unroll
+            for (int j = 0; j < WLD; ++j) {
+                const int wr = (tid >> 1) + 64 * j;
+                const int o = out_row(n_tile, wr);
+                const bool ok = o < rows;
+                w_ok |= (uint32_t)ok << j;
+                w_up |= (uint32_t)(SWIGLU && ((wr >> 3) & 1)) << j;
+                wchunk[j] = (uint32_t)(((long long)matrix * rows + (ok ? o : 0)) * (cols / 32)) + wh;
+            }
+#pragma unroll 1
+            for (int kt = 0; kt < nk; ++kt) {
+                mbar_wait(empty0 + 8 * s, ph ^ 1);
+                const uint32_t so = s * STAGE;
+#pragma unroll
+                for (int j = 0; j < XRPT; ++j) cp_async16(xdst + so + j * 16 * 128, p.xh + xoff[j] + kt * GROUP, (x_ok >> j) & 1);
+#pragma unroll
+                for (int j = 0; j < WLD; ++j)
+                    cp_async16(wdst + so + j * 64 * 32, reinterpret_cast<const uint4*>(((w_up >> j) & 1) ? p.w2 : p.w) + wchunk[j] + kt * 2, (w_ok >> j) & 1);
+                mbar_arrive_on_copies(full0 + 8 * s);
+                if (++s == NS) {
+                    s = 0;
+                    ph ^= 1;
+                }
+            }
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        return;
+    }
+
+    // ---- Consumers: warpgroup wc (0, 1) takes tile rows 64·MT·wc .. + 64·MT.
+    regs_claim<232>();
+    const int ct = tid - 128, lane = tid & 31;
+    const int wc = ct >> 7, warp = (ct >> 5) & 3;
+    const int g = lane >> 2, q = lane & 3;
+    const int groups = nk;
+    const uint16_t* sc1p = SWIGLU ? p.scales2 : p.scales;
+    const uint16_t* bi1p = SWIGLU ? p.biases2 : p.biases;
+    const uint64_t d0 = wgmma_desc_sw128(base);
+    int s = 0;
+    uint32_t ph = 0;
+    int parity = 0;
+#pragma unroll 1
+    for (int i = blockIdx.x; i < n_tiles; i += gridDim.x, parity ^= 1) {
+        int matrix, m_begin, m_end, n_tile;
+        tile_of(i, matrix, m_begin, m_end, n_tile);
+        // The slots' scales (2^e of the staged row; NaN for a gathered row past x), by the first
+        // consumer warpgroup; the consumers' barrier also keeps a warpgroup two tiles ahead from
+        // overwriting what the other still reads.
+        if (ct < BT) {
+            const int slot = m_begin + ct;
+            float k = 0.0f;
+            if (slot < m_end) {
+                const long long src = (GROUPED && p.gather) ? (long long)p.gather[slot] : (long long)slot;
+                k = src < p.x_rows ? p.xsum[src] : __int_as_float(0x7fc00000);
+            }
+            tsc[parity][ct] = k;
+        }
+        named_barrier_sync(1, 256);
+
+        int r0[MT], o0[MT], o1[MT];
+        bool ok0[MT], ok1[MT];
+        uint32_t gi0[MT], gi1[MT];  // the rows' first scale (group kt adds kt; below 2^32: checked by the wrapper)
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            r0[m] = 64 * (MT * wc + m) + 16 * warp + g;
+            o0[m] = out_row(n_tile, r0[m]), o1[m] = out_row(n_tile, r0[m] + 8);
+            ok0[m] = o0[m] < rows, ok1[m] = o1[m] < rows;
+            // Rows past the matrix read row 0's scales (their outputs are not written).
+            gi0[m] = (uint32_t)(((long long)matrix * rows + (ok0[m] ? o0[m] : 0)) * groups);
+            gi1[m] = (uint32_t)(((long long)matrix * rows + (ok1[m] ? o1[m] : 0)) * groups);
+        }
+        float acc[MT][ND];
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+            for (int e = 0; e < ND; ++e) acc[m][e] = 0.0f;
+        uint16_t nxt[MT][4];
+        auto fetch = [&](int kt) {
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                nxt[m][0] = __ldg(p.scales + gi0[m] + kt);
+                nxt[m][1] = __ldg(p.biases + gi0[m] + kt);
+                nxt[m][2] = __ldg(sc1p + gi1[m] + kt);
+                nxt[m][3] = __ldg(bi1p + gi1[m] + kt);
+            }
+        };
+        fetch(0);
+        int prev = -1;
+        auto step = [&](int kt, uint32_t (&a)[MT][4][4]) {
+            mbar_wait(full0 + 8 * s, ph);
+            fence_proxy_async();
+            const uint32_t so = s * STAGE;
+            __half2 hs0[MT], hb0[MT], hs1[MT], hb1[MT];
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                hs0[m] = __float2half2_rn(bf16_to_f32(nxt[m][0]));
+                hb0[m] = __float2half2_rn(bf16_to_f32(nxt[m][1]));
+                hs1[m] = __float2half2_rn(bf16_to_f32(nxt[m][2]));
+                hb1[m] = __float2half2_rn(bf16_to_f32(nxt[m][3]));
+            }
+            if (kt + 1 < nk) fetch(kt + 1);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                const uint2 wa = lds64(base + so + XB + r0[m] * 32 + q * 8);
+                const uint2 wb = lds64(base + so + XB + (r0[m] + 8) * 32 + q * 8);
+                half_weights4(wa.x, hs0[m], hb0[m], a[m][0][0], a[m][1][0], a[m][2][0], a[m][3][0]);
+                half_weights4(wb.x, hs1[m], hb1[m], a[m][0][1], a[m][1][1], a[m][2][1], a[m][3][1]);
+                half_weights4(wa.y, hs0[m], hb0[m], a[m][0][2], a[m][1][2], a[m][2][2], a[m][3][2]);
+                half_weights4(wb.y, hs1[m], hb1[m], a[m][0][3], a[m][1][3], a[m][2][3], a[m][3][3]);
+            }
+            const uint64_t dst = d0 + (uint64_t)(so >> 4);
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+#pragma unroll
+                for (int m = 0; m < MT; ++m) wgmma_m64n128k16_rs<true>(acc[m], a[m][k], dst + (uint64_t)((32 * k) >> 4), 1);
+            wgmma_commit();
+            wgmma_wait<1>();
+            // The stage before this one has been read by this warp's MMAs.
+            if (prev >= 0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
+            prev = s;
+            if (++s == NS) {
+                s = 0;
+                ph ^= 1;
+            }
+        };
+        uint32_t a0[MT][4][4], a1[MT][4][4];
+        int kt = 0;
+#pragma unroll 1
+        for (; kt + 1 < nk; kt += 2) {
+            step(kt, a0);
+            step(kt + 1, a1);
+        }
+        if (kt < nk) step(kt, a0);
+        wgmma_wait<0>();
+#pragma unroll
+        for (int m = 0; m < MT; ++m) wgmma_pin(acc[m]);
+        if (lane == 0) mbar_arrive(empty0 + 8 * prev);
+
+        // ---- Epilogue: rows o0[m] (and o1[m]), tokens 8j + 2q + e.
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+#pragma unroll
+            for (int j = 0; j < BT / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int tok = 8 * j + 2 * q + e;
+                    const int slot = m_begin + tok;
+                    if (slot >= m_end) continue;
+                    float* yrow = p.y + (long long)slot * rows;
+                    const float k = tsc[parity][tok];
+                    const float v0 = acc[m][4 * j + e] * k, v1 = acc[m][4 * j + 2 + e] * k;
+                    if (SWIGLU) {
+                        if (ok0[m]) yrow[o0[m]] = v0 / (1.0f + expf(-v0)) * v1;
+                    } else {
+                        if (ok0[m]) yrow[o0[m]] = v0;
+                        if (ok1[m]) yrow[o1[m]] = v1;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#define WS_ENTRY(name, MT, NS, SWIGLU, GROUPED)                                                       \
+    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) name(const WgParams p) {               \
+        pdl_enter();                                                                                   \
+        wg_tile_ws<MT, NS, SWIGLU, GROUPED>(p);                                                        \
+    }
+#define WS_FORM(prefix, SWIGLU, GROUPED)                      \
+    WS_ENTRY(prefix##_ws128, 1, 10, SWIGLU, GROUPED)          \
+    WS_ENTRY(prefix##_ws256, 2, 8, SWIGLU, GROUPED)
+WS_FORM(gemm_wgmma_plain, false, false)
+WS_FORM(gemm_wgmma_swiglu, true, false)
+WS_FORM(gemm_wgmma_grouped, false, true)
+WS_FORM(gemm_wgmma_grouped_swiglu, true, true)
 
 #define WG_ENTRY_W(name, BT, MT, NUM, NS, WGS, SWIGLU, GROUPED, MINB)                                 \
     extern "C" __global__ void __launch_bounds__(128 * WGS, MINB) name(const WgParams p) {               \

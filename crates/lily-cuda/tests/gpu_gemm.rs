@@ -70,7 +70,7 @@ const CPU_TOL_HALF: f64 = 1e-3;
 const SPARE: usize = 37;
 
 const PRECISIONS: [Precision; 4] = [Precision::Exact, Precision::Bf16x, Precision::Fast, Precision::Half];
-const TILES: [Tile; 7] = [Tile::Auto, Tile::M64, Tile::M32, Tile::Wg64, Tile::Wg128, Tile::Wg64x256, Tile::Wg128x256];
+const TILES: [Tile; 9] = [Tile::Auto, Tile::M64, Tile::M32, Tile::Wg64, Tile::Wg128, Tile::Wg64x256, Tile::Wg128x256, Tile::Ws128, Tile::Ws256];
 
 fn is_q4g64(w: &Matrix) -> bool {
     matches!(&w.storage, Storage::Affine { params, .. } if params.bits == 4 && params.group_size == 64)
@@ -82,11 +82,11 @@ fn is_q8g64(w: &Matrix) -> bool {
 
 /// Whether `tile` takes weights `w` in precision `p` in a call of the plain form (`plain`) or another
 /// (the wgmma tiles: 4-bit group 64, not Fast, and 8-bit group 64 in the plain form in Half; the
-/// 256-row ones 4-bit in Half only). The others must be refused.
+/// 256-row and the warp-specialised ones 4-bit in Half only). The others must be refused.
 fn tile_takes(tile: Tile, w: &Matrix, p: Precision, plain: bool) -> bool {
     match tile {
         Tile::Wg64 | Tile::Wg128 => (is_q4g64(w) && p != Precision::Fast) || (is_q8g64(w) && plain && p == Precision::Half),
-        Tile::Wg64x256 | Tile::Wg128x256 => is_q4g64(w) && p == Precision::Half,
+        Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 => is_q4g64(w) && p == Precision::Half,
         _ => true,
     }
 }
@@ -772,7 +772,7 @@ fn half_scales_each_row_into_f16_range() {
         x[r * cols..(r + 1) * cols].iter_mut().for_each(|v| *v *= m);
     }
     let rm = RefMat::new(&w, 0);
-    for tile in [Tile::Wg64, Tile::Wg128, Tile::Wg128x256] {
+    for tile in [Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws256] {
         let o = Opts { tile, precision: Precision::Half, ..Default::default() };
         let xd = dev.upload(&x).unwrap();
         let mut y = poisoned(&dev, t * rows);
@@ -813,23 +813,80 @@ fn grouped_gather_past_x_gives_nan_rows_only() {
     let src_d = dev.upload(&src).unwrap();
     let off_d = dev.upload(&offsets_of(&counts)).unwrap();
     let expert = [0usize, 0, 0, 2, 2, 2, 2];
-    for p in PRECISIONS {
+    // Every precision on the Auto tile, and Half on the warp-specialised ones too.
+    let runs = PRECISIONS.iter().map(|&p| (p, Tile::Auto)).chain([(Precision::Half, Tile::Ws128), (Precision::Half, Tile::Ws256)]);
+    for (p, tile) in runs {
         let mut y = poisoned(&dev, n * rows);
         util::fill(&dev, &mut y, 0.5).unwrap();
-        gemm::grouped_gemm_with(&dev, &dw, &off_d, Some(&src_d), &xd, n, &mut y, Opts { precision: p, ..Default::default() }).unwrap();
+        gemm::grouped_gemm_with(&dev, &dw, &off_d, Some(&src_d), &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap();
         let got = dev.download(&y).unwrap();
         for i in 0..n {
             let row = &got[i * rows..(i + 1) * rows];
             if src[i] >= 5 {
-                assert!(row.iter().all(|v| v.is_nan()), "{p:?}: slot {i} reads row {} of 5: must be NaN", src[i]);
+                assert!(row.iter().all(|v| v.is_nan()), "{p:?} {tile:?}: slot {i} reads row {} of 5: must be NaN", src[i]);
             } else {
                 let s = src[i] as usize;
                 let tol = if matches!(p, Precision::Fast | Precision::Half) { TOL } else { TOL_EXACT };
                 let want = RefMat::new(&w, expert[i]).apply(p, &x[s * cols..(s + 1) * cols]);
-                check(row, &want, tol, &format!("{p:?}: slot {i} next to bad gathers"));
+                check(row, &want, tol, &format!("{p:?} {tile:?}: slot {i} next to bad gathers"));
             }
         }
     }
+}
+
+/// The warp-specialised tiles on calls of more tiles than the GPU has SMs (each block walks several, its
+/// ring running on across tile boundaries), in every form: the same sums as the two-warpgroup Wg128
+/// tile (the same dequantised f16 weights, the same MMAs in the same order), held to it at TOL and
+/// reported as the share of bit-identical outputs.
+#[test]
+fn warp_specialised_tiles_walk_many_tiles_like_wg128() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(208);
+    let f = Fmt { bits: 4, gs: 64 };
+    let half = |tile| Opts { tile, precision: Precision::Half, ..Default::default() };
+    let compare_ws = |what: &str, run: &mut dyn FnMut(Tile, &mut CudaSlice<f32>), n: usize| {
+        let mut want = poisoned(&dev, n);
+        run(Tile::Wg128, &mut want);
+        let want = dev.download(&want).unwrap();
+        let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
+        for tile in [Tile::Ws128, Tile::Ws256] {
+            let mut y = poisoned(&dev, n);
+            run(tile, &mut y);
+            let got = dev.download(&y).unwrap();
+            let same = got.iter().zip(&want).filter(|(a, b)| a.to_bits() == b.to_bits()).count();
+            println!("{what} {tile:?}: {same} of {n} outputs bit-identical to Wg128");
+            check(&got, &want64, TOL, &format!("{what} {tile:?} vs Wg128"));
+        }
+    };
+    // Plain: 8192 rows (64 / 32 row tiles) × 5 token tiles (the last of 8 tokens).
+    let (rows, cols, t) = (8192, 256, 520);
+    let w = upload_matrix(&dev, &matrix(&mut rng, f, 1, rows, cols)).unwrap();
+    let (xd, _, _) = inputs(&dev, &mut rng, t, cols, 0);
+    compare_ws("plain [8192x256] t=520", &mut |tile, y| gemm::gemm_with(&dev, &w, 0, &xd, t, y, half(tile)).unwrap(), t * rows);
+    // SwiGLU: 2048 rows of gate and up (32 / 16 row tiles) × 3 token tiles.
+    let (rows, cols, t) = (2048, 512, 300);
+    let (g, u) = (upload_matrix(&dev, &matrix(&mut rng, f, 1, rows, cols)).unwrap(), upload_matrix(&dev, &matrix(&mut rng, f, 1, rows, cols)).unwrap());
+    let (xd, _, _) = inputs(&dev, &mut rng, t, cols, 0);
+    compare_ws("swiglu [2048x512] t=300", &mut |tile, y| gemm::swiglu_gemm_with(&dev, &g, &u, 0, &xd, t, y, half(tile)).unwrap(), t * rows);
+    // Grouped (and SwiGLU), 64 experts with skewed routing, gathering from 900 token rows.
+    let e = 64;
+    let counts = random_counts(&mut rng, e, 3000);
+    let n: usize = counts.iter().sum();
+    let off = dev.upload(&offsets_of(&counts)).unwrap();
+    let src = dev.upload(&(0..n).map(|_| rng.below(900) as u32).collect::<Vec<u32>>()).unwrap();
+    let (rows, cols) = (384, 1024);
+    let (g, u) = (upload_matrix(&dev, &matrix(&mut rng, f, e, rows, cols)).unwrap(), upload_matrix(&dev, &matrix(&mut rng, f, e, rows, cols)).unwrap());
+    let (xd, _, _) = inputs(&dev, &mut rng, 900, cols, 0);
+    compare_ws(
+        "grouped [64x384x1024] n=3000",
+        &mut |tile, y| gemm::grouped_gemm_with(&dev, &g, &off, Some(&src), &xd, n, y, half(tile)).unwrap(),
+        n * rows,
+    );
+    compare_ws(
+        "grouped swiglu [64x384x1024] n=3000",
+        &mut |tile, y| gemm::grouped_swiglu_gemm_with(&dev, &g, &u, &off, Some(&src), &xd, n, y, half(tile)).unwrap(),
+        n * rows,
+    );
 }
 
 #[test]

@@ -99,11 +99,22 @@ pub enum Tile {
     Wg64x256,
     /// Hopper wgmma, 4-bit in `Half` only: 128 tokens × 256 weight rows per block (four warpgroups).
     Wg128x256,
+    /// Hopper wgmma, 4-bit in `Half` only, warp-specialised and persistent: a producer warpgroup fills
+    /// the ring, two consumer warpgroups compute 128 tokens × 128 weight rows a tile, one block an SM
+    /// walking the tiles (grouped: at most 768 experts).
+    Ws128,
+    /// As `Ws128` with 128 tokens × 256 weight rows a tile.
+    Ws256,
 }
 
 impl Tile {
     fn is_wgmma(self) -> bool {
-        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256)
+        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256)
+    }
+
+    /// The warp-specialised tiles.
+    fn is_ws(self) -> bool {
+        matches!(self, Tile::Ws128 | Tile::Ws256)
     }
 
     /// (tokens, weight rows) a block of a wgmma tile.
@@ -111,7 +122,7 @@ impl Tile {
         match self {
             Tile::Wg64 => (64, 128),
             Tile::Wg64x256 => (64, 256),
-            Tile::Wg128x256 => (128, 256),
+            Tile::Wg128x256 | Tile::Ws256 => (128, 256),
             _ => (128, 128),
         }
     }
@@ -129,6 +140,17 @@ fn wgmma_allowed() -> bool {
 fn wgmma_q8_auto() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("LILY_ROUTER_WGMMA").is_ok_and(|v| v == "1"))
+}
+
+/// The tile `Tile::Auto` takes where `half_tile` picks `Tile::Wg128`: `LILY_GEMM=ws128` or `ws256`
+/// the warp-specialised tiles (opt-in until measured against Wg128, docs/PERF.md), else Wg128.
+fn ws_auto() -> Option<Tile> {
+    static ON: std::sync::OnceLock<Option<Tile>> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("LILY_GEMM").as_deref() {
+        Ok("ws128") => Some(Tile::Ws128),
+        Ok("ws256") => Some(Tile::Ws256),
+        _ => None,
+    })
 }
 
 /// The numerics of a GEMM call (see the module doc).
@@ -536,10 +558,20 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     if matches!(tile, Tile::Wg64x256 | Tile::Wg128x256) && (precision != Precision::Half || w.bits() != 4) {
         return Err(CudaError::Shape(format!("{what}: the 256-row wgmma tiles take 4-bit weights in Half, not {} in {precision:?}", describe(w))));
     }
+    if tile.is_ws() && (precision != Precision::Half || w.bits() != 4 || matches!(grp, Group::Grouped { e, .. } if e > super::gemm_wgmma::WS_MAX_EXPERTS)) {
+        return Err(CudaError::Shape(format!(
+            "{what}: the warp-specialised tiles take 4-bit weights in Half and at most {} experts, not {} in {precision:?}",
+            super::gemm_wgmma::WS_MAX_EXPERTS,
+            describe(w)
+        )));
+    }
     let wg_tiles = rows.div_ceil(if w2.is_some() { super::gemm_wgmma::BW / 2 } else { super::gemm_wgmma::BW });
     let wg_auto = wg_ok && wgmma_allowed() && (w.bits() == 4 || wgmma_q8_auto());
     let tile = match tile {
-        Tile::Auto if wg_auto && precision == Precision::Half => half_tile(dev, grouped, t, experts, wg_tiles),
+        Tile::Auto if wg_auto && precision == Precision::Half => match half_tile(dev, grouped, t, experts, wg_tiles) {
+            Tile::Wg128 if w.bits() == 4 && experts <= super::gemm_wgmma::WS_MAX_EXPERTS => ws_auto().unwrap_or(Tile::Wg128),
+            other => other,
+        },
         Tile::Auto if wg_auto => {
             // Measured (PERF.md, 2026-12-02 third session): the two X planes of Exact fit 128-token tiles
             // one block an SM, where 64-token tiles run two and win by 0-10%; Bf16x gains 128 tokens'
@@ -600,7 +632,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
             Precision::Bf16x => super::gemm_wgmma::Num::Bf16x,
             _ => super::gemm_wgmma::Num::Half,
         };
-        return super::gemm_wgmma::run(dev, &call, bt, num, wrows, reuse_x);
+        return super::gemm_wgmma::run(dev, &call, bt, num, wrows, tile.is_ws(), reuse_x);
     }
     // This call stages nothing: a later `reuse_x` call must not take an older staging for its x.
     if !reuse_x {

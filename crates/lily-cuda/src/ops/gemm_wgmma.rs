@@ -96,11 +96,25 @@ const NAMES: [&str; 4 * VARIANTS] = forms!("plain", "swiglu", "grouped", "groupe
 /// The 8-bit plain half kernels: 128 tokens, then 64 (variants 4 and 5 of the 4-bit forms, one ring
 /// stage shallower).
 const NAMES_Q8: [&str; 2] = ["gemm_wgmma_plain_n128_h128_q8", "gemm_wgmma_plain_n64_h128_q8"];
+/// The warp-specialised persistent tiles (half numerics, 4-bit, 128 tokens): per form (plain, swiglu,
+/// grouped, grouped swiglu) 128 weight rows a tile (`_ws128`), then 256 (`_ws256`).
+const NAMES_WS: [&str; 8] = [
+    "gemm_wgmma_plain_ws128",
+    "gemm_wgmma_plain_ws256",
+    "gemm_wgmma_swiglu_ws128",
+    "gemm_wgmma_swiglu_ws256",
+    "gemm_wgmma_grouped_ws128",
+    "gemm_wgmma_grouped_ws256",
+    "gemm_wgmma_grouped_swiglu_ws128",
+    "gemm_wgmma_grouped_swiglu_ws256",
+];
+/// Experts a grouped call of the warp-specialised tiles may route over (`WS_MAXE` in the `.cu`).
+pub(crate) const WS_MAX_EXPERTS: usize = 768;
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 
-const fn all_kernels() -> [&'static str; 4 * VARIANTS + 4] {
-    let mut out = [""; 4 * VARIANTS + 4];
+const fn all_kernels() -> [&'static str; 4 * VARIANTS + 12] {
+    let mut out = [""; 4 * VARIANTS + 12];
     let mut i = 0;
     while i < 4 * VARIANTS {
         out[i] = NAMES[i];
@@ -110,9 +124,14 @@ const fn all_kernels() -> [&'static str; 4 * VARIANTS + 4] {
     out[4 * VARIANTS + 1] = STAGE_HALF_KERNEL;
     out[4 * VARIANTS + 2] = NAMES_Q8[0];
     out[4 * VARIANTS + 3] = NAMES_Q8[1];
+    let mut j = 0;
+    while j < 8 {
+        out[4 * VARIANTS + 4 + j] = NAMES_WS[j];
+        j += 1;
+    }
     out
 }
-const ALL: [&str; 4 * VARIANTS + 4] = all_kernels();
+const ALL: [&str; 4 * VARIANTS + 12] = all_kernels();
 pub(crate) const KERNELS: &[&str] = &ALL;
 
 /// A kernel variant: tokens a block, numerics, ring stages, warpgroups (of 64 weight rows each), bits
@@ -178,7 +197,20 @@ const fn smem_bytes(v: Variant) -> usize {
     v.stages * stage + 1024
 }
 
+/// Dynamic shared memory of a warp-specialised tile of `wrows` (128 or 256) weight rows: its ring
+/// (10 or 8 stages of 128 X rows of 128 bytes and `wrows` code rows of 32 bytes, each rounded to 1024
+/// bytes) plus 1024 for aligning it. The kernel's static shared memory (barriers, the expert prefix,
+/// the slots' scales) comes on top: 4.3 KB at most.
+const fn ws_smem_bytes(wrows: usize) -> usize {
+    let stages = if wrows == 128 { 10 } else { 8 };
+    stages * (128 * 128 + wrows * 32).div_ceil(1024) * 1024 + 1024
+}
+
 pub(crate) fn configure(dev: &Device) -> Result<()> {
+    for (i, name) in NAMES_WS.iter().enumerate() {
+        dev.function(name)?
+            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(128 << (i % 2)) as i32)?;
+    }
     for (i, name) in NAMES.iter().enumerate() {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(i)) as i32)?;
@@ -251,10 +283,12 @@ pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
 }
 
 /// Runs `c` with `bt` (64 or 128) tokens and `wrows` (128, or 256 in `Num::Half` only) weight rows a
-/// block in numerics `num`. `reuse_x`: the caller promises x has not been written since the previous call that staged it; when
+/// block in numerics `num`; `ws`: on the warp-specialised persistent tiles (4-bit, `Num::Half`, 128
+/// tokens, at most `WS_MAX_EXPERTS` experts). `reuse_x`: the caller promises x has not been written since the previous call that staged it; when
 /// the buffer still holds that staging (same x, shape and numerics), it is not staged again.
-pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reuse_x: bool) -> Result<()> {
+pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws: bool, reuse_x: bool) -> Result<()> {
     debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
+    debug_assert!(!ws || (c.bits == 4 && num == Num::Half && bt == 128));
     let q8 = c.bits == 8;
     debug_assert!(c.bits == 4 || (q8 && c.w2.0 == 0 && c.grouped.is_none() && num == Num::Half && wrows == 128));
     // The grid (checked before anything is launched): token tiles × weight-row tiles, or the other way
@@ -267,6 +301,9 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
     let grid = if c.grouped.is_some() { (row_tiles, m_tiles) } else { (m_tiles, row_tiles) };
     if grid.1 > 65535 {
         return Err(CudaError::Shape(format!("wgmma gemm: {} tiles along the grid's y", grid.1)));
+    }
+    if ws && experts > WS_MAX_EXPERTS {
+        return Err(CudaError::Shape(format!("wgmma gemm: the warp-specialised tiles take at most {WS_MAX_EXPERTS} experts, not {experts}")));
     }
     let groups = c.cols / GROUP;
     let planes = num.planes();
@@ -299,6 +336,34 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, reu
         (false, true) => 2,
         (true, true) => 3,
     };
+    if ws {
+        // Persistent: one block an SM (at most one a tile), each walking the tiles.
+        let tiles = m_tiles * row_tiles;
+        let blocks = tiles.min(dev.sm_count() as usize).max(1);
+        let p = WgParams {
+            w: c.w.0,
+            scales: c.w.1,
+            biases: c.w.2,
+            w2: c.w2.0,
+            scales2: c.w2.1,
+            biases2: c.w2.2,
+            xh: hi,
+            xl: lo,
+            xsum: sums,
+            y: c.y,
+            offsets,
+            gather,
+            x_rows: c.x_rows as i64,
+            t: c.t as i32,
+            rows: c.rows as i32,
+            cols: c.cols as i32,
+            count: experts as i32,
+            matrix: c.matrix as i32,
+            pad_: 0,
+        };
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (384, 1, 1), shared_mem_bytes: ws_smem_bytes(wrows) as u32 };
+        return launch(dev, NAMES_WS[2 * form + usize::from(wrows == 256)], cfg, &p);
+    }
     let (name, v) = if q8 {
         let i = if bt == 128 { 0 } else { 1 };
         (NAMES_Q8[i], variant_q8(i))
@@ -352,6 +417,11 @@ mod tests {
             assert_eq!(smem_bytes(v), want[i], "variant {i} ({})", NAMES[i]);
             assert!(blocks[i] * smem_bytes(v) <= 227 * 1024, "variant {i}: {} blocks do not fit", blocks[i]);
             assert_eq!(variant_index(v.bt, v.num, v.rows()), i, "variant {i} is not the one its shape selects");
+        }
+        // The warp-specialised tiles: one block an SM, with their static shared memory (4.3 KB).
+        for (wrows, want) in [(128, 205_824), (256, 197_632)] {
+            assert_eq!(ws_smem_bytes(wrows), want, "ws{wrows}");
+            assert!(ws_smem_bytes(wrows) + 4400 <= 227 * 1024, "ws{wrows} does not fit");
         }
         // The 8-bit kernels: two blocks an SM each.
         for (i, want) in [99_328, 66_560].into_iter().enumerate() {
