@@ -5,9 +5,10 @@
 //!
 //! Two kernel families: `kernels/gemm.cu` (`mma.sync`, every format) and, for 4-bit group-64 weights
 //! in `Exact`, `Bf16x` and `Half` (the model's format), and for 8-bit group-64 weights (the router) in
-//! the plain form in `Half`, the Hopper wgmma kernels of [`super::gemm_wgmma`] (`Tile::Wg*`, chosen by
-//! `Tile::Auto` — for 8-bit weights only with `LILY_ROUTER_WGMMA=1` until measured; about 2× faster
-//! in the same numerics; `LILY_GEMM=mma` keeps gemm.cu's for A/B runs).
+//! the plain form in `Half`, the Hopper wgmma kernels of [`super::gemm_wgmma`] (`Tile::Wg*` and the
+//! warp-specialised `Tile::Ws*`, chosen by `Tile::Auto` — for 8-bit weights only with
+//! `LILY_ROUTER_WGMMA=1` until measured; about 2× faster in the same numerics; `LILY_GEMM=mma` keeps
+//! gemm.cu's for A/B runs, `LILY_GEMM=wg` the two-warpgroup wgmma tiles).
 //!
 //! Numerics ([`Precision`], all four forms; products are exact and accumulated in f32 by
 //! `mma.sync m16n8k16 .bf16 -> .f32` or `wgmma m64nNk16 .bf16 -> .f32`):
@@ -142,15 +143,20 @@ fn wgmma_q8_auto() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_ROUTER_WGMMA").is_ok_and(|v| v == "1"))
 }
 
-/// The tile `Tile::Auto` takes where `half_tile` picks `Tile::Wg128`: `LILY_GEMM=ws128` or `ws256`
-/// the warp-specialised tiles (opt-in until measured against Wg128, docs/PERF.md), else Wg128.
-fn ws_auto() -> Option<Tile> {
-    static ON: std::sync::OnceLock<Option<Tile>> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| match std::env::var("LILY_GEMM").as_deref() {
+/// The tile `Tile::Auto` takes where `half_tile` picks `Tile::Wg128` (4-bit weights, at most
+/// `WS_MAX_EXPERTS` experts): by default the warp-specialised `Ws128`, except in the grouped GEMMs
+/// without SwiGLU (the MoE down projection, K = 512: 3.5% slower there on an H100, where the plain
+/// GEMMs gained 5–11% and the grouped SwiGLU 4.5%; PERF.md 2026-12-06, fifteenth session).
+/// `LILY_GEMM=wg` keeps `Wg128` everywhere, `ws128` / `ws256` take that tile everywhere (A/B runs).
+fn wide_half_tile(grouped: bool, swiglu: bool) -> Tile {
+    static CHOICE: std::sync::OnceLock<Option<Tile>> = std::sync::OnceLock::new();
+    let forced = *CHOICE.get_or_init(|| match std::env::var("LILY_GEMM").as_deref() {
+        Ok("wg") => Some(Tile::Wg128),
         Ok("ws128") => Some(Tile::Ws128),
         Ok("ws256") => Some(Tile::Ws256),
         _ => None,
-    })
+    });
+    forced.unwrap_or(if grouped && !swiglu { Tile::Wg128 } else { Tile::Ws128 })
 }
 
 /// The numerics of a GEMM call (see the module doc).
@@ -569,7 +575,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     let wg_auto = wg_ok && wgmma_allowed() && (w.bits() == 4 || wgmma_q8_auto());
     let tile = match tile {
         Tile::Auto if wg_auto && precision == Precision::Half => match half_tile(dev, grouped, t, experts, wg_tiles) {
-            Tile::Wg128 if w.bits() == 4 && experts <= super::gemm_wgmma::WS_MAX_EXPERTS => ws_auto().unwrap_or(Tile::Wg128),
+            Tile::Wg128 if w.bits() == 4 && experts <= super::gemm_wgmma::WS_MAX_EXPERTS => wide_half_tile(grouped, w2.is_some()),
             other => other,
         },
         Tile::Auto if wg_auto => {
