@@ -978,16 +978,22 @@ fn report(what: &str, flops: f64, t: f64) {
 }
 
 /// Times `op(tile, precision)` for every tile and precision that takes the shape; prints one line each, then the
-/// Exact/Fast time ratio with the Auto tile.
+/// Exact/Fast time ratio with the Auto tile. `BENCH_FILTER` (substrings separated by `|`): only the
+/// lines whose label contains one of them.
 fn bench_both(dev: &Device, what: &str, flops: f64, mut op: impl FnMut(Tile, Precision) -> lily_cuda::Result<()>) {
+    let filter = std::env::var("BENCH_FILTER").ok();
     let mut auto = [0.0f64; 4];
     for p in PRECISIONS {
         for tile in TILES {
+            let label = format!("{what} {tile:?} {p:?}");
+            if filter.as_deref().is_some_and(|f| !f.split('|').any(|part| label.contains(part))) {
+                continue;
+            }
             if op(tile, p).is_err() {
                 continue; // a tile that does not take this format or precision
             }
             let s = time_op(dev, || op(tile, p).unwrap());
-            report(&format!("{what} {tile:?} {p:?}"), flops, s);
+            report(&label, flops, s);
             if tile == Tile::Auto {
                 auto[pidx(p)] = s;
             }
