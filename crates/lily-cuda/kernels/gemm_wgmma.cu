@@ -570,7 +570,7 @@ __device__ __forceinline__ void half_weights4(uint32_t w, __half2 scale, __half2
     p3 = *reinterpret_cast<const uint32_t*>(&d3);
 }
 
-template <int MT, int NS, bool SWIGLU, bool GROUPED, int PROBE = 0>
+template <int MT, int NS, bool SWIGLU, bool GROUPED>
 __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     constexpr int BT = 128;
     constexpr int BWT = 128 * MT;                // weight rows a tile (two consumer warpgroups)
@@ -661,17 +661,12 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
             for (int kt = 0; kt < nk; ++kt) {
                 mbar_wait(empty0 + 8 * s, ph ^ 1);
                 const uint32_t so = s * STAGE;
-                if constexpr (PROBE == 6) {
-                    mbar_arrive(full0 + 8 * s);  // probe 6: no copies (the consumers alone)
-                } else {
 #pragma unroll
-                    for (int j = 0; j < XRPT; ++j) cp_async16(xdst + so + j * 16 * 128, p.xh + xoff[j] + kt * GROUP, (x_ok >> j) & 1);
+                for (int j = 0; j < XRPT; ++j) cp_async16(xdst + so + j * 16 * 128, p.xh + xoff[j] + kt * GROUP, (x_ok >> j) & 1);
 #pragma unroll
-                    for (int j = 0; j < WLD; ++j)
-                        cp_async16(wdst + so + j * 64 * 32, reinterpret_cast<const uint4*>(((w_up >> j) & 1) ? p.w2 : p.w) + wchunk[j] + kt * 2,
-                                   (w_ok >> j) & 1);
-                    mbar_arrive_on_copies(full0 + 8 * s);
-                }
+                for (int j = 0; j < WLD; ++j)
+                    cp_async16(wdst + so + j * 64 * 32, reinterpret_cast<const uint4*>(((w_up >> j) & 1) ? p.w2 : p.w) + wchunk[j] + kt * 2, (w_ok >> j) & 1);
+                mbar_arrive_on_copies(full0 + 8 * s);
                 if (++s == NS) {
                     s = 0;
                     ph ^= 1;
@@ -743,54 +738,34 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
         int prev = -1;
         auto step = [&](int kt, uint32_t (&a)[MT][4][4]) {
             mbar_wait(full0 + 8 * s, ph);
-            // PROBE (timing diagnostics, wrong results): 1 no dequantisation (the code words go to the
-            // MMAs), 2 no proxy fence, 3 no scale loads, 5 no work at all (the ring alone), 6 no copies
-            // (the producer marks each stage full at once: the consumers alone).
-            if constexpr (PROBE != 2 && PROBE != 5) fence_proxy_async();
+            fence_proxy_async();
             const uint32_t so = s * STAGE;
             __half2 hs0[MT], hb0[MT], hs1[MT], hb1[MT];
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
-                if constexpr (PROBE == 3) {
-                    hs0[m] = hs1[m] = __float2half2_rn(0.01f);
-                    hb0[m] = hb1[m] = __float2half2_rn(-0.1f);
-                } else {
-                    hs0[m] = __float2half2_rn(bf16_to_f32(nxt[m][0]));
-                    hb0[m] = __float2half2_rn(bf16_to_f32(nxt[m][1]));
-                    hs1[m] = __float2half2_rn(bf16_to_f32(nxt[m][2]));
-                    hb1[m] = __float2half2_rn(bf16_to_f32(nxt[m][3]));
-                }
+                hs0[m] = __float2half2_rn(bf16_to_f32(nxt[m][0]));
+                hb0[m] = __float2half2_rn(bf16_to_f32(nxt[m][1]));
+                hs1[m] = __float2half2_rn(bf16_to_f32(nxt[m][2]));
+                hb1[m] = __float2half2_rn(bf16_to_f32(nxt[m][3]));
             }
-            if (PROBE != 3 && PROBE != 5 && kt + 1 < nk) fetch(kt + 1);
-            if constexpr (PROBE != 5) {
+            if (kt + 1 < nk) fetch(kt + 1);
 #pragma unroll
-                for (int m = 0; m < MT; ++m) {
-                    const uint2 wa = lds64(base + so + XB + r0[m] * 32 + q * 8);
-                    const uint2 wb = lds64(base + so + XB + (r0[m] + 8) * 32 + q * 8);
-                    if constexpr (PROBE == 1) {
-#pragma unroll
-                        for (int k = 0; k < 4; ++k) {
-                            a[m][k][0] = wa.x;
-                            a[m][k][1] = wb.x;
-                            a[m][k][2] = wa.y;
-                            a[m][k][3] = wb.y;
-                        }
-                    } else {
-                        half_weights4(wa.x, hs0[m], hb0[m], a[m][0][0], a[m][1][0], a[m][2][0], a[m][3][0]);
-                        half_weights4(wb.x, hs1[m], hb1[m], a[m][0][1], a[m][1][1], a[m][2][1], a[m][3][1]);
-                        half_weights4(wa.y, hs0[m], hb0[m], a[m][0][2], a[m][1][2], a[m][2][2], a[m][3][2]);
-                        half_weights4(wb.y, hs1[m], hb1[m], a[m][0][3], a[m][1][3], a[m][2][3], a[m][3][3]);
-                    }
-                }
-                const uint64_t dst = d0 + (uint64_t)(so >> 4);
-                wgmma_fence();
-#pragma unroll
-                for (int k = 0; k < 4; ++k)
-#pragma unroll
-                    for (int m = 0; m < MT; ++m) wgmma_m64n128k16_rs<true>(acc[m], a[m][k], dst + (uint64_t)((32 * k) >> 4), 1);
-                wgmma_commit();
-                wgmma_wait<1>();
+            for (int m = 0; m < MT; ++m) {
+                const uint2 wa = lds64(base + so + XB + r0[m] * 32 + q * 8);
+                const uint2 wb = lds64(base + so + XB + (r0[m] + 8) * 32 + q * 8);
+                half_weights4(wa.x, hs0[m], hb0[m], a[m][0][0], a[m][1][0], a[m][2][0], a[m][3][0]);
+                half_weights4(wb.x, hs1[m], hb1[m], a[m][0][1], a[m][1][1], a[m][2][1], a[m][3][1]);
+                half_weights4(wa.y, hs0[m], hb0[m], a[m][0][2], a[m][1][2], a[m][2][2], a[m][3][2]);
+                half_weights4(wb.y, hs1[m], hb1[m], a[m][0][3], a[m][1][3], a[m][2][3], a[m][3][3]);
             }
+            const uint64_t dst = d0 + (uint64_t)(so >> 4);
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+#pragma unroll
+                for (int m = 0; m < MT; ++m) wgmma_m64n128k16_rs<true>(acc[m], a[m][k], dst + (uint64_t)((32 * k) >> 4), 1);
+            wgmma_commit();
+            wgmma_wait<1>();
             // The stage before this one has been read by this warp's MMAs.
             if (prev >= 0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
             prev = s;
@@ -845,17 +820,6 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
 #define WS_FORM(prefix, SWIGLU, GROUPED)                      \
     WS_ENTRY(prefix##_ws128, 1, 10, SWIGLU, GROUPED)          \
     WS_ENTRY(prefix##_ws256, 2, 8, SWIGLU, GROUPED)
-// Timing probes of the plain Ws128 tile (see PROBE in wg_tile_ws; wrong results, for the op bench).
-#define WS_PROBE(n)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) gemm_wgmma_plain_ws128_probe##n(const WgParams p) { \
-        pdl_enter();                                                                                   \
-        wg_tile_ws<1, 10, false, false, n>(p);                                                         \
-    }
-WS_PROBE(1)
-WS_PROBE(2)
-WS_PROBE(3)
-WS_PROBE(5)
-WS_PROBE(6)
 WS_FORM(gemm_wgmma_plain, false, false)
 WS_FORM(gemm_wgmma_swiglu, true, false)
 WS_FORM(gemm_wgmma_grouped, false, true)

@@ -108,37 +108,13 @@ const NAMES_WS: [&str; 8] = [
     "gemm_wgmma_grouped_swiglu_ws128",
     "gemm_wgmma_grouped_swiglu_ws256",
 ];
-/// Timing probes of the plain Ws128 tile (`PROBE` in the `.cu`; wrong results): `LILY_GEMM_PROBE=1`
-/// (no dequantisation), `2` (no proxy fence), `3` (no scale loads), `5` (the ring alone), `6` (no
-/// copies: the consumers alone) put them in
-/// its place for the op bench. Diagnostics of the fifteenth session (docs/PERF.md).
-const NAMES_PROBE: [&str; 5] = [
-    "gemm_wgmma_plain_ws128_probe1",
-    "gemm_wgmma_plain_ws128_probe2",
-    "gemm_wgmma_plain_ws128_probe3",
-    "gemm_wgmma_plain_ws128_probe5",
-    "gemm_wgmma_plain_ws128_probe6",
-];
-
-fn probe() -> Option<usize> {
-    static P: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    *P.get_or_init(|| match std::env::var("LILY_GEMM_PROBE").as_deref() {
-        Ok("1") => Some(0),
-        Ok("2") => Some(1),
-        Ok("3") => Some(2),
-        Ok("5") => Some(3),
-        Ok("6") => Some(4),
-        _ => None,
-    })
-}
-
 /// Experts a grouped call of the warp-specialised tiles may route over (`WS_MAXE` in the `.cu`).
 pub(crate) const WS_MAX_EXPERTS: usize = 768;
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 
-const fn all_kernels() -> [&'static str; 4 * VARIANTS + 17] {
-    let mut out = [""; 4 * VARIANTS + 17];
+const fn all_kernels() -> [&'static str; 4 * VARIANTS + 12] {
+    let mut out = [""; 4 * VARIANTS + 12];
     let mut i = 0;
     while i < 4 * VARIANTS {
         out[i] = NAMES[i];
@@ -153,14 +129,9 @@ const fn all_kernels() -> [&'static str; 4 * VARIANTS + 17] {
         out[4 * VARIANTS + 4 + j] = NAMES_WS[j];
         j += 1;
     }
-    let mut k = 0;
-    while k < 5 {
-        out[4 * VARIANTS + 12 + k] = NAMES_PROBE[k];
-        k += 1;
-    }
     out
 }
-const ALL: [&str; 4 * VARIANTS + 17] = all_kernels();
+const ALL: [&str; 4 * VARIANTS + 12] = all_kernels();
 pub(crate) const KERNELS: &[&str] = &ALL;
 
 /// A kernel variant: tokens a block, numerics, ring stages, warpgroups (of 64 weight rows each), bits
@@ -236,9 +207,6 @@ const fn ws_smem_bytes(wrows: usize) -> usize {
 }
 
 pub(crate) fn configure(dev: &Device) -> Result<()> {
-    for name in NAMES_PROBE {
-        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(128) as i32)?;
-    }
     for (i, name) in NAMES_WS.iter().enumerate() {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(128 << (i % 2)) as i32)?;
@@ -394,11 +362,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
             pad_: 0,
         };
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (384, 1, 1), shared_mem_bytes: ws_smem_bytes(wrows) as u32 };
-        let name = match probe() {
-            Some(i) if form == 0 && wrows == 128 => NAMES_PROBE[i],
-            _ => NAMES_WS[2 * form + usize::from(wrows == 256)],
-        };
-        return launch(dev, name, cfg, &p);
+        return launch(dev, NAMES_WS[2 * form + usize::from(wrows == 256)], cfg, &p);
     }
     let (name, v) = if q8 {
         let i = if bt == 128 { 0 } else { 1 };
