@@ -48,7 +48,8 @@
 //
 // Entry points: gemm_wgmma_{plain, swiglu, grouped, grouped_swiglu}_n{64, 128}_{p1, p2, h128, h256}
 // (p: folded with 1 or 2 planes; h: half, 128 or 256 weight rows), gemm_wgmma_plain_n{64, 128}_h128_q8
-// (8-bit codes), gemm_wgmma_{form}_ws{128, 256} (warp-specialised, 128 or 256 weight rows); dynamic shared memory: see smem_bytes in ops/gemm_wgmma.rs. Launch bounds: n128_p* one
+// (8-bit codes), gemm_wgmma_{form}_ws{128, 256, 4} (warp-specialised: 128 or 256 weight rows on two
+// consumer warpgroups, or 256 on four); dynamic shared memory: see smem_bytes in ops/gemm_wgmma.rs. Launch bounds: n128_p* one
 // block an SM (up to 255 registers), n64_p* two, n128_h128* two, n64_h128 three (ptxas serialises its
 // MMAs for registers at that bound; the same tile at two blocks measured even, docs/PERF.md 2026-12-05;
 // n64_h128_q8 takes two), *_h256 (512 threads) one.
@@ -531,11 +532,12 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
 }
 
 // ---- The warp-specialised, persistent tiles (half numerics, 4-bit codes, BT = 128 tokens).
-// Three warpgroups a block, one block an SM, each block walking tiles blockIdx.x, + gridDim.x, ...: the
-// first (the producer, its registers given back) fills a ring of NS stages (X and codes, the layout of
-// wg_tile's stages) with cp.async and marks each stage full on an mbarrier once its copies have landed;
-// the other two (the consumers, 64·MT weight rows each) wait for a stage, dequantise their codes from it,
-// issue their MMAs, and mark the stage before it empty once those have completed (wgmma_wait<1>). No
+// 1 + CWG warpgroups a block, one block an SM, each block walking tiles blockIdx.x, + gridDim.x, ...:
+// the first (the producer, its registers given back) fills a ring of NS stages (X and codes, the layout
+// of wg_tile's stages) with cp.async and marks each stage full on an mbarrier once its copies have
+// landed; the others (CWG = 2 or 4 consumers, 64·MT weight rows each) wait for a stage, dequantise
+// their codes from it, issue their MMAs, and mark the stage before it empty once those have completed
+// (wgmma_wait<1>; with four consumers, one register set each: the stage itself after wgmma_wait<0>). No
 // block-wide barrier in the main loop; the producer runs on into the next tile while the consumers write
 // the last one out. Grouped: token tiles as find_group_tile's, from a prefix over experts computed once
 // a block (group_tile_prefix); a tile index is (token tile, row tile) with row tiles fastest (grouped) or
@@ -570,10 +572,11 @@ __device__ __forceinline__ void half_weights4(uint32_t w, __half2 scale, __half2
     p3 = *reinterpret_cast<const uint32_t*>(&d3);
 }
 
-template <int MT, int NS, bool SWIGLU, bool GROUPED>
+template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2>
 __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     constexpr int BT = 128;
-    constexpr int BWT = 128 * MT;                // weight rows a tile (two consumer warpgroups)
+    constexpr int THREADS = 128 * (CWG + 1);     // the producer warpgroup and CWG consumer warpgroups
+    constexpr int BWT = 64 * CWG * MT;           // weight rows a tile
     constexpr int XB = BT * 128;                 // X bytes a stage: BT rows of 64 f16
     constexpr int WB = BWT * 32;                 // codes a stage: BWT rows of 64 4-bit codes
     constexpr int STAGE = (XB + WB + 1023) / 1024 * 1024;
@@ -581,10 +584,19 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     constexpr int BW_OUT = SWIGLU ? BWT / 2 : BWT;
     constexpr int XRPT = BT / 16;                // X rows a producer thread loads (128 threads, 8 chunks a row)
     constexpr int WLD = BWT * 2 / 128;           // 16-byte code chunks a producer thread loads (2 a row)
+    // The consumers take what the producer gives back (setmaxnreg moves registers within the block's
+    // launch allocation: ptxas allocates 168 a thread at 384 threads, 96 at 640): 128 · (168 − 40) =
+    // 256 · (232 − 168), and 128 · (96 − 32) = 512 · (112 − 96) (at 104 ptxas serialises the MMAs).
+    // Four consumer warpgroups hold one register set of weights each, each group's MMAs completed
+    // before the next is dequantised (the other warpgroups' MMAs keep the tensor cores busy
+    // meanwhile); two keep two sets in flight.
+    constexpr bool SINGLE = CWG > 2;
+    constexpr int PRODUCER_REGS = CWG > 2 ? 32 : 40, CONSUMER_REGS = CWG > 2 ? 112 : 232;
+    static_assert(CWG == 2 || (CWG == 4 && MT == 1), "two consumer warpgroups, or four of one m64 tile each");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[2 * NS];   // full[s], then empty[s]
-    __shared__ int tprefix[GROUPED ? WS_MAXE + 1 : 1];
+    __shared__ int tprefix[GROUPED ? 2 * THREADS + 1 : 1];
     __shared__ float tsc[2][BT];                 // the tile's slots' 2^e (NaN: a gathered row past x), by tile parity
     const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const uint32_t full0 = smem_addr(bars), empty0 = full0 + 8 * NS;
@@ -594,11 +606,11 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     if (tid == 0) {
         for (int s = 0; s < NS; ++s) {
             mbar_init(full0 + 8 * s, 128);  // every producer thread, once its copies have landed
-            mbar_init(empty0 + 8 * s, 8);   // every consumer warp, once its MMAs have read the stage
+            mbar_init(empty0 + 8 * s, 4 * CWG);  // every consumer warp, once its MMAs have read the stage
         }
     }
     int m_tiles;
-    if constexpr (GROUPED) m_tiles = group_tile_prefix<WS_THREADS>(p.offsets, p.t, p.count, BT, tprefix);
+    if constexpr (GROUPED) m_tiles = group_tile_prefix<THREADS>(p.offsets, p.t, p.count, BT, tprefix);
     else m_tiles = (p.t + BT - 1) / BT;
     __syncthreads();
     const int row_tiles = (rows + BW_OUT - 1) / BW_OUT;
@@ -623,7 +635,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
 
     if (tid < 128) {
         // ---- Producer.
-        regs_release<40>();
+        regs_release<PRODUCER_REGS>();
         const int xc = tid & 7, wh = tid & 1;
         const uint32_t xdst = base + (tid >> 3) * 128 + ((xc ^ ((tid >> 3) & 7)) << 4);
         const uint32_t wdst = base + XB + (tid >> 1) * 32 + wh * 16;
@@ -678,7 +690,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     }
 
     // ---- Consumers: warpgroup wc (0, 1) takes tile rows 64·MT·wc .. + 64·MT.
-    regs_claim<232>();
+    regs_claim<CONSUMER_REGS>();
     const int ct = tid - 128, lane = tid & 31;
     const int wc = ct >> 7, warp = (ct >> 5) & 3;
     const int g = lane >> 2, q = lane & 3;
@@ -705,7 +717,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
             }
             tsc[parity][ct] = k;
         }
-        named_barrier_sync(1, 256);
+        named_barrier_sync(1, 128 * CWG);
 
         int r0[MT], o0[MT], o1[MT];
         bool ok0[MT], ok1[MT];
@@ -765,27 +777,38 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
 #pragma unroll
                 for (int m = 0; m < MT; ++m) wgmma_m64n128k16_rs<true>(acc[m], a[m][k], dst + (uint64_t)((32 * k) >> 4), 1);
             wgmma_commit();
-            wgmma_wait<1>();
-            // The stage before this one has been read by this warp's MMAs.
-            if (prev >= 0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
-            prev = s;
+            if constexpr (SINGLE) {
+                wgmma_wait<0>();
+                if (lane == 0) mbar_arrive(empty0 + 8 * s);  // this stage has been read
+            } else {
+                wgmma_wait<1>();
+                // The stage before this one has been read by this warp's MMAs.
+                if (prev >= 0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
+                prev = s;
+            }
             if (++s == NS) {
                 s = 0;
                 ph ^= 1;
             }
         };
-        uint32_t a0[MT][4][4], a1[MT][4][4];
-        int kt = 0;
+        uint32_t a0[MT][4][4];
+        if constexpr (SINGLE) {
 #pragma unroll 1
-        for (; kt + 1 < nk; kt += 2) {
-            step(kt, a0);
-            step(kt + 1, a1);
+            for (int kt = 0; kt < nk; ++kt) step(kt, a0);
+        } else {
+            uint32_t a1[MT][4][4];
+            int kt = 0;
+#pragma unroll 1
+            for (; kt + 1 < nk; kt += 2) {
+                step(kt, a0);
+                step(kt + 1, a1);
+            }
+            if (kt < nk) step(kt, a0);
+            wgmma_wait<0>();
+            if (lane == 0) mbar_arrive(empty0 + 8 * prev);
         }
-        if (kt < nk) step(kt, a0);
-        wgmma_wait<0>();
 #pragma unroll
         for (int m = 0; m < MT; ++m) wgmma_pin(acc[m]);
-        if (lane == 0) mbar_arrive(empty0 + 8 * prev);
 
         // ---- Epilogue: rows o0[m] (and o1[m]), tokens 8j + 2q + e.
 #pragma unroll
@@ -812,14 +835,16 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     }
 }
 
-#define WS_ENTRY(name, MT, NS, SWIGLU, GROUPED)                                                       \
-    extern "C" __global__ void __launch_bounds__(WS_THREADS, 1) name(const WgParams p) {               \
+#define WS_ENTRY(name, MT, NS, SWIGLU, GROUPED, CWG)                                                  \
+    extern "C" __global__ void __launch_bounds__(128 * (CWG + 1), 1) name(const WgParams p) {          \
         pdl_enter();                                                                                   \
-        wg_tile_ws<MT, NS, SWIGLU, GROUPED>(p);                                                        \
+        wg_tile_ws<MT, NS, SWIGLU, GROUPED, CWG>(p);                                                   \
     }
+// _ws4: 256 weight rows as four consumer warpgroups of 64 (half the X traffic a FLOP of _ws128).
 #define WS_FORM(prefix, SWIGLU, GROUPED)                      \
-    WS_ENTRY(prefix##_ws128, 1, 10, SWIGLU, GROUPED)          \
-    WS_ENTRY(prefix##_ws256, 2, 8, SWIGLU, GROUPED)
+    WS_ENTRY(prefix##_ws128, 1, 10, SWIGLU, GROUPED, 2)       \
+    WS_ENTRY(prefix##_ws256, 2, 8, SWIGLU, GROUPED, 2)        \
+    WS_ENTRY(prefix##_ws4, 1, 8, SWIGLU, GROUPED, 4)
 WS_FORM(gemm_wgmma_plain, false, false)
 WS_FORM(gemm_wgmma_swiglu, true, false)
 WS_FORM(gemm_wgmma_grouped, false, true)

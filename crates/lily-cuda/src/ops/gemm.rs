@@ -104,18 +104,26 @@ pub enum Tile {
     /// the ring, two consumer warpgroups compute 128 tokens × 128 weight rows a tile, one block an SM
     /// walking the tiles (grouped: at most 768 experts).
     Ws128,
-    /// As `Ws128` with 128 tokens × 256 weight rows a tile.
+    /// As `Ws128` with 128 tokens × 256 weight rows a tile (two m64 tiles a consumer warpgroup).
     Ws256,
+    /// 128 tokens × 256 weight rows a tile as four consumer warpgroups of 64 rows (half the re-reads
+    /// of each X tile a FLOP of `Ws128`).
+    Ws4,
 }
 
 impl Tile {
     fn is_wgmma(self) -> bool {
-        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256)
+        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4)
     }
 
-    /// The warp-specialised tiles.
-    fn is_ws(self) -> bool {
-        matches!(self, Tile::Ws128 | Tile::Ws256)
+    /// The warp-specialised tile of this one, if it is one.
+    fn ws(self) -> Option<super::gemm_wgmma::Ws> {
+        match self {
+            Tile::Ws128 => Some(super::gemm_wgmma::Ws::R128),
+            Tile::Ws256 => Some(super::gemm_wgmma::Ws::R256),
+            Tile::Ws4 => Some(super::gemm_wgmma::Ws::Four),
+            _ => None,
+        }
     }
 
     /// (tokens, weight rows) a block of a wgmma tile.
@@ -123,7 +131,7 @@ impl Tile {
         match self {
             Tile::Wg64 => (64, 128),
             Tile::Wg64x256 => (64, 256),
-            Tile::Wg128x256 | Tile::Ws256 => (128, 256),
+            Tile::Wg128x256 | Tile::Ws256 | Tile::Ws4 => (128, 256),
             _ => (128, 128),
         }
     }
@@ -147,13 +155,15 @@ fn wgmma_q8_auto() -> bool {
 /// `WS_MAX_EXPERTS` experts): by default the warp-specialised `Ws128`, except in the grouped GEMMs
 /// without SwiGLU (the MoE down projection, K = 512: 3.5% slower there on an H100, where the plain
 /// GEMMs gained 5–11% and the grouped SwiGLU 4.5%; PERF.md 2026-12-06, fifteenth session).
-/// `LILY_GEMM=wg` keeps `Wg128` everywhere, `ws128` / `ws256` take that tile everywhere (A/B runs).
+/// `LILY_GEMM=wg` keeps `Wg128` everywhere, `ws128` / `ws256` / `ws4` take that tile everywhere (A/B
+/// runs; `ws4` built after the last GPU call of the fifteenth session, not yet measured).
 fn wide_half_tile(grouped: bool, swiglu: bool) -> Tile {
     static CHOICE: std::sync::OnceLock<Option<Tile>> = std::sync::OnceLock::new();
     let forced = *CHOICE.get_or_init(|| match std::env::var("LILY_GEMM").as_deref() {
         Ok("wg") => Some(Tile::Wg128),
         Ok("ws128") => Some(Tile::Ws128),
         Ok("ws256") => Some(Tile::Ws256),
+        Ok("ws4") => Some(Tile::Ws4),
         _ => None,
     });
     forced.unwrap_or(if grouped && !swiglu { Tile::Wg128 } else { Tile::Ws128 })
@@ -564,7 +574,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     if matches!(tile, Tile::Wg64x256 | Tile::Wg128x256) && (precision != Precision::Half || w.bits() != 4) {
         return Err(CudaError::Shape(format!("{what}: the 256-row wgmma tiles take 4-bit weights in Half, not {} in {precision:?}", describe(w))));
     }
-    if tile.is_ws() && (precision != Precision::Half || w.bits() != 4 || matches!(grp, Group::Grouped { e, .. } if e > super::gemm_wgmma::WS_MAX_EXPERTS)) {
+    if tile.ws().is_some() && (precision != Precision::Half || w.bits() != 4 || matches!(grp, Group::Grouped { e, .. } if e > super::gemm_wgmma::WS_MAX_EXPERTS)) {
         return Err(CudaError::Shape(format!(
             "{what}: the warp-specialised tiles take 4-bit weights in Half and at most {} experts, not {} in {precision:?}",
             super::gemm_wgmma::WS_MAX_EXPERTS,
@@ -638,7 +648,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
             Precision::Bf16x => super::gemm_wgmma::Num::Bf16x,
             _ => super::gemm_wgmma::Num::Half,
         };
-        return super::gemm_wgmma::run(dev, &call, bt, num, wrows, tile.is_ws(), reuse_x);
+        return super::gemm_wgmma::run(dev, &call, bt, num, wrows, tile.ws(), reuse_x);
     }
     // This call stages nothing: a later `reuse_x` call must not take an older staging for its x.
     if !reuse_x {

@@ -97,24 +97,60 @@ const NAMES: [&str; 4 * VARIANTS] = forms!("plain", "swiglu", "grouped", "groupe
 /// stage shallower).
 const NAMES_Q8: [&str; 2] = ["gemm_wgmma_plain_n128_h128_q8", "gemm_wgmma_plain_n64_h128_q8"];
 /// The warp-specialised persistent tiles (half numerics, 4-bit, 128 tokens): per form (plain, swiglu,
-/// grouped, grouped swiglu) 128 weight rows a tile (`_ws128`), then 256 (`_ws256`).
-const NAMES_WS: [&str; 8] = [
+/// grouped, grouped swiglu) [`Ws::R128`], [`Ws::R256`], [`Ws::Four`].
+const NAMES_WS: [&str; 12] = [
     "gemm_wgmma_plain_ws128",
     "gemm_wgmma_plain_ws256",
+    "gemm_wgmma_plain_ws4",
     "gemm_wgmma_swiglu_ws128",
     "gemm_wgmma_swiglu_ws256",
+    "gemm_wgmma_swiglu_ws4",
     "gemm_wgmma_grouped_ws128",
     "gemm_wgmma_grouped_ws256",
+    "gemm_wgmma_grouped_ws4",
     "gemm_wgmma_grouped_swiglu_ws128",
     "gemm_wgmma_grouped_swiglu_ws256",
+    "gemm_wgmma_grouped_swiglu_ws4",
 ];
+
+/// A warp-specialised tile: a producer warpgroup and consumer warpgroups of 64 weight rows a m64 tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Ws {
+    /// 128 weight rows: two consumer warpgroups of one m64 tile.
+    R128,
+    /// 256 weight rows: two consumer warpgroups of two m64 tiles.
+    R256,
+    /// 256 weight rows: four consumer warpgroups of one m64 tile (one register set of weights each).
+    Four,
+}
+
+impl Ws {
+    const fn index(self) -> usize {
+        match self {
+            Ws::R128 => 0,
+            Ws::R256 => 1,
+            Ws::Four => 2,
+        }
+    }
+
+    /// Weight rows a tile.
+    pub(crate) const fn rows(self) -> usize {
+        if matches!(self, Ws::R128) { 128 } else { 256 }
+    }
+
+    /// Threads a block: the producer warpgroup and the consumers.
+    const fn threads(self) -> u32 {
+        if matches!(self, Ws::Four) { 640 } else { 384 }
+    }
+}
+
 /// Experts a grouped call of the warp-specialised tiles may route over (`WS_MAXE` in the `.cu`).
 pub(crate) const WS_MAX_EXPERTS: usize = 768;
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 
-const fn all_kernels() -> [&'static str; 4 * VARIANTS + 12] {
-    let mut out = [""; 4 * VARIANTS + 12];
+const fn all_kernels() -> [&'static str; 4 * VARIANTS + 16] {
+    let mut out = [""; 4 * VARIANTS + 16];
     let mut i = 0;
     while i < 4 * VARIANTS {
         out[i] = NAMES[i];
@@ -125,13 +161,13 @@ const fn all_kernels() -> [&'static str; 4 * VARIANTS + 12] {
     out[4 * VARIANTS + 2] = NAMES_Q8[0];
     out[4 * VARIANTS + 3] = NAMES_Q8[1];
     let mut j = 0;
-    while j < 8 {
+    while j < 12 {
         out[4 * VARIANTS + 4 + j] = NAMES_WS[j];
         j += 1;
     }
     out
 }
-const ALL: [&str; 4 * VARIANTS + 12] = all_kernels();
+const ALL: [&str; 4 * VARIANTS + 16] = all_kernels();
 pub(crate) const KERNELS: &[&str] = &ALL;
 
 /// A kernel variant: tokens a block, numerics, ring stages, warpgroups (of 64 weight rows each), bits
@@ -200,7 +236,7 @@ const fn smem_bytes(v: Variant) -> usize {
 /// Dynamic shared memory of a warp-specialised tile of `wrows` (128 or 256) weight rows: its ring
 /// (10 or 8 stages of 128 X rows of 128 bytes and `wrows` code rows of 32 bytes, each rounded to 1024
 /// bytes) plus 1024 for aligning it. The kernel's static shared memory (barriers, the expert prefix,
-/// the slots' scales) comes on top: 4.3 KB at most.
+/// the slots' scales) comes on top: 6.4 KB at most (the four-consumer tile's expert prefix).
 const fn ws_smem_bytes(wrows: usize) -> usize {
     let stages = if wrows == 128 { 10 } else { 8 };
     stages * (128 * 128 + wrows * 32).div_ceil(1024) * 1024 + 1024
@@ -208,8 +244,8 @@ const fn ws_smem_bytes(wrows: usize) -> usize {
 
 pub(crate) fn configure(dev: &Device) -> Result<()> {
     for (i, name) in NAMES_WS.iter().enumerate() {
-        dev.function(name)?
-            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(128 << (i % 2)) as i32)?;
+        let rows = if i % 3 == 0 { 128 } else { 256 };
+        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(rows) as i32)?;
     }
     for (i, name) in NAMES.iter().enumerate() {
         dev.function(name)?
@@ -286,9 +322,9 @@ pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
 /// block in numerics `num`; `ws`: on the warp-specialised persistent tiles (4-bit, `Num::Half`, 128
 /// tokens, at most `WS_MAX_EXPERTS` experts). `reuse_x`: the caller promises x has not been written since the previous call that staged it; when
 /// the buffer still holds that staging (same x, shape and numerics), it is not staged again.
-pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws: bool, reuse_x: bool) -> Result<()> {
+pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws: Option<Ws>, reuse_x: bool) -> Result<()> {
     debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
-    debug_assert!(!ws || (c.bits == 4 && num == Num::Half && bt == 128));
+    debug_assert!(ws.is_none_or(|k| c.bits == 4 && num == Num::Half && bt == 128 && k.rows() == wrows));
     let q8 = c.bits == 8;
     debug_assert!(c.bits == 4 || (q8 && c.w2.0 == 0 && c.grouped.is_none() && num == Num::Half && wrows == 128));
     // The grid (checked before anything is launched): token tiles × weight-row tiles, or the other way
@@ -302,7 +338,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     if grid.1 > 65535 {
         return Err(CudaError::Shape(format!("wgmma gemm: {} tiles along the grid's y", grid.1)));
     }
-    if ws && experts > WS_MAX_EXPERTS {
+    if ws.is_some() && experts > WS_MAX_EXPERTS {
         return Err(CudaError::Shape(format!("wgmma gemm: the warp-specialised tiles take at most {WS_MAX_EXPERTS} experts, not {experts}")));
     }
     let groups = c.cols / GROUP;
@@ -336,7 +372,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         (false, true) => 2,
         (true, true) => 3,
     };
-    if ws {
+    if let Some(kind) = ws {
         // Persistent: one block an SM (at most one a tile), each walking the tiles.
         let tiles = m_tiles * row_tiles;
         let blocks = tiles.min(dev.sm_count() as usize).max(1);
@@ -361,8 +397,8 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
             matrix: c.matrix as i32,
             pad_: 0,
         };
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (384, 1, 1), shared_mem_bytes: ws_smem_bytes(wrows) as u32 };
-        return launch(dev, NAMES_WS[2 * form + usize::from(wrows == 256)], cfg, &p);
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (kind.threads(), 1, 1), shared_mem_bytes: ws_smem_bytes(wrows) as u32 };
+        return launch(dev, NAMES_WS[3 * form + kind.index()], cfg, &p);
     }
     let (name, v) = if q8 {
         let i = if bt == 128 { 0 } else { 1 };
@@ -418,10 +454,10 @@ mod tests {
             assert!(blocks[i] * smem_bytes(v) <= 227 * 1024, "variant {i}: {} blocks do not fit", blocks[i]);
             assert_eq!(variant_index(v.bt, v.num, v.rows()), i, "variant {i} is not the one its shape selects");
         }
-        // The warp-specialised tiles: one block an SM, with their static shared memory (4.3 KB).
+        // The warp-specialised tiles: one block an SM, with their static shared memory (6.4 KB at most).
         for (wrows, want) in [(128, 205_824), (256, 197_632)] {
             assert_eq!(ws_smem_bytes(wrows), want, "ws{wrows}");
-            assert!(ws_smem_bytes(wrows) + 4400 <= 227 * 1024, "ws{wrows} does not fit");
+            assert!(ws_smem_bytes(wrows) + 6400 <= 227 * 1024, "ws{wrows} does not fit");
         }
         // The 8-bit kernels: two blocks an SM each.
         for (i, want) in [99_328, 66_560].into_iter().enumerate() {
