@@ -116,14 +116,105 @@ __device__ __forceinline__ uint32_t half_weight_of(uint32_t v, __half2 scale, __
     const __half2 d = __hfma2(c, scale, bias);
     return *reinterpret_cast<const uint32_t*>(&d);
 }
-// Nibbles s and s + 4 of w (nibble s in the low half).
-__device__ __forceinline__ uint32_t half_weight_pair(uint32_t w, int s, __half2 scale, __half2 bias) {
-    return half_weight_of(((w >> (4 * s)) & 0x000F000Fu) | 0x64006400u, scale, bias);
-}
 // 8-bit codes: byte s of w0 and byte s of w1 (w0's in the low half), gathered by one PRMT into bytes 0
 // and 2 (1024 + q is exact for q < 1024).
 __device__ __forceinline__ uint32_t half_weight_pair8(uint32_t w0, uint32_t w1, int s, __half2 scale, __half2 bias) {
     return half_weight_of((__byte_perm(w0, w1, (uint32_t)s | ((uint32_t)(s + 4) << 8)) & 0x00FF00FFu) | 0x64006400u, scale, bias);
+}
+
+// The four f16 weight pairs of one word of 4-bit codes: pair s (0..3) holds nibbles s and s + 4 (nibble
+// s in the low half) as (s·q + b) in f16, the value half_weight_of gives ((w >> 4s) & 0x000F000F |
+// 1024's bits), in 13 instructions instead of 19: one LOP3 puts a nibble under the bits of 1024 in
+// place (1024 + q, or 1024 + 16q for the nibbles of bits 4-7 of each half, which one HFMA2 by 1/16
+// less 64 turns into q exactly), one shift serves pairs 2 and 3.
+__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+    uint32_t d;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));  // (a & mask) | bits
+    return d;
+}
+__device__ __forceinline__ void half_weights4(uint32_t w, __half2 scale, __half2 bias, uint32_t& p0, uint32_t& p1, uint32_t& p2, uint32_t& p3) {
+    const uint32_t w8 = w >> 8;
+    const uint32_t v0 = lop3_and_or(w, 0x000F000Fu, 0x64006400u);
+    const uint32_t v1 = lop3_and_or(w, 0x00F000F0u, 0x64006400u);
+    const uint32_t v2 = lop3_and_or(w8, 0x000F000Fu, 0x64006400u);
+    const uint32_t v3 = lop3_and_or(w8, 0x00F000F0u, 0x64006400u);
+    const __half2 k1024 = __float2half2_rn(1024.0f), k16th = __float2half2_rn(0.0625f), k64 = __float2half2_rn(-64.0f);
+    const __half2 c0 = __hsub2(*reinterpret_cast<const __half2*>(&v0), k1024);
+    const __half2 c1 = __hfma2(*reinterpret_cast<const __half2*>(&v1), k16th, k64);
+    const __half2 c2 = __hsub2(*reinterpret_cast<const __half2*>(&v2), k1024);
+    const __half2 c3 = __hfma2(*reinterpret_cast<const __half2*>(&v3), k16th, k64);
+    const __half2 d0 = __hfma2(c0, scale, bias), d1 = __hfma2(c1, scale, bias), d2 = __hfma2(c2, scale, bias), d3 = __hfma2(c3, scale, bias);
+    p0 = *reinterpret_cast<const uint32_t*>(&d0);
+    p1 = *reinterpret_cast<const uint32_t*>(&d1);
+    p2 = *reinterpret_cast<const uint32_t*>(&d2);
+    p3 = *reinterpret_cast<const uint32_t*>(&d3);
+}
+
+// The 4-bit weights of one thread for one group of one m64 tile, as its A fragments for the 4 k-steps:
+// rows r0 and r0 + 8 of the stage's codes at `codes` (32 bytes a row), words 2q and 2q + 1 of each
+// (see the header), in f16 by the rows' scales and biases.
+__device__ __forceinline__ void half_tile_weights(uint32_t codes, int r0, int q, __half2 hs0, __half2 hb0, __half2 hs1, __half2 hb1,
+                                                  uint32_t (&a)[4][4]) {
+    const uint2 wa = lds64(codes + r0 * 32 + q * 8);
+    const uint2 wb = lds64(codes + (r0 + 8) * 32 + q * 8);
+    half_weights4(wa.x, hs0, hb0, a[0][0], a[1][0], a[2][0], a[3][0]);
+    half_weights4(wb.x, hs1, hb1, a[0][1], a[1][1], a[2][1], a[3][1]);
+    half_weights4(wa.y, hs0, hb0, a[0][2], a[1][2], a[2][2], a[3][2]);
+    half_weights4(wb.y, hs1, hb1, a[0][3], a[1][3], a[2][3], a[3][3]);
+}
+
+// A thread's two rows' scales and biases of one group (bf16 bits: scale, bias of row r0, then of r0 + 8)
+// as f16 pairs.
+__device__ __forceinline__ void half_scales(const uint16_t (&n)[4], __half2& hs0, __half2& hb0, __half2& hs1, __half2& hb1) {
+    hs0 = __float2half2_rn(bf16_to_f32(n[0]));
+    hb0 = __float2half2_rn(bf16_to_f32(n[1]));
+    hs1 = __float2half2_rn(bf16_to_f32(n[2]));
+    hb1 = __float2half2_rn(bf16_to_f32(n[3]));
+}
+
+// The epilogue of a tile: a thread's accumulators (MT m64 tiles of BT tokens: rows o0[m] and o1[m],
+// tokens 8j + 2q + e) times their slot's scale(tok), written to y[slot, row] for the slots in
+// [m_begin, m_end) and the rows that exist (SwiGLU: silu(gate) · up to output o0[m]); NaN where
+// nan_row(tok) (a gathered row past x).
+template <int MT, int BT, bool SWIGLU, typename Scale, typename NanRow>
+__device__ __forceinline__ void store_tile(const float (&acc)[MT][BT / 2], float* y, int rows, int m_begin, int m_end, int q, const int (&o0)[MT],
+                                           const int (&o1)[MT], const bool (&ok0)[MT], const bool (&ok1)[MT], Scale scale, NanRow nan_row) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int j = 0; j < BT / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int tok = 8 * j + 2 * q + e;
+                const int slot = m_begin + tok;
+                if (slot >= m_end) continue;
+                float* yrow = y + (long long)slot * rows;
+                const bool bad = nan_row(tok);
+                const float k = scale(tok);
+                const float v0 = acc[m][4 * j + e] * k, v1 = acc[m][4 * j + 2 + e] * k;
+                if (SWIGLU) {
+                    if (ok0[m]) yrow[o0[m]] = bad ? __int_as_float(0x7fc00000) : v0 / (1.0f + expf(-v0)) * v1;
+                } else {
+                    if (ok0[m]) yrow[o0[m]] = bad ? __int_as_float(0x7fc00000) : v0;
+                    if (ok1[m]) yrow[o1[m]] = bad ? __int_as_float(0x7fc00000) : v1;
+                }
+            }
+        }
+    }
+}
+
+// The half tiles' main loop: step(kt, a) for the groups kt < nk, the weights of consecutive groups in
+// alternate register sets (a group's are written while the MMAs of the one before still read theirs).
+template <int MT, typename Step>
+__device__ __forceinline__ void steps_in_two_sets(int nk, Step& step) {
+    uint32_t a0[MT][4][4], a1[MT][4][4];
+    int kt = 0;
+#pragma unroll 1
+    for (; kt + 1 < nk; kt += 2) {
+        step(kt, a0);
+        step(kt + 1, a1);
+    }
+    if (kt < nk) step(kt, a0);
 }
 
 // The staged column (within its group) of code m of the group: see the header.
@@ -388,12 +479,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             const uint32_t so = (kt % NSTAGE) * STAGE;
             __half2 hs0[MT], hb0[MT], hs1[MT], hb1[MT];
 #pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                hs0[m] = __float2half2_rn(bf16_to_f32(nxt[m][0]));
-                hb0[m] = __float2half2_rn(bf16_to_f32(nxt[m][1]));
-                hs1[m] = __float2half2_rn(bf16_to_f32(nxt[m][2]));
-                hb1[m] = __float2half2_rn(bf16_to_f32(nxt[m][3]));
-            }
+            for (int m = 0; m < MT; ++m) half_scales(nxt[m], hs0[m], hb0[m], hs1[m], hb1[m]);
             if (kt + 1 < nk) fetch(kt + 1);
 #pragma unroll
             for (int m = 0; m < MT; ++m) {
@@ -410,14 +496,17 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
                         a[m][s][3] = half_weight_pair8(wb.z, wb.w, s, hs1[m], hb1[m]);
                     }
                 } else {
+                    // (The two-warpgroup tiles keep their own dequantisation, as measured; the
+                    // warp-specialised tiles' half_tile_weights gives the same weights in fewer
+                    // instructions, untimed here.)
                     const uint2 wa = lds64(base + so + XB + r0[m] * 32 + q * 8);
                     const uint2 wb = lds64(base + so + XB + (r0[m] + 8) * 32 + q * 8);
 #pragma unroll
                     for (int s = 0; s < 4; ++s) {
-                        a[m][s][0] = half_weight_pair(wa.x, s, hs0[m], hb0[m]);
-                        a[m][s][1] = half_weight_pair(wb.x, s, hs1[m], hb1[m]);
-                        a[m][s][2] = half_weight_pair(wa.y, s, hs0[m], hb0[m]);
-                        a[m][s][3] = half_weight_pair(wb.y, s, hs1[m], hb1[m]);
+                        a[m][s][0] = half_weight_of(((wa.x >> (4 * s)) & 0x000F000Fu) | 0x64006400u, hs0[m], hb0[m]);
+                        a[m][s][1] = half_weight_of(((wb.x >> (4 * s)) & 0x000F000Fu) | 0x64006400u, hs1[m], hb1[m]);
+                        a[m][s][2] = half_weight_of(((wa.y >> (4 * s)) & 0x000F000Fu) | 0x64006400u, hs0[m], hb0[m]);
+                        a[m][s][3] = half_weight_of(((wb.y >> (4 * s)) & 0x000F000Fu) | 0x64006400u, hs1[m], hb1[m]);
                     }
                 }
             }
@@ -434,14 +523,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             wgmma_commit();
             wgmma_wait<1>();
         };
-        uint32_t a0[MT][4][4], a1[MT][4][4];
-        int kt = 0;
-#pragma unroll 1
-        for (; kt + 1 < nk; kt += 2) {
-            step(kt, a0);
-            step(kt + 1, a1);
-        }
-        if (kt < nk) step(kt, a0);
+        steps_in_two_sets<MT>(nk, step);
         wgmma_wait<0>();
 #pragma unroll
         for (int m = 0; m < MT; ++m) wgmma_pin(acc[m]);
@@ -506,29 +588,8 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     }
     cp_async_wait_group<0>();
 
-    // ---- Epilogue: rows o0[m] (and o1[m]), tokens 8j + 2q + e.
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-#pragma unroll
-        for (int j = 0; j < BT / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int tok = 8 * j + 2 * q + e;
-                const int slot = m_begin + tok;
-                if (slot >= m_end) continue;
-                float* yrow = p.y + (long long)slot * rows;
-                const bool nan_row = bad[tok];
-                const float k = HALF ? tscale[tok] : 1.0f;
-                const float v0 = acc[m][4 * j + e] * k, v1 = acc[m][4 * j + 2 + e] * k;
-                if (SWIGLU) {
-                    if (ok0[m]) yrow[o0[m]] = nan_row ? __int_as_float(0x7fc00000) : v0 / (1.0f + expf(-v0)) * v1;
-                } else {
-                    if (ok0[m]) yrow[o0[m]] = nan_row ? __int_as_float(0x7fc00000) : v0;
-                    if (ok1[m]) yrow[o1[m]] = nan_row ? __int_as_float(0x7fc00000) : v1;
-                }
-            }
-        }
-    }
+    store_tile<MT, BT, SWIGLU>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return HALF ? tscale[tok] : 1.0f; },
+                               [&](int tok) { return bad[tok] != 0; });
 }
 
 // ---- The warp-specialised, persistent tiles (half numerics, 4-bit codes, BT = 128 tokens).
@@ -542,35 +603,6 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
 // the last one out. Grouped: token tiles as find_group_tile's, from a prefix over experts computed once
 // a block (group_tile_prefix); a tile index is (token tile, row tile) with row tiles fastest (grouped) or
 // token tiles fastest (plain), the launch orders of wg_tile.
-constexpr int WS_THREADS = 384;
-constexpr int WS_MAXE = 2 * WS_THREADS;  // experts a grouped call may have (group_tile_prefix)
-
-// The four f16 weight pairs of one word of 4-bit codes: pair s (0..3) holds nibbles s and s + 4 as
-// (s·q + b) in f16, as half_weight_pair(w, s, ...) (bit for bit) in 13 instructions instead of 19: one
-// LOP3 puts a nibble under the bits of 1024 in place (1024 + q, or 1024 + 16q for the nibbles of bits
-// 4-7 of each half, which one HFMA2 by 1/16 less 64 turns into q exactly), one shift serves pairs 2, 3.
-__device__ __forceinline__ uint32_t lop3_and_or(uint32_t a, uint32_t mask, uint32_t bits) {
-    uint32_t d;
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));  // (a & mask) | bits
-    return d;
-}
-__device__ __forceinline__ void half_weights4(uint32_t w, __half2 scale, __half2 bias, uint32_t& p0, uint32_t& p1, uint32_t& p2, uint32_t& p3) {
-    const uint32_t w8 = w >> 8;
-    const uint32_t v0 = lop3_and_or(w, 0x000F000Fu, 0x64006400u);
-    const uint32_t v1 = lop3_and_or(w, 0x00F000F0u, 0x64006400u);
-    const uint32_t v2 = lop3_and_or(w8, 0x000F000Fu, 0x64006400u);
-    const uint32_t v3 = lop3_and_or(w8, 0x00F000F0u, 0x64006400u);
-    const __half2 k1024 = __float2half2_rn(1024.0f), k16th = __float2half2_rn(0.0625f), k64 = __float2half2_rn(-64.0f);
-    const __half2 c0 = __hsub2(*reinterpret_cast<const __half2*>(&v0), k1024);
-    const __half2 c1 = __hfma2(*reinterpret_cast<const __half2*>(&v1), k16th, k64);
-    const __half2 c2 = __hsub2(*reinterpret_cast<const __half2*>(&v2), k1024);
-    const __half2 c3 = __hfma2(*reinterpret_cast<const __half2*>(&v3), k16th, k64);
-    const __half2 d0 = __hfma2(c0, scale, bias), d1 = __hfma2(c1, scale, bias), d2 = __hfma2(c2, scale, bias), d3 = __hfma2(c3, scale, bias);
-    p0 = *reinterpret_cast<const uint32_t*>(&d0);
-    p1 = *reinterpret_cast<const uint32_t*>(&d1);
-    p2 = *reinterpret_cast<const uint32_t*>(&d2);
-    p3 = *reinterpret_cast<const uint32_t*>(&d3);
-}
 
 template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2>
 __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
@@ -754,22 +786,10 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
             const uint32_t so = s * STAGE;
             __half2 hs0[MT], hb0[MT], hs1[MT], hb1[MT];
 #pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                hs0[m] = __float2half2_rn(bf16_to_f32(nxt[m][0]));
-                hb0[m] = __float2half2_rn(bf16_to_f32(nxt[m][1]));
-                hs1[m] = __float2half2_rn(bf16_to_f32(nxt[m][2]));
-                hb1[m] = __float2half2_rn(bf16_to_f32(nxt[m][3]));
-            }
+            for (int m = 0; m < MT; ++m) half_scales(nxt[m], hs0[m], hb0[m], hs1[m], hb1[m]);
             if (kt + 1 < nk) fetch(kt + 1);
 #pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                const uint2 wa = lds64(base + so + XB + r0[m] * 32 + q * 8);
-                const uint2 wb = lds64(base + so + XB + (r0[m] + 8) * 32 + q * 8);
-                half_weights4(wa.x, hs0[m], hb0[m], a[m][0][0], a[m][1][0], a[m][2][0], a[m][3][0]);
-                half_weights4(wb.x, hs1[m], hb1[m], a[m][0][1], a[m][1][1], a[m][2][1], a[m][3][1]);
-                half_weights4(wa.y, hs0[m], hb0[m], a[m][0][2], a[m][1][2], a[m][2][2], a[m][3][2]);
-                half_weights4(wb.y, hs1[m], hb1[m], a[m][0][3], a[m][1][3], a[m][2][3], a[m][3][3]);
-            }
+            for (int m = 0; m < MT; ++m) half_tile_weights(base + so + XB, r0[m], q, hs0[m], hb0[m], hs1[m], hb1[m], a[m]);
             const uint64_t dst = d0 + (uint64_t)(so >> 4);
             wgmma_fence();
 #pragma unroll
@@ -791,47 +811,20 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
                 ph ^= 1;
             }
         };
-        uint32_t a0[MT][4][4];
         if constexpr (SINGLE) {
+            uint32_t a0[MT][4][4];
 #pragma unroll 1
             for (int kt = 0; kt < nk; ++kt) step(kt, a0);
         } else {
-            uint32_t a1[MT][4][4];
-            int kt = 0;
-#pragma unroll 1
-            for (; kt + 1 < nk; kt += 2) {
-                step(kt, a0);
-                step(kt + 1, a1);
-            }
-            if (kt < nk) step(kt, a0);
+            steps_in_two_sets<MT>(nk, step);
             wgmma_wait<0>();
             if (lane == 0) mbar_arrive(empty0 + 8 * prev);
         }
 #pragma unroll
         for (int m = 0; m < MT; ++m) wgmma_pin(acc[m]);
 
-        // ---- Epilogue: rows o0[m] (and o1[m]), tokens 8j + 2q + e.
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-#pragma unroll
-            for (int j = 0; j < BT / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int tok = 8 * j + 2 * q + e;
-                    const int slot = m_begin + tok;
-                    if (slot >= m_end) continue;
-                    float* yrow = p.y + (long long)slot * rows;
-                    const float k = tsc[parity][tok];
-                    const float v0 = acc[m][4 * j + e] * k, v1 = acc[m][4 * j + 2 + e] * k;
-                    if (SWIGLU) {
-                        if (ok0[m]) yrow[o0[m]] = v0 / (1.0f + expf(-v0)) * v1;
-                    } else {
-                        if (ok0[m]) yrow[o0[m]] = v0;
-                        if (ok1[m]) yrow[o1[m]] = v1;
-                    }
-                }
-            }
-        }
+        store_tile<MT, BT, SWIGLU>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return tsc[parity][tok]; },
+                                   [](int) { return false; });
     }
 }
 

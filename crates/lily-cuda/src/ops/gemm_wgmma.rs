@@ -144,7 +144,8 @@ impl Ws {
     }
 }
 
-/// Experts a grouped call of the warp-specialised tiles may route over (`WS_MAXE` in the `.cu`).
+/// Experts a grouped call of the warp-specialised tiles may route over (`group_tile_prefix` covers two
+/// experts a thread: 768 at 384 threads, more at 640).
 pub(crate) const WS_MAX_EXPERTS: usize = 768;
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
@@ -372,42 +373,6 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         (false, true) => 2,
         (true, true) => 3,
     };
-    if let Some(kind) = ws {
-        // Persistent: one block an SM (at most one a tile), each walking the tiles.
-        let tiles = m_tiles * row_tiles;
-        let blocks = tiles.min(dev.sm_count() as usize).max(1);
-        let p = WgParams {
-            w: c.w.0,
-            scales: c.w.1,
-            biases: c.w.2,
-            w2: c.w2.0,
-            scales2: c.w2.1,
-            biases2: c.w2.2,
-            xh: hi,
-            xl: lo,
-            xsum: sums,
-            y: c.y,
-            offsets,
-            gather,
-            x_rows: c.x_rows as i64,
-            t: c.t as i32,
-            rows: c.rows as i32,
-            cols: c.cols as i32,
-            count: experts as i32,
-            matrix: c.matrix as i32,
-            pad_: 0,
-        };
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (kind.threads(), 1, 1), shared_mem_bytes: ws_smem_bytes(wrows) as u32 };
-        return launch(dev, NAMES_WS[3 * form + kind.index()], cfg, &p);
-    }
-    let (name, v) = if q8 {
-        let i = if bt == 128 { 0 } else { 1 };
-        (NAMES_Q8[i], variant_q8(i))
-    } else {
-        let vi = variant_index(bt, num, wrows);
-        (NAMES[form * VARIANTS + vi], variant(vi))
-    };
-    debug_assert_eq!((v.bt, v.num, v.rows()), (bt, num, wrows));
     let p = WgParams {
         w: c.w.0,
         scales: c.w.1,
@@ -429,6 +394,21 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         matrix: c.matrix as i32,
         pad_: 0,
     };
+    if let Some(kind) = ws {
+        // Persistent: one block an SM (at most one a tile), each walking the tiles.
+        let tiles = m_tiles * row_tiles;
+        let blocks = tiles.min(dev.sm_count() as usize).max(1);
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (kind.threads(), 1, 1), shared_mem_bytes: ws_smem_bytes(wrows) as u32 };
+        return launch(dev, NAMES_WS[3 * form + kind.index()], cfg, &p);
+    }
+    let (name, v) = if q8 {
+        let i = if bt == 128 { 0 } else { 1 };
+        (NAMES_Q8[i], variant_q8(i))
+    } else {
+        let vi = variant_index(bt, num, wrows);
+        (NAMES[form * VARIANTS + vi], variant(vi))
+    };
+    debug_assert_eq!((v.bt, v.num, v.rows()), (bt, num, wrows));
     let cfg = LaunchConfig {
         grid_dim: (grid.0 as u32, grid.1 as u32, 1),
         block_dim: (128 * v.wgs as u32, 1, 1),
