@@ -721,7 +721,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
         return;
     }
 
-    // ---- Consumers: warpgroup wc (0, 1) takes tile rows 64·MT·wc .. + 64·MT.
+    // ---- Consumers: warpgroup wc (0 .. CWG − 1) takes tile rows 64·MT·wc .. + 64·MT.
     regs_claim<CONSUMER_REGS>();
     const int ct = tid - 128, lane = tid & 31;
     const int wc = ct >> 7, warp = (ct >> 5) & 3;

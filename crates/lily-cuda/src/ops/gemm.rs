@@ -137,10 +137,26 @@ impl Tile {
     }
 }
 
-/// Whether `Tile::Auto` may choose the wgmma kernels (`LILY_GEMM=mma` keeps gemm.cu's for A/B runs).
-fn wgmma_allowed() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_GEMM").map(|v| v != "mma").unwrap_or(true))
+/// `LILY_GEMM`, read once (A/B runs): `mma` keeps gemm.cu's kernels where `Tile::Auto` would take the
+/// wgmma ones; `wg`, `ws128`, `ws256`, `ws4` put that wgmma tile wherever `Tile::Auto` would take the
+/// 128 × 128 half tile (see `wide_half_tile`); anything else, the defaults.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum GemmSwitch {
+    Default,
+    Mma,
+    Wide(Tile),
+}
+
+fn gemm_switch() -> GemmSwitch {
+    static SWITCH: std::sync::OnceLock<GemmSwitch> = std::sync::OnceLock::new();
+    *SWITCH.get_or_init(|| match std::env::var("LILY_GEMM").as_deref() {
+        Ok("mma") => GemmSwitch::Mma,
+        Ok("wg") => GemmSwitch::Wide(Tile::Wg128),
+        Ok("ws128") => GemmSwitch::Wide(Tile::Ws128),
+        Ok("ws256") => GemmSwitch::Wide(Tile::Ws256),
+        Ok("ws4") => GemmSwitch::Wide(Tile::Ws4),
+        _ => GemmSwitch::Default,
+    })
 }
 
 /// Whether `Tile::Auto` takes the 8-bit wgmma kernels (`LILY_ROUTER_WGMMA=1`): opt-in until they have
@@ -158,15 +174,11 @@ fn wgmma_q8_auto() -> bool {
 /// `LILY_GEMM=wg` keeps `Wg128` everywhere, `ws128` / `ws256` / `ws4` take that tile everywhere (A/B
 /// runs; `ws4` built after the last GPU call of the fifteenth session, not yet measured).
 fn wide_half_tile(grouped: bool, swiglu: bool) -> Tile {
-    static CHOICE: std::sync::OnceLock<Option<Tile>> = std::sync::OnceLock::new();
-    let forced = *CHOICE.get_or_init(|| match std::env::var("LILY_GEMM").as_deref() {
-        Ok("wg") => Some(Tile::Wg128),
-        Ok("ws128") => Some(Tile::Ws128),
-        Ok("ws256") => Some(Tile::Ws256),
-        Ok("ws4") => Some(Tile::Ws4),
-        _ => None,
-    });
-    forced.unwrap_or(if grouped && !swiglu { Tile::Wg128 } else { Tile::Ws128 })
+    match gemm_switch() {
+        GemmSwitch::Wide(tile) => tile,
+        _ if grouped && !swiglu => Tile::Wg128,
+        _ => Tile::Ws128,
+    }
 }
 
 /// The numerics of a GEMM call (see the module doc).
@@ -582,10 +594,10 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         )));
     }
     let wg_tiles = rows.div_ceil(if w2.is_some() { super::gemm_wgmma::BW / 2 } else { super::gemm_wgmma::BW });
-    let wg_auto = wg_ok && wgmma_allowed() && (w.bits() == 4 || wgmma_q8_auto());
+    let wg_auto = wg_ok && gemm_switch() != GemmSwitch::Mma && (w.bits() == 4 || wgmma_q8_auto());
     let tile = match tile {
         Tile::Auto if wg_auto && precision == Precision::Half => match half_tile(dev, grouped, t, experts, wg_tiles) {
-            Tile::Wg128 if w.bits() == 4 && experts <= super::gemm_wgmma::WS_MAX_EXPERTS => wide_half_tile(grouped, w2.is_some()),
+            Tile::Wg128 if w.bits() == 4 && (!grouped || experts <= super::gemm_wgmma::WS_MAX_EXPERTS) => wide_half_tile(grouped, w2.is_some()),
             other => other,
         },
         Tile::Auto if wg_auto => {

@@ -125,6 +125,7 @@ pub(crate) enum Ws {
 }
 
 impl Ws {
+    /// Its place in `WS_KINDS`.
     const fn index(self) -> usize {
         match self {
             Ws::R128 => 0,
@@ -136,6 +137,11 @@ impl Ws {
     /// Weight rows a tile.
     pub(crate) const fn rows(self) -> usize {
         if matches!(self, Ws::R128) { 128 } else { 256 }
+    }
+
+    /// Stages of its ring (NS of `WS_ENTRY` in the `.cu`).
+    const fn stages(self) -> usize {
+        if matches!(self, Ws::R128) { 10 } else { 8 }
     }
 
     /// Threads a block: the producer warpgroup and the consumers.
@@ -234,19 +240,21 @@ const fn smem_bytes(v: Variant) -> usize {
     v.stages * stage + 1024
 }
 
-/// Dynamic shared memory of a warp-specialised tile of `wrows` (128 or 256) weight rows: its ring
-/// (10 or 8 stages of 128 X rows of 128 bytes and `wrows` code rows of 32 bytes, each rounded to 1024
-/// bytes) plus 1024 for aligning it. The kernel's static shared memory (barriers, the expert prefix,
-/// the slots' scales) comes on top: 6.4 KB at most (the four-consumer tile's expert prefix).
-const fn ws_smem_bytes(wrows: usize) -> usize {
-    let stages = if wrows == 128 { 10 } else { 8 };
-    stages * (128 * 128 + wrows * 32).div_ceil(1024) * 1024 + 1024
+/// The warp-specialised tiles in the order of `NAMES_WS` within a form.
+const WS_KINDS: [Ws; 3] = [Ws::R128, Ws::R256, Ws::Four];
+
+/// Dynamic shared memory of a warp-specialised tile: its ring (stages of 128 X rows of 128 bytes and
+/// the tile's code rows of 32 bytes, each rounded to 1024 bytes) plus 1024 for aligning it. The
+/// kernel's static shared memory (barriers, the expert prefix, the slots' scales) comes on top: 6.4 KB
+/// at most (the four-consumer tile's expert prefix).
+const fn ws_smem_bytes(kind: Ws) -> usize {
+    kind.stages() * (128 * 128 + kind.rows() * 32).div_ceil(1024) * 1024 + 1024
 }
 
 pub(crate) fn configure(dev: &Device) -> Result<()> {
     for (i, name) in NAMES_WS.iter().enumerate() {
-        let rows = if i % 3 == 0 { 128 } else { 256 };
-        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(rows) as i32)?;
+        let kind = WS_KINDS[i % WS_KINDS.len()];
+        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(kind) as i32)?;
     }
     for (i, name) in NAMES.iter().enumerate() {
         dev.function(name)?
@@ -339,9 +347,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     if grid.1 > 65535 {
         return Err(CudaError::Shape(format!("wgmma gemm: {} tiles along the grid's y", grid.1)));
     }
-    if ws.is_some() && experts > WS_MAX_EXPERTS {
-        return Err(CudaError::Shape(format!("wgmma gemm: the warp-specialised tiles take at most {WS_MAX_EXPERTS} experts, not {experts}")));
-    }
+    debug_assert!(ws.is_none() || experts <= WS_MAX_EXPERTS, "gemm::run refuses the warp-specialised tiles past WS_MAX_EXPERTS");
     let groups = c.cols / GROUP;
     let planes = num.planes();
     let plane_bytes = (c.x_rows * c.cols * 2).next_multiple_of(256);
@@ -398,7 +404,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         // Persistent: one block an SM (at most one a tile), each walking the tiles.
         let tiles = m_tiles * row_tiles;
         let blocks = tiles.min(dev.sm_count() as usize).max(1);
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (kind.threads(), 1, 1), shared_mem_bytes: ws_smem_bytes(wrows) as u32 };
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (kind.threads(), 1, 1), shared_mem_bytes: ws_smem_bytes(kind) as u32 };
         return launch(dev, NAMES_WS[3 * form + kind.index()], cfg, &p);
     }
     let (name, v) = if q8 {
@@ -435,9 +441,10 @@ mod tests {
             assert_eq!(variant_index(v.bt, v.num, v.rows()), i, "variant {i} is not the one its shape selects");
         }
         // The warp-specialised tiles: one block an SM, with their static shared memory (6.4 KB at most).
-        for (wrows, want) in [(128, 205_824), (256, 197_632)] {
-            assert_eq!(ws_smem_bytes(wrows), want, "ws{wrows}");
-            assert!(ws_smem_bytes(wrows) + 6400 <= 227 * 1024, "ws{wrows} does not fit");
+        for (kind, want) in [(Ws::R128, 205_824), (Ws::R256, 197_632), (Ws::Four, 197_632)] {
+            assert_eq!(ws_smem_bytes(kind), want, "{kind:?}");
+            assert!(ws_smem_bytes(kind) + 6400 <= 227 * 1024, "{kind:?} does not fit");
+            assert_eq!(WS_KINDS[kind.index()], kind);
         }
         // The 8-bit kernels: two blocks an SM each.
         for (i, want) in [99_328, 66_560].into_iter().enumerate() {
