@@ -38,6 +38,7 @@
 #include "gemv_tc.cuh"
 #include "async_copy.cuh"
 #include "route.cuh"
+#include "grid_sync.cuh"
 
 struct MoeDecodeParams {
     const uint4* gw;          // gate [E + 1, I, H/32] 16-byte chunks
@@ -78,25 +79,6 @@ __device__ __forceinline__ void md_stamp(const unsigned long long* trace_base, i
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
         const_cast<unsigned long long*>(trace_base)[blockIdx.x * MD_TRACE + i] = t;
     }
-}
-
-__device__ __forceinline__ void grid_barrier(unsigned long long* ctr) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        __threadfence();
-        const unsigned long long n = gridDim.x;
-        const unsigned long long target = (atomicAdd(ctr, 1ull) / n + 1) * n;
-        unsigned long long v;
-        long long spins = 0;
-        do {
-            asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(ctr) : "memory");
-            // A block that never arrives (the grid not resident, a fault elsewhere) ends the launch
-            // with an error after some seconds instead of hanging the GPU.
-            if (++spins > (1ll << 27)) __trap();
-        } while (v < target);
-        __threadfence();
-    }
-    __syncthreads();
 }
 
 // act (n values, n a multiple of 64, at most MD_STAGE_WORDS words of 8 a thread) -> the planes and

@@ -794,6 +794,56 @@ fn moe_decode_fused_matches_reference() {
     println!("moe decode fused: picks identical to moe_route; worst relative error {worst:.2e} (tolerance 1e-4)");
 }
 
+/// The persistent GEMV chain (`gemv_chain.cu`): every op's output against f64 from the GPU's own input
+/// to that op (RMSNorm, then the product), in every form (copies ahead of the wait or after it, and
+/// the options of the first), two launches each (the counters' second generation); ops with fewer tiles than blocks and more, an op
+/// reading an output two ops back, matrices past the first of their stack; bad shapes refused.
+#[test]
+fn gemv_chain_matches_reference() {
+    use lily_cuda::ops::gemv_chain::{Chain, Form, Link, FORMS};
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(61);
+    // (rows, cols, matrix, x buffer, y buffer); buffer 0 is the chain's input.
+    let shape: [(usize, usize, usize, usize, usize); 6] =
+        [(2048, 512, 1, 0, 1), (512, 2048, 0, 1, 2), (4096, 512, 1, 2, 3), (1024, 4096, 0, 3, 4), (3072, 1024, 1, 4, 5), (512, 2048, 1, 1, 6)];
+    let mats: Vec<Matrix> = shape.iter().map(|&(r, c, ..)| affine_matrix(&mut rng, 2, r, c, 4, 64, "bf16")).collect();
+    let dmats: Vec<DeviceMatrix> = mats.iter().map(|m| upload_matrix(&dev, m).unwrap()).collect();
+    let norms: Vec<Vec<f32>> = shape.iter().map(|&(_, c, ..)| rng.vec(c).iter().map(|v| 1.0 + 0.5 * v).collect()).collect();
+    let dnorms: Vec<CudaSlice<f32>> = norms.iter().map(|n| dev.upload(n).unwrap()).collect();
+    let sizes = [512usize, 2048, 512, 4096, 1024, 3072, 512];
+    let mut bufs: Vec<CudaSlice<f32>> = sizes.iter().map(|&n| poisoned(&dev, n)).collect();
+    let eps = 1e-6f32;
+    let mut worst = 0.0f64;
+    for form in FORMS {
+        for launch in 0..2 {
+            let x0: Vec<f32> = rng.vec(512).iter().map(|v| 5.0 * v).collect();
+            dev.upload_into(&x0, &mut bufs[0]).unwrap();
+            for (b, &n) in bufs.iter_mut().zip(&sizes).skip(1) {
+                util::fill(&dev, b, f32::NAN).unwrap();
+                assert_eq!(b.len(), n);
+            }
+            let links: Vec<Link> =
+                shape.iter().enumerate().map(|(i, &(_, _, m, x, y))| Link { w: &dmats[i], matrix: m, norm_w: &dnorms[i], x, y }).collect();
+            let mut chain = Chain::new(&dev, &links, &bufs, eps).unwrap();
+            chain.run(&dev, form).unwrap();
+            let got: Vec<Vec<f32>> = bufs.iter().map(|b| dev.download(b).unwrap()).collect();
+            for (i, &(_, _, m, x, y)) in shape.iter().enumerate() {
+                let want = ref_gemv(&mats[i], m, &ref_norm(&got[x], &norms[i], eps));
+                let tol = if form == Form::AheadI8 { I8_TOL } else { TC_TOL };
+                worst = worst.max(check(&got[y], &want, tol, &format!("chain op {i} ({form:?}, launch {launch})")));
+            }
+        }
+    }
+    // Refused: cols not a multiple of 512; an op writing its own input; a buffer out of range.
+    let bad = upload_matrix(&dev, &affine_matrix(&mut rng, 1, 16, 256, 4, 64, "bf16")).unwrap();
+    let nb = dev.upload(&rng.vec(256)).unwrap();
+    assert!(Chain::new(&dev, &[Link { w: &bad, matrix: 0, norm_w: &nb, x: 0, y: 1 }], &bufs, eps).is_err(), "cols 256");
+    assert!(Chain::new(&dev, &[Link { w: &dmats[0], matrix: 0, norm_w: &dnorms[0], x: 1, y: 1 }], &bufs, eps).is_err(), "y = x");
+    assert!(Chain::new(&dev, &[Link { w: &dmats[0], matrix: 0, norm_w: &dnorms[0], x: 0, y: 9 }], &bufs, eps).is_err(), "no buffer 9");
+    assert!(Chain::new(&dev, &[Link { w: &dmats[0], matrix: 2, norm_w: &dnorms[0], x: 0, y: 1 }], &bufs, eps).is_err(), "matrix 2 of 2");
+    println!("gemv chain: worst relative error {worst:.2e} (tolerance {TC_TOL:.0e})");
+}
+
 #[test]
 fn rmsnorm_matches_cpu() {
     let Some(dev) = device() else { return };
@@ -992,6 +1042,93 @@ fn bench_moe_decode() {
         }
         println!("{line}");
     }
+}
+
+/// What an op boundary costs: a chain of 80 normed GEMVs alternating [4096x2048] and [2048x4096]
+/// (the shapes of a decode step's input and output projections, every op its own matrix: 377 MB,
+/// cold in L2), as one persistent kernel in each form, and as
+/// separate kernels (`gemv_fused`, what the model launches) in a CUDA graph under PDL: µs an op.
+#[test]
+#[ignore = "timing; run on the GPU machine"]
+fn bench_gemv_chain() {
+    use lily_cuda::ops::affine_gemv::Fuse;
+    use lily_cuda::ops::gemv_chain::{self, Chain, Link, FORMS};
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(62);
+    let mut up = Uploader::new(&dev).unwrap();
+    let n = 80usize;
+    let a = bench_affine(&mut up, &mut rng, n / 2, 4096, 2048, 4, 64);
+    let b = bench_affine(&mut up, &mut rng, n / 2, 2048, 4096, 4, 64);
+    let nw2 = dev.upload(&rng.vec(2048).iter().map(|v| 1.0 + 0.5 * v).collect::<Vec<f32>>()).unwrap();
+    let nw4 = dev.upload(&rng.vec(4096).iter().map(|v| 1.0 + 0.5 * v).collect::<Vec<f32>>()).unwrap();
+    let mut bufs = vec![dev.upload(&rng.vec(2048)).unwrap(), dev.zeros::<f32>(4096).unwrap()];
+    let bytes_op = 2048.0 * 4096.0 * (0.5 + 4.0 / 64.0);
+    let floor = n as f64 * bytes_op / PEAK * 1e6;
+    println!("chain of {n} GEMVs [4096x2048] / [2048x4096] with the norm, {:.1} MB an op; bandwidth floor {:.2} µs an op", bytes_op / 1e6, floor / n as f64);
+    {
+        let links: Vec<Link> = (0..n)
+            .map(|i| if i % 2 == 0 { Link { w: &a, matrix: i / 2, norm_w: &nw2, x: 0, y: 1 } } else { Link { w: &b, matrix: i / 2, norm_w: &nw4, x: 1, y: 0 } })
+            .collect();
+        let mut chain = Chain::new(&dev, &links, &bufs, 1e-6).unwrap();
+        for form in FORMS {
+            let (t, spread) = time_op(&dev, 10, 5, |_| chain.run(&dev, form).unwrap());
+            println!("persistent, {form:?}: {:.2} µs an op ({:.0} GB/s; spread {spread:.3})", t * 1e6 / n as f64, n as f64 * bytes_op / t / 1e9);
+        }
+        // Where an op's time goes: one traced launch of each form, ops 10..70. Per op, the medians over
+        // blocks of each phase (µs), and the wake-up: from the last block's arrival at the previous op
+        // to each block's wait ending.
+        let (g, ns) = (chain.grid(), gemv_chain::TRACE_STAMPS);
+        let mut trace = dev.zeros::<u64>(n * g * ns).unwrap();
+        for form in FORMS {
+            chain.run_traced(&dev, form, Some(&mut trace)).unwrap();
+            let t = dev.download(&trace).unwrap();
+            let at = |op: usize, b: usize, k: usize| t[(op * g + b) * ns + k] as f64 / 1e3;
+            let med = |mut v: Vec<f64>| {
+                v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+                v[v.len() / 2]
+            };
+            let names = ["wake", "copies in", "stage x", "products", "arrive", "period"];
+            let mut cols: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+            for op in 10..70 {
+                let last = (0..g).map(|b| at(op - 1, b, 5)).fold(0.0, f64::max);
+                let last_now = (0..g).map(|b| at(op, b, 5)).fold(0.0, f64::max);
+                cols[0].push(med((0..g).map(|b| at(op, b, 1) - last).collect()));
+                for (k, col) in cols.iter_mut().enumerate().take(5).skip(1) {
+                    col.push(med((0..g).map(|b| at(op, b, k + 1) - at(op, b, k)).collect()));
+                }
+                cols[5].push(last_now - last);
+            }
+            let line: Vec<String> = names.iter().zip(cols).map(|(nm, c)| format!("{nm} {:.2}", med(c))).collect();
+            println!("trace, {form:?} (median op, median block, µs): {}", line.join(" | "));
+        }
+    }
+    {
+        // The same chain on two matrices only (hot in L2): what is left is the chain's latency.
+        let links: Vec<Link> = (0..n)
+            .map(|i| if i % 2 == 0 { Link { w: &a, matrix: 0, norm_w: &nw2, x: 0, y: 1 } } else { Link { w: &b, matrix: 0, norm_w: &nw4, x: 1, y: 0 } })
+            .collect();
+        let mut chain = Chain::new(&dev, &links, &bufs, 1e-6).unwrap();
+        for form in FORMS {
+            let (t, spread) = time_op(&dev, 10, 5, |_| chain.run(&dev, form).unwrap());
+            println!("persistent, weights hot in L2, {form:?}: {:.2} µs an op (spread {spread:.3})", t * 1e6 / n as f64);
+        }
+    }
+    // The same ops as separate kernels, captured into one graph with PDL.
+    let stream = dev.stream().clone();
+    stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+    dev.set_pdl(true);
+    let (mut x2, mut x4) = (bufs.remove(0), bufs.remove(0));
+    for i in 0..n {
+        if i % 2 == 0 {
+            affine_gemv::gemv_fused(&dev, &a, Select::matrix(i / 2), &x2, false, &mut x4, Fuse::rms_norm(&dev, &nw2, 1e-6)).unwrap();
+        } else {
+            affine_gemv::gemv_fused(&dev, &b, Select::matrix(i / 2), &x4, false, &mut x2, Fuse::rms_norm(&dev, &nw4, 1e-6)).unwrap();
+        }
+    }
+    dev.set_pdl(false);
+    let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0)).unwrap().unwrap();
+    let (t, spread) = time_op(&dev, 10, 5, |_| graph.launch().unwrap());
+    println!("separate kernels, one graph with PDL: {:.2} µs an op ({:.0} GB/s; spread {spread:.3})", t * 1e6 / n as f64, n as f64 * bytes_op / t / 1e9);
 }
 
 struct Row {

@@ -17,6 +17,7 @@ pub mod attn_prep;
 pub mod embed;
 pub mod gdn;
 pub mod gdn_chunked;
+pub mod gemv_chain;
 pub mod gemm;
 pub mod gemm_wgmma;
 pub mod moe_decode;
@@ -36,6 +37,7 @@ pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
     ("embed", embed::KERNELS),
     ("gdn", gdn::KERNELS),
     ("gdn_chunked", gdn_chunked::KERNELS),
+    ("gemv_chain", gemv_chain::KERNELS),
     ("gemm", gemm::KERNELS),
     ("gemm_wgmma", gemm_wgmma::KERNELS),
     ("moe_decode", moe_decode::KERNELS),
@@ -55,6 +57,7 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     attention::configure(dev)?;
     gdn_chunked::configure(dev)?;
     moe_decode::configure(dev)?;
+    gemv_chain::configure(dev)?;
     attn_prefill::configure(dev)
 }
 
