@@ -38,6 +38,12 @@ pub struct Device {
     pub(crate) recorder: Mutex<Option<(Vec<crate::profile::Mark>, i32)>>,
     /// Launch kernels with programmatic dependent launch (`ops::launch`).
     pdl: std::sync::atomic::AtomicBool,
+    /// The decode ledger's knock-outs (`profile.rs`): the op whose kernels are not launched, and the
+    /// op being launched (its last mark); `knocking` is the fast check that one is set.
+    pub(crate) knockout: Mutex<(Option<&'static str>, &'static str)>,
+    pub(crate) knocking: std::sync::atomic::AtomicBool,
+    /// Kernel launches skipped by knock-outs so far.
+    pub(crate) knocked: std::sync::atomic::AtomicU64,
     /// The wgmma GEMM's staged x (`ops::gemm_wgmma`): grown on demand, reused by every call in stream
     /// order, with what it holds.
     pub(crate) gemm_stage: Mutex<crate::ops::gemm_wgmma::Stage>,
@@ -143,6 +149,9 @@ impl Device {
             occupancy: Mutex::new(HashMap::new()),
             recorder: Mutex::new(None),
             pdl: std::sync::atomic::AtomicBool::new(false),
+            knockout: Mutex::new((None, "")),
+            knocking: std::sync::atomic::AtomicBool::new(false),
+            knocked: std::sync::atomic::AtomicU64::new(0),
             gemm_stage: Mutex::new(Default::default()),
         };
         ops::configure(&dev)?;

@@ -43,7 +43,7 @@ use crate::weights::{DeviceMatrix, Uploader};
 use crate::{CudaError, Device, Result};
 
 mod ledger;
-pub use ledger::{DecodeLedger, PrefillLedger};
+pub use ledger::{DecodeLedger, KnockOuts, PrefillLedger};
 
 /// KV caches are sized in multiples of this many positions (whole tiles of the V cache).
 pub const KV_STEP: usize = 4096;
@@ -960,7 +960,8 @@ fn attn_mixer(
     };
     mark_attn_prep(dev, &dims, 1)?;
     attn_prep::prep(dev, &q, &k, &v, &w.q_norm, &w.k_norm, dims, pos, 1, &mut a.q, gate, kc, vc, cap)?;
-    if dev.recording() {
+    {
+        // Marked whether recording or not: a knock-out (`Device::set_knockout`) goes by the marks.
         let n = match n {
             Scalar::Host(n) => n as u64,
             Scalar::Device { max, .. } => max as u64,

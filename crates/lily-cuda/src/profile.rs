@@ -74,8 +74,37 @@ impl Device {
         }
     }
 
+    /// Knocks out an op (the decode ledger's marginal costs): while `label` is set, every kernel
+    /// launched between a mark of that label and the next mark is skipped, so a step captured then
+    /// costs what it does without that op. Its results are wrong: for timing only. `None` ends it.
+    pub fn set_knockout(&self, label: Option<&'static str>) {
+        *self.knockout.lock().unwrap() = (label, "");
+        self.knocking.store(label.is_some(), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the op being launched is knocked out ([`Device::set_knockout`]); counts the launch skipped.
+    pub(crate) fn knocked_out(&self) -> bool {
+        if !self.knocking.load(std::sync::atomic::Ordering::Relaxed) {
+            return false;
+        }
+        let k = self.knockout.lock().unwrap();
+        let skip = k.0 == Some(k.1);
+        if skip {
+            self.knocked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        skip
+    }
+
+    /// Kernel launches knock-outs have skipped so far.
+    pub fn knocked_launches(&self) -> u64 {
+        self.knocked.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Begins the segment of an op (ends the previous one). Free when not recording.
     pub fn mark(&self, label: &'static str, bytes: u64, flops: u64) -> Result<()> {
+        if self.knocking.load(std::sync::atomic::Ordering::Relaxed) {
+            self.knockout.lock().unwrap().1 = label;
+        }
         let mut rec = self.recorder.lock().unwrap();
         let Some((marks, layer)) = rec.as_mut() else { return Ok(()) };
         let event = self.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;

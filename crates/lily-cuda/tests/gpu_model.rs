@@ -278,6 +278,40 @@ fn device_pick_greedy_is_the_argmax_and_clones_resume() {
     }
 }
 
+/// The decode ledger's knock-outs on a tiny model: one per op of the graph (none for the logits and
+/// the pick, which run after it), each a finite step time and at least one kernel skipped; and once it is done the model decodes a fresh
+/// state exactly as before it (no op left knocked out, the serving graph not one of the knock-outs').
+#[test]
+fn decode_ledger_knockouts_name_every_graph_op_and_leave_decoding_intact() {
+    let Some(dev) = common::device() else { return };
+    let dev = Arc::new(dev);
+    let w = load("tiny-b", "mlx");
+    let v = w.config.vocab_size;
+    let toks = tokens("tiny-b");
+    let mut g = gpu(&dev, &w, 64);
+    let before = decode_each(&mut g, &toks[..12]);
+    let greedy = DevicePick { vocab: v, params: Resolved { temperature: 0.0, ..Resolved::default() }, u: 0.0, edits: Vec::new() };
+    let mut s = g.new_state();
+    g.forward(&mut s, &toks[..40], Logits::None).unwrap();
+    let l = g.profile_decode(&mut s, toks[40], &greedy, 2).unwrap();
+    let mut graph_ops: Vec<&str> = Vec::new();
+    for seg in &l.segments {
+        if seg.label != "pick" && seg.label != "lm_head" && !graph_ops.contains(&seg.label) {
+            graph_ops.push(seg.label);
+        }
+    }
+    let knocked: Vec<&str> = l.knockouts.without.iter().map(|(label, ..)| *label).collect();
+    assert_eq!(knocked, graph_ops, "one knock-out per op of the graph, in the step's order");
+    assert!(knocked.contains(&"moe.gate_up") && knocked.contains(&"gdn.step"), "{knocked:?}");
+    assert!(l.knockouts.full_step_seconds.is_finite() && l.knockouts.full_step_seconds > 0.0);
+    assert!(l.knockouts.without.iter().all(|(_, t, _)| t.is_finite() && *t > 0.0), "{:?}", l.knockouts.without);
+    // Every op's knock-out skipped at least one kernel (an op whose mark is not reached outside a
+    // recording would skip none and credit its kernels to the op before it).
+    assert!(l.knockouts.without.iter().all(|&(_, _, n)| n > 0), "{:?}", l.knockouts.without);
+    let after = decode_each(&mut g, &toks[..12]);
+    assert_eq!(after, before, "decoding after the knock-outs differs from before them");
+}
+
 /// Constrained decoding on the device: each step's mask (filled by the host while the forward pass
 /// runs) is applied before the pick, which chooses what `pick_on_cpu_masked` chooses from the same
 /// step's logits — greedy and seeded sampling, masks allowing a random half, a handful, one token,

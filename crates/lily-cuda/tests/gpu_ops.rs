@@ -844,6 +844,30 @@ fn gemv_chain_matches_reference() {
     println!("gemv chain: worst relative error {worst:.2e} (tolerance {TC_TOL:.0e})");
 }
 
+/// `Device::set_knockout` (the decode ledger's marginal costs): the kernels launched after a mark of
+/// the knocked-out op are skipped (the output keeps its poison), those after another mark run, and
+/// none is skipped once the knock-out ends.
+#[test]
+fn knockout_skips_only_the_named_op() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(71);
+    let (rows, n) = (3usize, 256usize);
+    let x = dev.upload(&rng.vec(rows * n)).unwrap();
+    let w = dev.upload(&rng.vec(n)).unwrap();
+    let run = |label: &'static str| {
+        let mut y = poisoned(&dev, rows * n);
+        dev.mark(label, 0, 0).unwrap();
+        rmsnorm::rms_norm(&dev, &x, &w, 1e-6, rows, &mut y).unwrap();
+        dev.download(&y).unwrap().iter().all(|v| v.is_finite())
+    };
+    dev.set_knockout(Some("probe.off"));
+    assert!(!run("probe.off"), "a knocked-out op's kernel ran");
+    assert!(run("probe.on"), "another op's kernel was skipped");
+    assert!(!run("probe.off"), "the knock-out did not come back with its mark");
+    dev.set_knockout(None);
+    assert!(run("probe.off"), "a kernel was skipped after the knock-out ended");
+}
+
 #[test]
 fn rmsnorm_matches_cpu() {
     let Some(dev) = device() else { return };

@@ -121,9 +121,24 @@ pub fn run(m: &mut LoadedModel, model: &Path, contexts: &[usize], prompts: &[usi
                 1.0 / l.served_step_seconds,
                 (sum - l.graph_step_seconds) * 1e6
             );
+            // Marginal costs: the graph without each op's kernels (wrong results, right timings).
+            let k = &l.knockouts;
+            println!("\nmarginal cost in the graph (the step captured without each op's kernels, all at one position; whole step {:.1} µs):\n", k.full_step_seconds * 1e6);
+            println!("| op | kernels | step without them µs | marginal µs | marginal µs a kernel |");
+            println!("|---|---:|---:|---:|---:|");
+            let mut marginal_sum = 0.0;
+            for &(label, without, kernels) in &k.without {
+                let m = k.full_step_seconds - without;
+                marginal_sum += m;
+                println!("| {label} | {kernels} | {:.1} | {:.1} | {:.2} |", without * 1e6, m * 1e6, m * 1e6 / kernels.max(1) as f64);
+            }
+            println!("| **sum of marginals** | | | **{:.1}** | |", marginal_sum * 1e6);
+            let knock: Vec<serde_json::Value> =
+                k.without.iter().map(|(label, w, n)| serde_json::json!({"op": label, "step_without_us": w * 1e6, "kernels": n})).collect();
             doc["decode"].as_array_mut().unwrap().push(serde_json::json!({
                 "context": l.context, "copy_bandwidth": bw, "graph_step_us": l.graph_step_seconds * 1e6,
                 "served_step_us": l.served_step_seconds * 1e6, "ops": seg_json(&l.segments),
+                "knockout_full_step_us": k.full_step_seconds * 1e6, "knockouts": knock,
             }));
         }
         for &n in prompts {

@@ -27,6 +27,18 @@ pub struct DecodeLedger {
     pub served_step_seconds: f64,
     /// Device-to-device copy bandwidth (bytes read + written per second).
     pub copy_bandwidth: f64,
+    /// The step's graph without each op in turn.
+    pub knockouts: KnockOuts,
+}
+
+/// The decode step's graph replayed whole and without each op's kernels (`Device::set_knockout`), all
+/// at one position: the difference is the op's marginal cost in the graph.
+#[derive(Clone, Debug)]
+pub struct KnockOuts {
+    /// The whole step, captured and replayed as the knock-outs are.
+    pub full_step_seconds: f64,
+    /// (op, seconds a step without its kernels, kernels skipped), in the step's order.
+    pub without: Vec<(&'static str, f64, u64)>,
 }
 
 /// One prompt's prefill, op by op.
@@ -48,12 +60,13 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 impl CudaModel {
     /// Profiles decode steps from `state` (which advances by the steps run): `reps` steps op by op and
-    /// 32 replayed graph steps, each feeding `token`.
+    /// 32 replayed graph steps, each feeding `token`; then the knock-outs ([`KnockOuts`]), which leave
+    /// the state's contents meaningless (a profiled state is for profiling only).
     pub fn profile_decode(&mut self, state: &mut CudaState, token: u32, pick: &DevicePick, reps: usize) -> Result<DecodeLedger> {
         let reps = reps.max(1);
         let graph_steps = 32;
         let context = state.pos;
-        self.grow_kv(state, state.pos + reps + 2 * graph_steps + 8)?;
+        self.grow_kv(state, state.pos + reps + 2 * graph_steps + 9)?;
         let copy_bandwidth = self.dev.copy_bandwidth(1 << 30)?;
 
         // As generation runs it: the graph (captured on the first step), the pick, the id read back.
@@ -110,7 +123,49 @@ impl CudaModel {
         for (i, s) in segments.iter_mut().enumerate() {
             s.seconds = median(runs.iter().map(|r| r[i].seconds).collect());
         }
-        Ok(DecodeLedger { context, segments, graph_step_seconds, served_step_seconds, copy_bandwidth })
+
+        // Knock-outs: the step captured again without one op's kernels at a time (and once without
+        // none, the baseline of the same method), each replayed `graph_steps` times at the same
+        // positions: what the graph saves without the op is its marginal cost in the graph, where
+        // kernels overlap under PDL and the isolated times above do not add up.
+        let mut labels: Vec<&'static str> = Vec::new();
+        for s in &segments {
+            // The logits and the pick run after the graph, not in it.
+            if s.label != "pick" && s.label != "lm_head" && !labels.contains(&s.label) {
+                labels.push(s.label);
+            }
+        }
+        let pos0 = state.pos;
+        let mut timed = Vec::with_capacity(labels.len() + 1);
+        for label in std::iter::once(None).chain(labels.iter().map(|&l| Some(l))) {
+            self.dev.set_knockout(label);
+            let skipped0 = self.dev.knocked_launches();
+            let stream = self.dev.stream().clone();
+            stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+            self.dev.set_pdl(self.pdl);
+            let recorded = self.layers_pass(state, 1, true);
+            self.dev.set_pdl(false);
+            let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            self.dev.set_knockout(None);
+            let skipped = self.dev.knocked_launches() - skipped0;
+            recorded?;
+            let graph = graph?.ok_or_else(|| crate::CudaError::Driver("capturing a knocked-out step gave no graph".into()))?;
+            let pos = pos0 as i32;
+            self.dev.upload_into(&[pos, pos + 1], &mut self.act.step_pos)?;
+            for _ in 0..3 {
+                graph.launch()?;
+            }
+            e0.record(self.dev.stream())?;
+            for _ in 0..graph_steps {
+                graph.launch()?;
+            }
+            e1.record(self.dev.stream())?;
+            timed.push((e0.elapsed_ms(&e1)? as f64 * 1e-3 / graph_steps as f64, skipped));
+        }
+        state.pos = pos0 + 1;
+        let without = labels.into_iter().zip(&timed[1..]).map(|(label, &(t, k))| (label, t, k)).collect();
+        let knockouts = KnockOuts { full_step_seconds: timed[0].0, without };
+        Ok(DecodeLedger { context, segments, graph_step_seconds, served_step_seconds, copy_bandwidth, knockouts })
     }
 
     /// Profiles the prefill of `tokens` on fresh states: once unprofiled (timed on the host, the next

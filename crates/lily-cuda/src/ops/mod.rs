@@ -117,6 +117,9 @@ pub(crate) fn addr_mut<T, S: DevicePtrMut<T>>(dev: &Device, s: &mut S, need: usi
 /// in it points to a live buffer of the size the kernel will touch.
 pub(crate) fn launch<P: DeviceRepr>(dev: &Device, name: &'static str, cfg: LaunchConfig, params: &P) -> Result<()> {
     let f = dev.function(name)?;
+    if dev.knocked_out() {
+        return Ok(());
+    }
     if dev.pdl() {
         return launch_programmatic(dev, f, cfg, params);
     }
@@ -140,6 +143,9 @@ pub(crate) fn launch_cluster<P: DeviceRepr>(dev: &Device, name: &'static str, cf
         return Err(CudaError::Shape(format!("{name}: a grid of {} blocks in clusters of {cluster}", cfg.grid_dim.0)));
     }
     let f = dev.function(name)?;
+    if dev.knocked_out() {
+        return Ok(());
+    }
     launch_ex(dev, f, cfg, dev.pdl(), cluster, params)
 }
 
