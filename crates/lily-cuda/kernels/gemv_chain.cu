@@ -100,36 +100,10 @@ __device__ __forceinline__ void ch_copy_tiles(const ChainOp& o, unsigned char* d
 // sums and scales; else the bf16 planes and group sums); returns 1/rms(x). Ends synchronised.
 template <bool I8>
 __device__ __forceinline__ float ch_stage(const float* x, const float* norm, float eps, int cols, unsigned char* xs, float* Xs, float* sig) {
-    __shared__ float ss_part[CH_WARPS];
-    const int nw = cols >> 3;
-    float ss = 0.0f;
-    for (int base = 0; base < nw; base += blockDim.x) {
-        const int j = base + threadIdx.x;
-        const bool act = j < nw;
-        float v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        if (act) {
-            const float4 a = __ldcg(reinterpret_cast<const float4*>(x) + 2 * j);
-            const float4 b = __ldcg(reinterpret_cast<const float4*>(x) + 2 * j + 1);
-            const float4 ga = reinterpret_cast<const float4*>(norm)[2 * j];
-            const float4 gb = reinterpret_cast<const float4*>(norm)[2 * j + 1];
-            v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
-            const float gw[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
-#pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                ss = fmaf(v[k], v[k], ss);
-                v[k] *= gw[k];
-            }
-        }
+    auto word = [&](const float (&v)[8], int j, bool act) {
         if (I8) i8_stage_word(v, j, act, xs, Xs, sig); else tc_stage_word(v, j, act, xs, Xs);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if ((threadIdx.x & 31) == 0) ss_part[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    float tot = 0.0f;
-#pragma unroll
-    for (int w = 0; w < CH_WARPS; ++w) tot += ss_part[w];
-    return 1.0f / sqrtf(tot / (float)cols + eps);
+    };
+    return stage_words<CH_WARPS, decltype(word), false>(norm, eps, x, cols, word);
 }
 
 // I8: the integer form of the product (gemv_tc.cuh: byte planes of x, u8 × s8 mmas; fewer instructions
@@ -183,14 +157,7 @@ __device__ __forceinline__ void gemv_chain(const ChainParams& p) {
             const unsigned char* base = wb + ti * tb;
             float acc0 = 0.0f, acc1 = 0.0f;
             for (int r = warp; r < nr; r += CH_WARPS) {
-                const unsigned char* sc = base + 16 * rs + (2 * r + (t >> 1)) * 2;
-                TcLoad W;
-                W.w0 = *reinterpret_cast<const uint4*>(base + g * rs + (4 * r + t) * 16);
-                W.w1 = *reinterpret_cast<const uint4*>(base + (g + 8) * rs + (4 * r + t) * 16);
-                W.s0 = *reinterpret_cast<const uint16_t*>(sc + g * ss);
-                W.s1 = *reinterpret_cast<const uint16_t*>(sc + (g + 8) * ss);
-                W.b0 = *reinterpret_cast<const uint16_t*>(sc + 16 * ss + g * ss);
-                W.b1 = *reinterpret_cast<const uint16_t*>(sc + 16 * ss + (g + 8) * ss);
+                const TcLoad W = tc_load_staged(base, rs, ss, r, g, t);
                 if (I8) {
                     uint4 xb[2];
                     float k0, k1;

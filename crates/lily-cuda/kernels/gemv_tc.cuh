@@ -136,6 +136,20 @@ __device__ __forceinline__ float tc_round_b(uint4 (&xb)[4], const uint4* xlane, 
     return (t & 1) ? 0.0f : Xs[2 * r + (t >> 1)];
 }
 
+// A lane's loads of round r from a 16-row tile staged in shared memory (moe_decode.cu, gemv_chain.cu):
+// 16 weight rows `rs` bytes apart, then 16 scale rows and 16 bias rows `ss` bytes apart.
+__device__ __forceinline__ TcLoad tc_load_staged(const unsigned char* base, int rs, int ss, int r, int g, int t) {
+    const unsigned char* sc = base + 16 * rs + (2 * r + (t >> 1)) * 2;
+    TcLoad W;
+    W.w0 = *reinterpret_cast<const uint4*>(base + g * rs + (4 * r + t) * 16);
+    W.w1 = *reinterpret_cast<const uint4*>(base + (g + 8) * rs + (4 * r + t) * 16);
+    W.s0 = *reinterpret_cast<const uint16_t*>(sc + g * ss);
+    W.s1 = *reinterpret_cast<const uint16_t*>(sc + (g + 8) * ss);
+    W.b0 = *reinterpret_cast<const uint16_t*>(sc + 16 * ss + g * ss);
+    W.b1 = *reinterpret_cast<const uint16_t*>(sc + 16 * ss + (g + 8) * ss);
+    return W;
+}
+
 // The 4 lanes of a row group hold the parts of each round's two groups: their sum is the warp's part
 // of rows g (a0) and g + 8 (a1).
 __device__ __forceinline__ void tc_lane_sum(float& a0, float& a1) {
@@ -190,7 +204,9 @@ __device__ __forceinline__ void tc_stage_word(const float (&v)[8], int j, bool a
 // x (optionally x * norm_w), word by word (8 values a thread), into a staging by `word(v, j, act)`;
 // returns 1/rms(x) with the norm, else 1. Ends with the block synchronised.
 // MAXW: the most warps of the calling block.
-template <int MAXW, class Word>
+// NORM_LDG: the norm weight read through the read-only path (global memory); false: plain loads (a
+// norm weight staged in shared memory, gemv_chain.cu).
+template <int MAXW, class Word, bool NORM_LDG = true>
 __device__ __forceinline__ float stage_words(const float* norm_w, float norm_eps, const float* x, int cols, Word word) {
     __shared__ float ss_part[MAXW];
     const bool norm = norm_w != nullptr;
@@ -205,8 +221,9 @@ __device__ __forceinline__ float stage_words(const float* norm_w, float norm_eps
             const float4 b = __ldcg(reinterpret_cast<const float4*>(x) + 2 * j + 1);
             v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
             if (norm) {
-                const float4 ga = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * j);
-                const float4 gb = __ldg(reinterpret_cast<const float4*>(norm_w) + 2 * j + 1);
+                const float4* nw = reinterpret_cast<const float4*>(norm_w) + 2 * j;
+                const float4 ga = NORM_LDG ? __ldg(nw) : nw[0];
+                const float4 gb = NORM_LDG ? __ldg(nw + 1) : nw[1];
                 const float g[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
 #pragma unroll
                 for (int i = 0; i < 8; ++i) {

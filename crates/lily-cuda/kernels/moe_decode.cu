@@ -225,15 +225,7 @@ __device__ __forceinline__ void moe_decode(const MoeDecodeParams& p) {
                 const float X = tc_round_b(xb, xlane, Xs, r, breal, t);
 #pragma unroll
                 for (int mm = 0; mm < 2; ++mm) {
-                    const unsigned char* base = md_smem + (i * 2 + mm) * mbytes;
-                    const unsigned char* sc = base + 16 * rs + (2 * r + (t >> 1)) * 2;
-                    TcLoad W;
-                    W.w0 = *reinterpret_cast<const uint4*>(base + g * rs + (4 * r + t) * 16);
-                    W.w1 = *reinterpret_cast<const uint4*>(base + (g + 8) * rs + (4 * r + t) * 16);
-                    W.s0 = *reinterpret_cast<const uint16_t*>(sc + g * ss);
-                    W.s1 = *reinterpret_cast<const uint16_t*>(sc + (g + 8) * ss);
-                    W.b0 = *reinterpret_cast<const uint16_t*>(sc + 16 * ss + g * ss);
-                    W.b1 = *reinterpret_cast<const uint16_t*>(sc + 16 * ss + (g + 8) * ss);
+                    const TcLoad W = tc_load_staged(md_smem + (i * 2 + mm) * mbytes, rs, ss, r, g, t);
                     float c[4];
                     tc_mmas<2>(c, W, xb, k16);
                     tc_affine(acc[mm][0], acc[mm][1], c, W, X);

@@ -593,14 +593,7 @@ impl CudaModel {
             if self.decode_graph.as_ref().map(|g| &g.0) != Some(&key) {
                 self.decode_graph = None;
                 self.count(|c| c.graph_captures += 1);
-                let stream = self.dev.stream().clone();
-                stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-                self.dev.set_pdl(self.pdl);
-                let recorded = self.layers_pass(state, 1, true);
-                self.dev.set_pdl(false);
-                let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
-                recorded?;
-                let graph = graph?.ok_or_else(|| CudaError::Driver("capturing the decode step gave no graph".into()))?;
+                let graph = self.capture_step(state)?;
                 self.decode_graph = Some((key, StepGraph(graph)));
             }
             self.decode_graph.as_ref().expect("captured above").1 .0.launch()?;
@@ -609,6 +602,19 @@ impl CudaModel {
         }
         state.pos += t;
         Ok(())
+    }
+
+    /// The decode step's kernels (one token at `act.step_pos`) captured as a graph, with programmatic
+    /// dependent launch when the model uses it.
+    fn capture_step(&mut self, state: &mut CudaState) -> Result<cudarc::driver::CudaGraph> {
+        let stream = self.dev.stream().clone();
+        stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        self.dev.set_pdl(self.pdl);
+        let recorded = self.layers_pass(state, 1, true);
+        self.dev.set_pdl(false);
+        let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+        recorded?;
+        graph?.ok_or_else(|| CudaError::Driver("capturing the decode step gave no graph".into()))
     }
 
     /// Every kernel of one chunk (ids already on the device): embedding, layers, final norm. With

@@ -140,16 +140,10 @@ impl CudaModel {
         for label in std::iter::once(None).chain(labels.iter().map(|&l| Some(l))) {
             self.dev.set_knockout(label);
             let skipped0 = self.dev.knocked_launches();
-            let stream = self.dev.stream().clone();
-            stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
-            self.dev.set_pdl(self.pdl);
-            let recorded = self.layers_pass(state, 1, true);
-            self.dev.set_pdl(false);
-            let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            let graph = self.capture_step(state);
             self.dev.set_knockout(None);
             let skipped = self.dev.knocked_launches() - skipped0;
-            recorded?;
-            let graph = graph?.ok_or_else(|| crate::CudaError::Driver("capturing a knocked-out step gave no graph".into()))?;
+            let graph = graph?;
             let pos = pos0 as i32;
             self.dev.upload_into(&[pos, pos + 1], &mut self.act.step_pos)?;
             for _ in 0..3 {
