@@ -150,7 +150,8 @@ enum Command {
         load: LoadArgs,
     },
     /// The decode and prefill ledgers (CUDA): one decode step at each --context, op by op (time,
-    /// bytes, share of the measured copy bandwidth) against the step's replayed graph; and the
+    /// bytes, share of the measured copy bandwidth) against the step's replayed graph, then each op's
+    /// marginal cost in that graph (the step replayed without the op's kernels); and the
     /// prefill of each --prompt, phase by phase (time, TFLOP/s). Markdown tables on stdout.
     Profile {
         /// Checkpoint directory (e.g. one written by `lily synth --config qwen3.6-35b-a3b`).
