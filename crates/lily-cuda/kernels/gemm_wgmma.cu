@@ -593,21 +593,20 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
 }
 
 // ---- The warp-specialised, persistent tiles (half numerics, 4-bit codes, BT = 128 tokens).
-// Three warpgroups a block, one block an SM, each block walking tiles blockIdx.x, + gridDim.x, ...:
+// 1 + CWG warpgroups a block, one block an SM, each block walking tiles blockIdx.x, + gridDim.x, ...:
 // the first (the producer, its registers given back) fills a ring of NS stages (X and codes, the layout
 // of wg_tile's stages) with cp.async and marks each stage full on an mbarrier once its copies have
-// landed; the two others (consumers, 64·MT weight rows each) wait for a stage, dequantise their codes
-// from it, issue their MMAs, and mark the stage before it empty once those have completed
-// (wgmma_wait<1>). No
+// landed; the others (CWG = 2 or 4 consumers, 64·MT weight rows each) wait for a stage, dequantise
+// their codes from it, issue their MMAs, and mark the stage before it empty once those have completed
+// (wgmma_wait<1>; with four consumers, one register set each: the stage itself after wgmma_wait<0>). No
 // block-wide barrier in the main loop; the producer runs on into the next tile while the consumers write
 // the last one out. Grouped: token tiles as find_group_tile's, from a prefix over experts computed once
 // a block (group_tile_prefix); a tile index is (token tile, row tile) with row tiles fastest (grouped) or
 // token tiles fastest (plain), the launch orders of wg_tile.
 
-template <int MT, int NS, bool SWIGLU, bool GROUPED>
+template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2>
 __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     constexpr int BT = 128;
-    constexpr int CWG = 2;                       // consumer warpgroups
     constexpr int THREADS = 128 * (CWG + 1);     // the producer warpgroup and CWG consumer warpgroups
     constexpr int BWT = 64 * CWG * MT;           // weight rows a tile
     constexpr int XB = BT * 128;                 // X bytes a stage: BT rows of 64 f16
@@ -618,10 +617,14 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     constexpr int XRPT = BT / 16;                // X rows a producer thread loads (128 threads, 8 chunks a row)
     constexpr int WLD = BWT * 2 / 128;           // 16-byte code chunks a producer thread loads (2 a row)
     // The consumers take what the producer gives back (setmaxnreg moves registers within the block's
-    // launch allocation: ptxas allocates 168 a thread at 384 threads): 128 · (168 − 40) = 256 · (232 −
-    // 168). Each keeps two register sets of weights in flight. (A form of four consumer warpgroups of
-    // one set each, 256 rows at 640 threads, measured slower and was removed: docs/PERF.md, 2026-12-06.)
-    constexpr int PRODUCER_REGS = 40, CONSUMER_REGS = 232;
+    // launch allocation: ptxas allocates 168 a thread at 384 threads, 96 at 640): 128 · (168 − 40) =
+    // 256 · (232 − 168), and 128 · (96 − 32) = 512 · (112 − 96) (at 104 ptxas serialises the MMAs).
+    // Four consumer warpgroups hold one register set of weights each, each group's MMAs completed
+    // before the next is dequantised (the other warpgroups' MMAs keep the tensor cores busy
+    // meanwhile); two keep two sets in flight.
+    constexpr bool SINGLE = CWG > 2;
+    constexpr int PRODUCER_REGS = CWG > 2 ? 32 : 40, CONSUMER_REGS = CWG > 2 ? 112 : 232;
+    static_assert(CWG == 2 || (CWG == 4 && MT == 1), "two consumer warpgroups, or four of one m64 tile each");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[2 * NS];   // full[s], then empty[s]
@@ -794,18 +797,29 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
 #pragma unroll
                 for (int m = 0; m < MT; ++m) wgmma_m64n128k16_rs<true>(acc[m], a[m][k], dst + (uint64_t)((32 * k) >> 4), 1);
             wgmma_commit();
-            wgmma_wait<1>();
-            // The stage before this one has been read by this warp's MMAs.
-            if (prev >= 0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
-            prev = s;
+            if constexpr (SINGLE) {
+                wgmma_wait<0>();
+                if (lane == 0) mbar_arrive(empty0 + 8 * s);  // this stage has been read
+            } else {
+                wgmma_wait<1>();
+                // The stage before this one has been read by this warp's MMAs.
+                if (prev >= 0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
+                prev = s;
+            }
             if (++s == NS) {
                 s = 0;
                 ph ^= 1;
             }
         };
-        steps_in_two_sets<MT>(nk, step);
-        wgmma_wait<0>();
-        if (lane == 0) mbar_arrive(empty0 + 8 * prev);
+        if constexpr (SINGLE) {
+            uint32_t a0[MT][4][4];
+#pragma unroll 1
+            for (int kt = 0; kt < nk; ++kt) step(kt, a0);
+        } else {
+            steps_in_two_sets<MT>(nk, step);
+            wgmma_wait<0>();
+            if (lane == 0) mbar_arrive(empty0 + 8 * prev);
+        }
 #pragma unroll
         for (int m = 0; m < MT; ++m) wgmma_pin(acc[m]);
 
@@ -814,14 +828,16 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     }
 }
 
-#define WS_ENTRY(name, MT, NS, SWIGLU, GROUPED)                                                       \
-    extern "C" __global__ void __launch_bounds__(384, 1) name(const WgParams p) {                      \
+#define WS_ENTRY(name, MT, NS, SWIGLU, GROUPED, CWG)                                                  \
+    extern "C" __global__ void __launch_bounds__(128 * (CWG + 1), 1) name(const WgParams p) {          \
         pdl_enter();                                                                                   \
-        wg_tile_ws<MT, NS, SWIGLU, GROUPED>(p);                                                        \
+        wg_tile_ws<MT, NS, SWIGLU, GROUPED, CWG>(p);                                                   \
     }
-#define WS_FORM(prefix, SWIGLU, GROUPED)                   \
-    WS_ENTRY(prefix##_ws128, 1, 10, SWIGLU, GROUPED)       \
-    WS_ENTRY(prefix##_ws256, 2, 8, SWIGLU, GROUPED)
+// _ws4: 256 weight rows as four consumer warpgroups of 64 (half the X traffic a FLOP of _ws128).
+#define WS_FORM(prefix, SWIGLU, GROUPED)                      \
+    WS_ENTRY(prefix##_ws128, 1, 10, SWIGLU, GROUPED, 2)       \
+    WS_ENTRY(prefix##_ws256, 2, 8, SWIGLU, GROUPED, 2)        \
+    WS_ENTRY(prefix##_ws4, 1, 8, SWIGLU, GROUPED, 4)
 WS_FORM(gemm_wgmma_plain, false, false)
 WS_FORM(gemm_wgmma_swiglu, true, false)
 WS_FORM(gemm_wgmma_grouped, false, true)

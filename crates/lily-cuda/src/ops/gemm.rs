@@ -106,11 +106,14 @@ pub enum Tile {
     Ws128,
     /// As `Ws128` with 128 tokens × 256 weight rows a tile (two m64 tiles a consumer warpgroup).
     Ws256,
+    /// 128 tokens × 256 weight rows a tile as four consumer warpgroups of 64 rows (half the re-reads
+    /// of each X tile a FLOP of `Ws128`).
+    Ws4,
 }
 
 impl Tile {
     fn is_wgmma(self) -> bool {
-        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256)
+        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4)
     }
 
     /// The warp-specialised tile of this one, if it is one.
@@ -118,6 +121,7 @@ impl Tile {
         match self {
             Tile::Ws128 => Some(super::gemm_wgmma::Ws::R128),
             Tile::Ws256 => Some(super::gemm_wgmma::Ws::R256),
+            Tile::Ws4 => Some(super::gemm_wgmma::Ws::Four),
             _ => None,
         }
     }
@@ -127,14 +131,14 @@ impl Tile {
         match self {
             Tile::Wg64 => (64, 128),
             Tile::Wg64x256 => (64, 256),
-            Tile::Wg128x256 | Tile::Ws256 => (128, 256),
+            Tile::Wg128x256 | Tile::Ws256 | Tile::Ws4 => (128, 256),
             _ => (128, 128),
         }
     }
 }
 
 /// `LILY_GEMM`, read once (A/B runs): `mma` keeps gemm.cu's kernels where `Tile::Auto` would take the
-/// wgmma ones; `wg`, `ws128`, `ws256` put that wgmma tile wherever `Tile::Auto` would take the
+/// wgmma ones; `wg`, `ws128`, `ws256`, `ws4` put that wgmma tile wherever `Tile::Auto` would take the
 /// 128 × 128 half tile (see `wide_half_tile`); anything else, the defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum GemmSwitch {
@@ -150,6 +154,7 @@ fn gemm_switch() -> GemmSwitch {
         Ok("wg") => GemmSwitch::Wide(Tile::Wg128),
         Ok("ws128") => GemmSwitch::Wide(Tile::Ws128),
         Ok("ws256") => GemmSwitch::Wide(Tile::Ws256),
+        Ok("ws4") => GemmSwitch::Wide(Tile::Ws4),
         _ => GemmSwitch::Default,
     })
 }
@@ -166,8 +171,8 @@ fn wgmma_q8_auto() -> bool {
 /// `WS_MAX_EXPERTS` experts): by default the warp-specialised `Ws128`, except in the grouped GEMMs
 /// without SwiGLU (the MoE down projection, K = 512: 3.5% slower there on an H100, where the plain
 /// GEMMs gained 5–11% and the grouped SwiGLU 4.5%; PERF.md 2026-12-06, fifteenth session).
-/// `LILY_GEMM=wg` keeps `Wg128` everywhere, `ws128` / `ws256` take that tile everywhere (A/B runs).
-/// (`ws4`, four consumer warpgroups of 256 rows, measured slower and was removed: PERF.md 2026-12-06.)
+/// `LILY_GEMM=wg` keeps `Wg128` everywhere, `ws128` / `ws256` / `ws4` take that tile everywhere (A/B
+/// runs; `ws4` built after the last GPU call of the fifteenth session, not yet measured).
 fn wide_half_tile(grouped: bool, swiglu: bool) -> Tile {
     match gemm_switch() {
         GemmSwitch::Wide(tile) => tile,

@@ -97,27 +97,31 @@ const NAMES: [&str; 4 * VARIANTS] = forms!("plain", "swiglu", "grouped", "groupe
 /// stage shallower).
 const NAMES_Q8: [&str; 2] = ["gemm_wgmma_plain_n128_h128_q8", "gemm_wgmma_plain_n64_h128_q8"];
 /// The warp-specialised persistent tiles (half numerics, 4-bit, 128 tokens): per form (plain, swiglu,
-/// grouped, grouped swiglu) [`Ws::R128`], [`Ws::R256`].
-const NAMES_WS: [&str; 8] = [
+/// grouped, grouped swiglu) [`Ws::R128`], [`Ws::R256`], [`Ws::Four`].
+const NAMES_WS: [&str; 12] = [
     "gemm_wgmma_plain_ws128",
     "gemm_wgmma_plain_ws256",
+    "gemm_wgmma_plain_ws4",
     "gemm_wgmma_swiglu_ws128",
     "gemm_wgmma_swiglu_ws256",
+    "gemm_wgmma_swiglu_ws4",
     "gemm_wgmma_grouped_ws128",
     "gemm_wgmma_grouped_ws256",
+    "gemm_wgmma_grouped_ws4",
     "gemm_wgmma_grouped_swiglu_ws128",
     "gemm_wgmma_grouped_swiglu_ws256",
+    "gemm_wgmma_grouped_swiglu_ws4",
 ];
 
-/// A warp-specialised tile: a producer warpgroup and two consumer warpgroups of 64 weight rows a m64
-/// tile. (A third form, four consumer warpgroups of 256 rows at 640 threads, measured slower and was
-/// removed: docs/PERF.md, 2026-12-06.)
+/// A warp-specialised tile: a producer warpgroup and consumer warpgroups of 64 weight rows a m64 tile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Ws {
     /// 128 weight rows: two consumer warpgroups of one m64 tile.
     R128,
     /// 256 weight rows: two consumer warpgroups of two m64 tiles.
     R256,
+    /// 256 weight rows: four consumer warpgroups of one m64 tile (one register set of weights each).
+    Four,
 }
 
 impl Ws {
@@ -126,6 +130,7 @@ impl Ws {
         match self {
             Ws::R128 => 0,
             Ws::R256 => 1,
+            Ws::Four => 2,
         }
     }
 
@@ -139,19 +144,20 @@ impl Ws {
         if matches!(self, Ws::R128) { 10 } else { 8 }
     }
 
+    /// Threads a block: the producer warpgroup and the consumers.
+    const fn threads(self) -> u32 {
+        if matches!(self, Ws::Four) { 640 } else { 384 }
+    }
 }
 
-/// Threads a block of the warp-specialised tiles: the producer warpgroup and the two consumers.
-const WS_THREADS: u32 = 384;
-
 /// Experts a grouped call of the warp-specialised tiles may route over (`group_tile_prefix` covers two
-/// experts a thread at 384 threads).
+/// experts a thread: 768 at 384 threads, more at 640).
 pub(crate) const WS_MAX_EXPERTS: usize = 768;
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 
-const fn all_kernels() -> [&'static str; 4 * VARIANTS + 4 + NAMES_WS.len()] {
-    let mut out = [""; 4 * VARIANTS + 4 + NAMES_WS.len()];
+const fn all_kernels() -> [&'static str; 4 * VARIANTS + 16] {
+    let mut out = [""; 4 * VARIANTS + 16];
     let mut i = 0;
     while i < 4 * VARIANTS {
         out[i] = NAMES[i];
@@ -162,13 +168,13 @@ const fn all_kernels() -> [&'static str; 4 * VARIANTS + 4 + NAMES_WS.len()] {
     out[4 * VARIANTS + 2] = NAMES_Q8[0];
     out[4 * VARIANTS + 3] = NAMES_Q8[1];
     let mut j = 0;
-    while j < NAMES_WS.len() {
+    while j < 12 {
         out[4 * VARIANTS + 4 + j] = NAMES_WS[j];
         j += 1;
     }
     out
 }
-const ALL: [&str; 4 * VARIANTS + 4 + NAMES_WS.len()] = all_kernels();
+const ALL: [&str; 4 * VARIANTS + 16] = all_kernels();
 pub(crate) const KERNELS: &[&str] = &ALL;
 
 /// A kernel variant: tokens a block, numerics, ring stages, warpgroups (of 64 weight rows each), bits
@@ -235,7 +241,7 @@ const fn smem_bytes(v: Variant) -> usize {
 }
 
 /// The warp-specialised tiles in the order of `NAMES_WS` within a form.
-const WS_KINDS: [Ws; 2] = [Ws::R128, Ws::R256];
+const WS_KINDS: [Ws; 3] = [Ws::R128, Ws::R256, Ws::Four];
 
 /// Dynamic shared memory of a warp-specialised tile: its ring (stages of 128 X rows of 128 bytes and
 /// the tile's code rows of 32 bytes, each rounded to 1024 bytes) plus 1024 for aligning it. The
@@ -398,7 +404,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         // Persistent: one block an SM (at most one a tile), each walking the tiles.
         let tiles = m_tiles * row_tiles;
         let blocks = tiles.min(dev.sm_count() as usize).max(1);
-        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (WS_THREADS, 1, 1), shared_mem_bytes: ws_smem_bytes(kind) as u32 };
+        let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (kind.threads(), 1, 1), shared_mem_bytes: ws_smem_bytes(kind) as u32 };
         return launch(dev, NAMES_WS[3 * form + kind.index()], cfg, &p);
     }
     let (name, v) = if q8 {
@@ -435,7 +441,7 @@ mod tests {
             assert_eq!(variant_index(v.bt, v.num, v.rows()), i, "variant {i} is not the one its shape selects");
         }
         // The warp-specialised tiles: one block an SM, with their static shared memory (6.4 KB at most).
-        for (kind, want) in [(Ws::R128, 205_824), (Ws::R256, 197_632)] {
+        for (kind, want) in [(Ws::R128, 205_824), (Ws::R256, 197_632), (Ws::Four, 197_632)] {
             assert_eq!(ws_smem_bytes(kind), want, "{kind:?}");
             assert!(ws_smem_bytes(kind) + 6400 <= 227 * 1024, "{kind:?} does not fit");
             assert_eq!(WS_KINDS[kind.index()], kind);
