@@ -423,7 +423,11 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_gated_norm(const GdnGated
     for (int i = lane; i < p.dv; i += 32) y[i] = p.w[i] * (x[i] * inv) * silu_f(z[i]);
 }
 
-template <int NR>
+// EARLY: every load that does not wait on the conv is issued first (the block's state columns, the
+// head's gate inputs, z and the norm weight of its outputs), so their round trips overlap the conv
+// and the q/k norms instead of following them; the same maths in the same order. Built 2026-12-06
+// after the session's last GPU call, not yet run: opt-in (LILY_GDN_STEP=early).
+template <int NR, bool EARLY>
 __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     extern __shared__ float step_smem[];  // q [Dk] | k [Dk] | v [Dv/S] after the conv
     __shared__ float ss_part;            // this block's sum of squares of its outputs (read by the head's blocks)
@@ -438,6 +442,27 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     float* sq = step_smem;
     float* sk = step_smem + dk;
     float* sv = step_smem + 2 * dk;
+    float s[NR];  // the block's state columns (the rule's layout, below)
+    float e_alog = 0.0f, e_a = 0.0f, e_dtb = 0.0f, e_b = 0.0f, e_z = 0.0f, e_nw = 0.0f;
+    if constexpr (EARLY) {
+        const int lane = threadIdx.x & 31, rg = lane >> 3;
+        const int lc = (threadIdx.x >> 5) * 8 + (lane & 7), col = c0 + lc;
+        const bool active = lc < cols;
+        const float* St = p.state + (long long)j * dk * dv;
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+            const int d = rg + RG * i;
+            s[i] = (active && d < dk) ? St[(long long)d * dv + col] : 0.0f;
+        }
+        e_alog = p.a_log[j];
+        e_a = p.a[j];
+        e_dtb = p.dt_bias[j];
+        e_b = p.b[j];
+        if (active && rg == 0) {
+            e_z = p.z[(long long)j * dv + col];
+            e_nw = p.norm_w[col];
+        }
+    }
 
     // Conv + SiLU of the key head's q and k channels, from the old conv state (shifted at the end).
     float ssq = 0.0f, ssk = 0.0f;
@@ -478,11 +503,11 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     __syncthreads();
 
     // The gates of head j.
-    const float neg_a = -expf(p.a_log[j]);
-    const float ga = p.a[j] + p.dt_bias[j];
+    const float neg_a = -expf(EARLY ? e_alog : p.a_log[j]);
+    const float ga = EARLY ? e_a + e_dtb : p.a[j] + p.dt_bias[j];
     const float sp = ga > 20.0f ? ga : log1pf(expf(ga));
     const float decay = expf(neg_a * sp);
-    const float bt = 1.0f / (1.0f + expf(-p.b[j]));
+    const float bt = 1.0f / (1.0f + expf(-(EARLY ? e_b : p.b[j])));
 
     // The rule, as gdn_recurrent (T = 1): warp w owns columns c0 + 8w .. +7, lane = rg·8 + column.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -491,11 +516,12 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     const int col = c0 + lc;
     const bool active = lc < cols;
     float* St = p.state + (long long)j * dk * dv;
-    float s[NR];
+    if constexpr (!EARLY) {
 #pragma unroll
-    for (int i = 0; i < NR; ++i) {
-        const int d = rg + RG * i;
-        s[i] = (active && d < dk) ? St[(long long)d * dv + col] : 0.0f;
+        for (int i = 0; i < NR; ++i) {
+            const int d = rg + RG * i;
+            s[i] = (active && d < dk) ? St[(long long)d * dv + col] : 0.0f;
+        }
     }
     const float v = active ? sv[lc] : 0.0f;
     float kv = 0.0f;
@@ -543,7 +569,7 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     const float inv = 1.0f / sqrtf(oss / (float)dv + p.eps);
     if (owner) {
         const long long i = (long long)j * dv + col;
-        p.y[i] = p.norm_w[col] * (o * inv) * silu_f(p.z[i]);
+        p.y[i] = (EARLY ? e_nw : p.norm_w[col]) * (o * inv) * silu_f(EARLY ? e_z : p.z[i]);
     }
 
     // Every block of the cluster has read the q/k conv state: the cluster's first block shifts it.
@@ -558,9 +584,15 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     cluster_wait();
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r2(const GdnStepParams p) { pdl_enter(); gdn_step<2>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r4(const GdnStepParams p) { pdl_enter(); gdn_step<4>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r8(const GdnStepParams p) { pdl_enter(); gdn_step<8>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r16(const GdnStepParams p) { pdl_enter(); gdn_step<16>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r32(const GdnStepParams p) { pdl_enter(); gdn_step<32>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r64(const GdnStepParams p) { pdl_enter(); gdn_step<64>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r2(const GdnStepParams p) { pdl_enter(); gdn_step<2, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r2(const GdnStepParams p) { pdl_enter(); gdn_step<2, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r4(const GdnStepParams p) { pdl_enter(); gdn_step<4, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r4(const GdnStepParams p) { pdl_enter(); gdn_step<4, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r8(const GdnStepParams p) { pdl_enter(); gdn_step<8, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r8(const GdnStepParams p) { pdl_enter(); gdn_step<8, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r16(const GdnStepParams p) { pdl_enter(); gdn_step<16, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r16(const GdnStepParams p) { pdl_enter(); gdn_step<16, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r32(const GdnStepParams p) { pdl_enter(); gdn_step<32, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r32(const GdnStepParams p) { pdl_enter(); gdn_step<32, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r64(const GdnStepParams p) { pdl_enter(); gdn_step<64, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r64(const GdnStepParams p) { pdl_enter(); gdn_step<64, true>(p); }

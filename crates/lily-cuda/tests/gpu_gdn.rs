@@ -286,8 +286,9 @@ fn gdn_split_sequence_equals_whole() {
     println!("split 20+1+19 vs CPU whole: out {e_o:.1e} state {e_s:.1e} conv_state {e_c:.1e}");
 }
 
-/// The one-launch decode step (`gdn::decode_step`: conv, gates, rule and gated norm) against the
-/// CPU over 4 consecutive tokens carrying both states: the gated norm's output, the conv state and
+/// The one-launch decode step (`gdn::decode_step`: conv, gates, rule and gated norm), with its loads
+/// where needed and all first (`StepLoads`), against the CPU over 4 consecutive tokens carrying both
+/// states: the gated norm's output, the conv state and
 /// the recurrent state after each token. Real sizes, Hv/Hk = 1, 2, 3, 4 and 8, 1 to 8 blocks per head
 /// (clusters of 1 to 8 blocks), small and odd head dims, K = 2..5.
 #[test]
@@ -312,8 +313,6 @@ fn gdn_decode_step_matches_cpu() {
         let conv_w = dev.upload(&inp.conv_w).unwrap();
         let (a_log, dt_bias) = (dev.upload(&inp.a_log).unwrap(), dev.upload(&inp.dt_bias).unwrap());
         let nw = dev.upload(&inp.norm_w).unwrap();
-        let mut conv_state = dev.upload(&inp.conv_state).unwrap();
-        let mut state = dev.upload(&inp.state).unwrap();
         let mut worst = 0.0f64;
         for step in 0..4 {
             if step > 0 {
@@ -326,17 +325,19 @@ fn gdn_decode_step_matches_cpu() {
             }
             let want = cpu_layer(&inp, d, 1);
             let (x, a, b, z) = (dev.upload(&inp.x).unwrap(), dev.upload(&inp.a).unwrap(), dev.upload(&inp.b).unwrap(), dev.upload(&inp.z).unwrap());
-            let mut y = poisoned(&dev, vd);
-            gdn::decode_step(&dev, d, &x, &conv_w, &mut conv_state, &a, &b, &a_log, &dt_bias, &mut state, &z, &nw, EPS, &mut y).unwrap();
-            let what = format!("{d:?} step {step}");
-            worst = worst.max(check(&dev.download(&y).unwrap(), &want.y, &format!("{what}: y")));
-            worst = worst.max(check(&dev.download(&conv_state).unwrap(), &want.conv_state, &format!("{what}: conv state")));
-            worst = worst.max(check(&dev.download(&state).unwrap(), &want.state, &format!("{what}: state")));
+            // Both placements of the loads, each from the same states.
+            for loads in [gdn::StepLoads::WhenNeeded, gdn::StepLoads::Early] {
+                let (mut cs, mut st) = (dev.upload(&inp.conv_state).unwrap(), dev.upload(&inp.state).unwrap());
+                let mut y = poisoned(&dev, vd);
+                gdn::decode_step_with(&dev, d, &x, &conv_w, &mut cs, &a, &b, &a_log, &dt_bias, &mut st, &z, &nw, EPS, &mut y, loads).unwrap();
+                let what = format!("{d:?} step {step} ({loads:?})");
+                worst = worst.max(check(&dev.download(&y).unwrap(), &want.y, &format!("{what}: y")));
+                worst = worst.max(check(&dev.download(&cs).unwrap(), &want.conv_state, &format!("{what}: conv state")));
+                worst = worst.max(check(&dev.download(&st).unwrap(), &want.state, &format!("{what}: state")));
+            }
+            // The next step starts from the CPU's states, so each step is checked on its own.
             inp.conv_state = want.conv_state;
             inp.state = want.state;
-            // Keep the device's states on the CPU's exactly, so each step is checked on its own.
-            conv_state = dev.upload(&inp.conv_state).unwrap();
-            state = dev.upload(&inp.state).unwrap();
         }
         println!("{d:?}: decode step, 4 tokens: worst {worst:.1e}");
     }

@@ -150,6 +150,26 @@ const STEP: &[(usize, &str)] = &[
     (32, "gdn_step_r32"),
     (64, "gdn_step_r64"),
 ];
+/// The same with every load that does not wait on the conv issued first ([`StepLoads::Early`]).
+const STEP_EARLY: &[(usize, &str)] = &[
+    (2, "gdn_step_early_r2"),
+    (4, "gdn_step_early_r4"),
+    (8, "gdn_step_early_r8"),
+    (16, "gdn_step_early_r16"),
+    (32, "gdn_step_early_r32"),
+    (64, "gdn_step_early_r64"),
+];
+
+/// When [`decode_step_with`] loads what does not depend on the conv: the state columns, the gate
+/// inputs, z and the norm weight.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum StepLoads {
+    /// Each where it is first needed (after the conv and the q/k norms; z and the norm weight last).
+    #[default]
+    WhenNeeded,
+    /// All first, so their round trips overlap the conv (built 2026-12-06, not yet measured).
+    Early,
+}
 
 pub(crate) const KERNELS: &[&str] = &[
     "gdn_step_r2",
@@ -158,6 +178,12 @@ pub(crate) const KERNELS: &[&str] = &[
     "gdn_step_r16",
     "gdn_step_r32",
     "gdn_step_r64",
+    "gdn_step_early_r2",
+    "gdn_step_early_r4",
+    "gdn_step_early_r8",
+    "gdn_step_early_r16",
+    "gdn_step_early_r32",
+    "gdn_step_early_r64",
     "gdn_conv_qk",
     "gdn_conv_qk_tiled",
     "gdn_conv_qk_warp_k4",
@@ -516,6 +542,41 @@ where
     NW: DevicePtr<f32>,
     Y: DevicePtrMut<f32>,
 {
+    decode_step_with(dev, dims, x, conv_w, conv_state, a, b, a_log, dt_bias, state, z, norm_w, eps, y, StepLoads::WhenNeeded)
+}
+
+/// [`decode_step`] with the loads' placement chosen ([`StepLoads`]).
+#[allow(clippy::too_many_arguments)]
+pub fn decode_step_with<X, W, CS, A, B, AL, DB, S, Z, NW, Y>(
+    dev: &Device,
+    dims: &GdnDims,
+    x: &X,
+    conv_w: &W,
+    conv_state: &mut CS,
+    a: &A,
+    b: &B,
+    a_log: &AL,
+    dt_bias: &DB,
+    state: &mut S,
+    z: &Z,
+    norm_w: &NW,
+    eps: f32,
+    y: &mut Y,
+    loads: StepLoads,
+) -> Result<()>
+where
+    X: DevicePtr<f32>,
+    W: DevicePtr<f32>,
+    CS: DevicePtrMut<f32>,
+    A: DevicePtr<f32>,
+    B: DevicePtr<f32>,
+    AL: DevicePtr<f32>,
+    DB: DevicePtr<f32>,
+    S: DevicePtrMut<f32>,
+    Z: DevicePtr<f32>,
+    NW: DevicePtr<f32>,
+    Y: DevicePtrMut<f32>,
+{
     if !step_fits(dims) {
         return Err(CudaError::Shape(format!("gdn step: unsupported dims {dims:?} (Dv a multiple of 8 up to 128, Hv/Hk ≤ 8)")));
     }
@@ -543,7 +604,11 @@ where
         pad: 0,
     };
     let cols = dims.head_v_dim / slices;
-    let &(_, name) = STEP.iter().find(|(nr, _)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ MAX_DK checked");
+    let table = match loads {
+        StepLoads::WhenNeeded => STEP,
+        StepLoads::Early => STEP_EARLY,
+    };
+    let &(_, name) = table.iter().find(|(nr, _)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ MAX_DK checked");
     let smem = (4 * (2 * dims.head_k_dim + cols)) as u32;
     let cfg = LaunchConfig { grid_dim: (hv as u32 * slices as u32, 1, 1), block_dim: (4 * cols as u32, 1, 1), shared_mem_bytes: smem };
     super::launch_cluster(dev, name, cfg, ((hv / dims.num_k_heads) * slices) as u32, &p)
