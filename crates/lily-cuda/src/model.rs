@@ -880,7 +880,7 @@ fn gdn_mixer(
     if dec.is_some() && t == 1 && gdn_step_on() && gdn::step_fits(&d) {
         // One token: conv, gates, rule and gated norm in one launch.
         dev.mark("gdn.step", state_bytes + 4 * (3 * c64 + 2 * (kk - 1) * c64 + kk * c64 + 3 * vd64 + 2 * hv64), 6 * hv64 * dk64 * dv64)?;
-        gdn::decode_step_with(dev, &d, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, ssm, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, gdn_step_loads())?;
+        gdn::decode_step(dev, &d, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, ssm, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, gdn_step_loads())?;
         mark_linear(dev, "gdn.out_proj", &g.out, t)?;
         return affine_gemv::gemv_fused(dev, &g.out, Select::matrix(0), &a.normed_rule, false, &mut a.x, affine_gemv::Fuse::none().accumulate()); // x += [H]
     }

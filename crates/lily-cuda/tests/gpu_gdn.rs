@@ -329,7 +329,7 @@ fn gdn_decode_step_matches_cpu() {
             for loads in [gdn::StepLoads::WhenNeeded, gdn::StepLoads::Early] {
                 let (mut cs, mut st) = (dev.upload(&inp.conv_state).unwrap(), dev.upload(&inp.state).unwrap());
                 let mut y = poisoned(&dev, vd);
-                gdn::decode_step_with(&dev, d, &x, &conv_w, &mut cs, &a, &b, &a_log, &dt_bias, &mut st, &z, &nw, EPS, &mut y, loads).unwrap();
+                gdn::decode_step(&dev, d, &x, &conv_w, &mut cs, &a, &b, &a_log, &dt_bias, &mut st, &z, &nw, EPS, &mut y, loads).unwrap();
                 let what = format!("{d:?} step {step} ({loads:?})");
                 worst = worst.max(check(&dev.download(&y).unwrap(), &want.y, &format!("{what}: y")));
                 worst = worst.max(check(&dev.download(&cs).unwrap(), &want.conv_state, &format!("{what}: conv state")));
@@ -347,7 +347,7 @@ fn gdn_decode_step_matches_cpu() {
         let inp = inputs(&mut Rng::new(9), &d, 1);
         let up = |v: &Vec<f32>| dev.upload(v).unwrap();
         let (mut cs, mut st, mut y) = (up(&inp.conv_state), up(&inp.state), poisoned(&dev, d.value_dim()));
-        let r = gdn::decode_step(&dev, &d, &up(&inp.x), &up(&inp.conv_w), &mut cs, &up(&inp.a), &up(&inp.b), &up(&inp.a_log), &up(&inp.dt_bias), &mut st, &up(&inp.z), &up(&inp.norm_w), EPS, &mut y);
+        let r = gdn::decode_step(&dev, &d, &up(&inp.x), &up(&inp.conv_w), &mut cs, &up(&inp.a), &up(&inp.b), &up(&inp.a_log), &up(&inp.dt_bias), &mut st, &up(&inp.z), &up(&inp.norm_w), EPS, &mut y, gdn::StepLoads::WhenNeeded);
         assert!(r.is_err(), "{d:?}");
     }
 }

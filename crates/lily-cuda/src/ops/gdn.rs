@@ -160,7 +160,7 @@ const STEP_EARLY: &[(usize, &str)] = &[
     (64, "gdn_step_early_r64"),
 ];
 
-/// When [`decode_step_with`] loads what does not depend on the conv: the state columns, the gate
+/// When [`decode_step`] loads what does not depend on the conv: the state columns, the gate
 /// inputs, z and the norm weight.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum StepLoads {
@@ -511,43 +511,9 @@ pub fn step_fits(dims: &GdnDims) -> bool {
 /// [Hv, Dk, Dv] in place) and [`gated_rmsnorm`] with z [Hv·Dv] and the weight w [Dv] into y [Hv·Dv].
 /// The same maths in the same order as the three; g and beta are not written out. Needs
 /// [`step_fits`]; launched as clusters of the Hv/Hk value heads of a key head, each head over up to
-/// 8 / (Hv/Hk) blocks.
+/// 8 / (Hv/Hk) blocks. `loads`: where the kernel loads what does not wait on its conv.
 #[allow(clippy::too_many_arguments)]
 pub fn decode_step<X, W, CS, A, B, AL, DB, S, Z, NW, Y>(
-    dev: &Device,
-    dims: &GdnDims,
-    x: &X,
-    conv_w: &W,
-    conv_state: &mut CS,
-    a: &A,
-    b: &B,
-    a_log: &AL,
-    dt_bias: &DB,
-    state: &mut S,
-    z: &Z,
-    norm_w: &NW,
-    eps: f32,
-    y: &mut Y,
-) -> Result<()>
-where
-    X: DevicePtr<f32>,
-    W: DevicePtr<f32>,
-    CS: DevicePtrMut<f32>,
-    A: DevicePtr<f32>,
-    B: DevicePtr<f32>,
-    AL: DevicePtr<f32>,
-    DB: DevicePtr<f32>,
-    S: DevicePtrMut<f32>,
-    Z: DevicePtr<f32>,
-    NW: DevicePtr<f32>,
-    Y: DevicePtrMut<f32>,
-{
-    decode_step_with(dev, dims, x, conv_w, conv_state, a, b, a_log, dt_bias, state, z, norm_w, eps, y, StepLoads::WhenNeeded)
-}
-
-/// [`decode_step`] with the loads' placement chosen ([`StepLoads`]).
-#[allow(clippy::too_many_arguments)]
-pub fn decode_step_with<X, W, CS, A, B, AL, DB, S, Z, NW, Y>(
     dev: &Device,
     dims: &GdnDims,
     x: &X,
