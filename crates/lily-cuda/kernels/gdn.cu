@@ -427,6 +427,17 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_gated_norm(const GdnGated
 // head's gate inputs, z and the norm weight of its outputs), so their round trips overlap the conv
 // and the q/k norms instead of following them; the same maths in the same order. Built 2026-12-06
 // after the session's last GPU call, not yet run: opt-in (LILY_GDN_STEP=early).
+// Rows rg, rg + RG, ... of state column `col` of one value head (St [Dk, Dv]) into a lane's s (zeros
+// past Dk or for an inactive lane): the rule's layout in gdn_step.
+template <int RG, int NR>
+__device__ __forceinline__ void gdn_step_state(float (&s)[NR], const float* St, int rg, int col, bool active, int dk, int dv) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int d = rg + RG * i;
+        s[i] = (active && d < dk) ? St[(long long)d * dv + col] : 0.0f;
+    }
+}
+
 template <int NR, bool EARLY>
 __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     extern __shared__ float step_smem[];  // q [Dk] | k [Dk] | v [Dv/S] after the conv
@@ -448,12 +459,7 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
         const int lane = threadIdx.x & 31, rg = lane >> 3;
         const int lc = (threadIdx.x >> 5) * 8 + (lane & 7), col = c0 + lc;
         const bool active = lc < cols;
-        const float* St = p.state + (long long)j * dk * dv;
-#pragma unroll
-        for (int i = 0; i < NR; ++i) {
-            const int d = rg + RG * i;
-            s[i] = (active && d < dk) ? St[(long long)d * dv + col] : 0.0f;
-        }
+        gdn_step_state<RG>(s, p.state + (long long)j * dk * dv, rg, col, active, dk, dv);
         e_alog = p.a_log[j];
         e_a = p.a[j];
         e_dtb = p.dt_bias[j];
@@ -516,13 +522,7 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     const int col = c0 + lc;
     const bool active = lc < cols;
     float* St = p.state + (long long)j * dk * dv;
-    if constexpr (!EARLY) {
-#pragma unroll
-        for (int i = 0; i < NR; ++i) {
-            const int d = rg + RG * i;
-            s[i] = (active && d < dk) ? St[(long long)d * dv + col] : 0.0f;
-        }
-    }
+    if constexpr (!EARLY) gdn_step_state<RG>(s, St, rg, col, active, dk, dv);
     const float v = active ? sv[lc] : 0.0f;
     float kv = 0.0f;
 #pragma unroll
@@ -584,15 +584,12 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     cluster_wait();
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r2(const GdnStepParams p) { pdl_enter(); gdn_step<2, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r2(const GdnStepParams p) { pdl_enter(); gdn_step<2, true>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r4(const GdnStepParams p) { pdl_enter(); gdn_step<4, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r4(const GdnStepParams p) { pdl_enter(); gdn_step<4, true>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r8(const GdnStepParams p) { pdl_enter(); gdn_step<8, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r8(const GdnStepParams p) { pdl_enter(); gdn_step<8, true>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r16(const GdnStepParams p) { pdl_enter(); gdn_step<16, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r16(const GdnStepParams p) { pdl_enter(); gdn_step<16, true>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r32(const GdnStepParams p) { pdl_enter(); gdn_step<32, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r32(const GdnStepParams p) { pdl_enter(); gdn_step<32, true>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r64(const GdnStepParams p) { pdl_enter(); gdn_step<64, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r64(const GdnStepParams p) { pdl_enter(); gdn_step<64, true>(p); }
+#define GDN_STEP_ENTRIES(NR)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r##NR(const GdnStepParams p) { pdl_enter(); gdn_step<NR, false>(p); } \
+    extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r##NR(const GdnStepParams p) { pdl_enter(); gdn_step<NR, true>(p); }
+GDN_STEP_ENTRIES(2)
+GDN_STEP_ENTRIES(4)
+GDN_STEP_ENTRIES(8)
+GDN_STEP_ENTRIES(16)
+GDN_STEP_ENTRIES(32)
+GDN_STEP_ENTRIES(64)

@@ -86,6 +86,11 @@ fn decode_each(g: &mut CudaModel, tokens: &[u32]) -> Vec<f32> {
     tokens.iter().flat_map(|&t| g.forward(&mut s, &[t], Logits::Last).unwrap()).collect()
 }
 
+/// The device pick of the greedy choice over a vocabulary of `v`.
+fn greedy_pick(v: usize) -> DevicePick {
+    DevicePick { vocab: v, params: Resolved { temperature: 0.0, ..Resolved::default() }, u: 0.0, edits: Vec::new() }
+}
+
 fn cases() -> Vec<(String, &'static str)> {
     let mut v = Vec::new();
     for n in ["tiny-a", "tiny-b", "tiny-c"] {
@@ -263,7 +268,7 @@ fn device_pick_greedy_is_the_argmax_and_clones_resume() {
     let v = w.config.vocab_size;
     let toks = tokens("tiny-b");
     let mut g = gpu(&dev, &w, 64);
-    let greedy = DevicePick { vocab: v, params: Resolved { temperature: 0.0, ..Resolved::default() }, u: 0.0, edits: Vec::new() };
+    let greedy = greedy_pick(v);
     let mut s = g.new_state();
     g.forward(&mut s, &toks[..100], Logits::None).unwrap();
     let mut t = toks[100];
@@ -279,8 +284,9 @@ fn device_pick_greedy_is_the_argmax_and_clones_resume() {
 }
 
 /// The decode ledger's knock-outs on a tiny model: one per op of the graph (none for the logits and
-/// the pick, which run after it), each a finite step time and at least one kernel skipped; and once it is done the model decodes a fresh
-/// state exactly as before it (no op left knocked out, the serving graph not one of the knock-outs').
+/// the pick, which run after it), each a finite step time and at least one kernel skipped; and once
+/// it is done the model decodes a fresh state exactly as before it (no op left knocked out, the
+/// serving graph not one of the knock-outs').
 #[test]
 fn decode_ledger_knockouts_name_every_graph_op_and_leave_decoding_intact() {
     let Some(dev) = common::device() else { return };
@@ -290,7 +296,7 @@ fn decode_ledger_knockouts_name_every_graph_op_and_leave_decoding_intact() {
     let toks = tokens("tiny-b");
     let mut g = gpu(&dev, &w, 64);
     let before = decode_each(&mut g, &toks[..12]);
-    let greedy = DevicePick { vocab: v, params: Resolved { temperature: 0.0, ..Resolved::default() }, u: 0.0, edits: Vec::new() };
+    let greedy = greedy_pick(v);
     let mut s = g.new_state();
     g.forward(&mut s, &toks[..40], Logits::None).unwrap();
     let l = g.profile_decode(&mut s, toks[40], &greedy, 2).unwrap();

@@ -103,11 +103,13 @@ impl CudaModel {
         let rec = rec?;
         let graph = graph?.ok_or_else(|| crate::CudaError::Driver("capturing the profiled step gave no graph".into()))?;
         let mut runs: Vec<Vec<Segment>> = Vec::new();
+        let mut in_graph = 0; // the segments of the graph, before the logits and the pick
         for _ in 0..reps {
             let pos = state.pos as i32;
             self.dev.upload_into(&[pos, pos + 1], &mut self.act.step_pos)?;
             graph.launch()?;
             let mut segs = rec.segments()?;
+            in_graph = segs.len();
             state.pos += 1;
             util::spin(&self.dev, 5_000_000)?;
             self.dev.start_recording();
@@ -129,9 +131,8 @@ impl CudaModel {
         // positions: what the graph saves without the op is its marginal cost in the graph, where
         // kernels overlap under PDL and the isolated times above do not add up.
         let mut labels: Vec<&'static str> = Vec::new();
-        for s in &segments {
-            // The logits and the pick run after the graph, not in it.
-            if s.label != "pick" && s.label != "lm_head" && !labels.contains(&s.label) {
+        for s in &segments[..in_graph] {
+            if !labels.contains(&s.label) {
                 labels.push(s.label);
             }
         }

@@ -98,7 +98,6 @@ pub struct Chain<'a> {
     _uses: PhantomData<(&'a DeviceMatrix, &'a [CudaSlice<f32>])>,
     ops: CudaSlice<ChainOp>,
     counters: CudaSlice<u64>,
-    n: usize,
     eps: f32,
     grid: u32,
     buf_bytes: usize,
@@ -124,7 +123,7 @@ impl<'a> Chain<'a> {
         let (mut buf_bytes, mut max_cols) = (0usize, 0usize);
         for (i, l) in links.iter().enumerate() {
             let w = l.w;
-            let ok = matches!(&w.storage, DeviceStorage::Affine { params, .. } if params.bits == 4 && params.group_size == 64);
+            let ok = matches!(&w.storage, DeviceStorage::Affine { params, .. } if super::affine_gemv_tc::fits(params.bits, params.group_size, w.cols));
             if !ok || w.rows % 16 != 0 || w.cols % 512 != 0 || w.cols > MAX_COLS || l.matrix >= w.count {
                 return Err(CudaError::Shape(format!(
                     "gemv_chain op {i}: a 4-bit group-64 matrix with rows a multiple of 16 and cols of 512, at most {MAX_COLS} (matrix {} of {} [{}x{}])",
@@ -165,16 +164,7 @@ impl<'a> Chain<'a> {
                 return Err(CudaError::Shape(format!("gemv_chain: {grid} blocks of {smem} bytes are not all resident")));
             }
         }
-        Ok(Chain { _uses: PhantomData, ops: dev.upload(&ops)?, counters: dev.zeros::<u64>(links.len())?, n: links.len(), eps, grid: grid as u32, buf_bytes, sums_off, smem })
-    }
-
-    /// Ops in the chain.
-    pub fn len(&self) -> usize {
-        self.n
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.n == 0
+        Ok(Chain { _uses: PhantomData, ops: dev.upload(&ops)?, counters: dev.zeros::<u64>(links.len())?, eps, grid: grid as u32, buf_bytes, sums_off, smem })
     }
 
     /// Runs every op in order (one launch).
@@ -182,7 +172,7 @@ impl<'a> Chain<'a> {
         self.run_traced(dev, form, None)
     }
 
-    /// Blocks of a launch (a trace holds `len() * grid() * TRACE_STAMPS` stamps).
+    /// Blocks of a launch (a trace holds ops × `grid()` × [`TRACE_STAMPS`] stamps).
     pub fn grid(&self) -> usize {
         self.grid as usize
     }
@@ -191,14 +181,14 @@ impl<'a> Chain<'a> {
     /// ([op][block][stamp]): next copies issued, waited, copies landed, x staged, products written, arrived.
     pub fn run_traced(&mut self, dev: &Device, form: Form, trace: Option<&mut CudaSlice<u64>>) -> Result<()> {
         let trace = match trace {
-            Some(t) => super::addr_mut(dev, t, self.n * self.grid as usize * TRACE_STAMPS, "gemv_chain trace")?,
+            Some(t) => super::addr_mut(dev, t, self.ops.len() * self.grid as usize * TRACE_STAMPS, "gemv_chain trace")?,
             None => 0,
         };
         let s = dev.stream();
         let p = ChainParams {
             ops: self.ops.device_ptr(s).0,
             counters: self.counters.device_ptr(s).0,
-            n: self.n as i32,
+            n: self.ops.len() as i32,
             eps: self.eps,
             buf_bytes: self.buf_bytes as i32,
             sums_off: self.sums_off as i32,
