@@ -42,4 +42,7 @@ __device__ __forceinline__ uint4 lds128(uint32_t a) {
 // Thread-block clusters: every thread of every block of the cluster arrives (release: its earlier
 // memory operations, shared and global, are visible to the cluster after the wait) and waits.
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+// Arrive without ordering memory (no fence): for a barrier that only keeps shared memory alive until
+// the cluster's other blocks have read it (their reads complete before they arrive).
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }

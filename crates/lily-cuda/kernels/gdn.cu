@@ -423,10 +423,6 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_gated_norm(const GdnGated
     for (int i = lane; i < p.dv; i += 32) y[i] = p.w[i] * (x[i] * inv) * silu_f(z[i]);
 }
 
-// EARLY: every load that does not wait on the conv is issued first (the block's state columns, the
-// head's gate inputs, z and the norm weight of its outputs), so their round trips overlap the conv
-// and the q/k norms instead of following them; the same maths in the same order. Built 2026-12-06
-// after the session's last GPU call, not yet run: opt-in (LILY_GDN_STEP=early).
 // Rows rg, rg + RG, ... of state column `col` of one value head (St [Dk, Dv]) into a lane's s (zeros
 // past Dk or for an inactive lane): the rule's layout in gdn_step.
 template <int RG, int NR>
@@ -438,7 +434,34 @@ __device__ __forceinline__ void gdn_step_state(float (&s)[NR], const float* St, 
     }
 }
 
-template <int NR, bool EARLY>
+// One token of the rule on a lane's state column rows (gdn_step's layout; q and k normalised, in
+// shared memory): kv = Sᵀk, δ = β(v − decay·kv), S ← decay·S + k⊗δ, returns o = Sᵀq (the column's,
+// summed over the 4 row groups of the lane's 8-lane column set).
+template <int RG, int NR>
+__device__ __forceinline__ float gdn_step_rule(float (&s)[NR], const float* sq, const float* sk, float v, float decay, float bt, int rg, int dk) {
+    float kv = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int d = rg + RG * i;
+        kv += (d < dk ? sk[d] : 0.0f) * s[i];
+    }
+    kv += __shfl_xor_sync(0xffffffffu, kv, 8);
+    kv += __shfl_xor_sync(0xffffffffu, kv, 16);
+    const float delta = bt * (v - decay * kv);
+    float o = 0.0f;
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int d = rg + RG * i;
+        const float kd_ = d < dk ? sk[d] : 0.0f, qd = d < dk ? sq[d] : 0.0f;
+        s[i] = decay * s[i] + kd_ * delta;
+        o += qd * s[i];
+    }
+    o += __shfl_xor_sync(0xffffffffu, o, 8);
+    o += __shfl_xor_sync(0xffffffffu, o, 16);
+    return o;
+}
+
+template <int NR>
 __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     extern __shared__ float step_smem[];  // q [Dk] | k [Dk] | v [Dv/S] after the conv
     __shared__ float ss_part;            // this block's sum of squares of its outputs (read by the head's blocks)
@@ -454,21 +477,6 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     float* sk = step_smem + dk;
     float* sv = step_smem + 2 * dk;
     float s[NR];  // the block's state columns (the rule's layout, below)
-    float e_alog = 0.0f, e_a = 0.0f, e_dtb = 0.0f, e_b = 0.0f, e_z = 0.0f, e_nw = 0.0f;
-    if constexpr (EARLY) {
-        const int lane = threadIdx.x & 31, rg = lane >> 3;
-        const int lc = (threadIdx.x >> 5) * 8 + (lane & 7), col = c0 + lc;
-        const bool active = lc < cols;
-        gdn_step_state<RG>(s, p.state + (long long)j * dk * dv, rg, col, active, dk, dv);
-        e_alog = p.a_log[j];
-        e_a = p.a[j];
-        e_dtb = p.dt_bias[j];
-        e_b = p.b[j];
-        if (active && rg == 0) {
-            e_z = p.z[(long long)j * dv + col];
-            e_nw = p.norm_w[col];
-        }
-    }
 
     // Conv + SiLU of the key head's q and k channels, from the old conv state (shifted at the end).
     float ssq = 0.0f, ssk = 0.0f;
@@ -509,11 +517,11 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     __syncthreads();
 
     // The gates of head j.
-    const float neg_a = -expf(EARLY ? e_alog : p.a_log[j]);
-    const float ga = EARLY ? e_a + e_dtb : p.a[j] + p.dt_bias[j];
+    const float neg_a = -expf(p.a_log[j]);
+    const float ga = p.a[j] + p.dt_bias[j];
     const float sp = ga > 20.0f ? ga : log1pf(expf(ga));
     const float decay = expf(neg_a * sp);
-    const float bt = 1.0f / (1.0f + expf(-(EARLY ? e_b : p.b[j])));
+    const float bt = 1.0f / (1.0f + expf(-p.b[j]));
 
     // The rule, as gdn_recurrent (T = 1): warp w owns columns c0 + 8w .. +7, lane = rg·8 + column.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -522,27 +530,9 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     const int col = c0 + lc;
     const bool active = lc < cols;
     float* St = p.state + (long long)j * dk * dv;
-    if constexpr (!EARLY) gdn_step_state<RG>(s, St, rg, col, active, dk, dv);
+    gdn_step_state<RG>(s, St, rg, col, active, dk, dv);
     const float v = active ? sv[lc] : 0.0f;
-    float kv = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NR; ++i) {
-        const int d = rg + RG * i;
-        kv += (d < dk ? sk[d] : 0.0f) * s[i];
-    }
-    kv += __shfl_xor_sync(0xffffffffu, kv, 8);
-    kv += __shfl_xor_sync(0xffffffffu, kv, 16);
-    const float delta = bt * (v - decay * kv);
-    float o = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NR; ++i) {
-        const int d = rg + RG * i;
-        const float kd_ = d < dk ? sk[d] : 0.0f, qd = d < dk ? sq[d] : 0.0f;
-        s[i] = decay * s[i] + kd_ * delta;
-        o += qd * s[i];
-    }
-    o += __shfl_xor_sync(0xffffffffu, o, 8);
-    o += __shfl_xor_sync(0xffffffffu, o, 16);
+    const float o = gdn_step_rule<RG>(s, sq, sk, v, decay, bt, rg, dk);
 #pragma unroll
     for (int i = 0; i < NR; ++i) {
         const int d = rg + RG * i;
@@ -569,7 +559,7 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     const float inv = 1.0f / sqrtf(oss / (float)dv + p.eps);
     if (owner) {
         const long long i = (long long)j * dv + col;
-        p.y[i] = (EARLY ? e_nw : p.norm_w[col]) * (o * inv) * silu_f(EARLY ? e_z : p.z[i]);
+        p.y[i] = p.norm_w[col] * (o * inv) * silu_f(p.z[i]);
     }
 
     // Every block of the cluster has read the q/k conv state: the cluster's first block shifts it.
@@ -584,9 +574,137 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     cluster_wait();
 }
 
-#define GDN_STEP_ENTRIES(NR)                                                                                         \
-    extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r##NR(const GdnStepParams p) { pdl_enter(); gdn_step<NR, false>(p); } \
-    extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_early_r##NR(const GdnStepParams p) { pdl_enter(); gdn_step<NR, true>(p); }
+// The same step with its loads batched (gdn_step_b_r*, gdn_step_bs_r*). ncu (2026-12-06, graph node,
+// H100) found gdn_step's chain in its loads and fences: the conv's inputs a loop of dependent loads
+// a channel, the gates, z and the norm weight each a round trip after the one before, the cluster
+// barrier's release (a GPU-scope MEMBAR) waiting for the state's stores, the q/k conv state shifted
+// by one block after that barrier (whose acquire had emptied L1) as a chain of load-then-store, and
+// every block of the cluster waiting for it. Here:
+//   - before the PDL wait (nothing a predecessor writes): the block's conv weights and conv state
+//     rows into shared memory (cp.async), A_log, dt_bias and the norm weight (STATE_PRE: the state
+//     columns too, into registers);
+//   - after it, one batch: the block's x channels (cp.async), a, b and z;
+//   - the conv from shared memory; the v channels' conv state shifted at once from it (stores only);
+//   - the state and y stored after the cluster's exchange, and the q/k conv state shifted there
+//     from shared memory by every block of the cluster (a 1/(blocks) share each);
+//   - the last cluster barrier (shared memory's lifetime only) arrives relaxed: no fence.
+// The same maths in the same order as gdn_step. Shared memory: the block's n = 2·Dk + Dv/S channels
+// (q | k | its v) as Y [n] (after the conv) | W [n, K] | H [K-1, n] | X [n].
+template <int NR, bool STATE_PRE>
+__device__ __forceinline__ void gdn_step_batched(const GdnStepParams& p) {
+    extern __shared__ float step_smem[];
+    __shared__ float ss_part;
+    constexpr int RG = 4;
+    const int S = p.slices;
+    const int j = blockIdx.x / S, slice = blockIdx.x % S;
+    const int ratio = p.hv / p.hk, kh = j / ratio;
+    const int dk = p.dk, dv = p.dv, K = p.k, hist = p.k - 1;
+    const int cols = dv / S, c0 = slice * cols;
+    const int n = 2 * dk + cols;
+    const long long kd = (long long)p.hk * dk;
+    const long long C = 2 * kd + (long long)p.hv * dv;
+    const int tid = threadIdx.x, bd = blockDim.x;
+    float* Y = step_smem;  // sq = Y, sk = Y + dk, sv = Y + 2·dk
+    float* W = Y + n;
+    float* H = W + n * K;
+    float* X = H + hist * n;
+    // Channel i of the block's list: q, k of key head kh, then its own v columns of value head j.
+    auto chan = [&](int i) -> long long {
+        return i < dk ? kh * dk + i : i < 2 * dk ? kd + kh * dk + (i - dk) : 2 * kd + (long long)j * dv + c0 + (i - 2 * dk);
+    };
+    const int warp = tid >> 5, lane = tid & 31;
+    const int rg = lane >> 3;
+    const int lc = warp * 8 + (lane & 7);
+    const int col = c0 + lc;
+    const bool active = lc < cols, owner = active && rg == 0;
+    float* St = p.state + (long long)j * dk * dv;
+    float s[NR];
+
+    // Before the PDL wait: what no predecessor writes.
+    for (int e = tid; e < n * K; e += bd) cp_async4(smem_addr(W + e), p.conv_w + chan(e / K) * K + e % K, true);
+    for (int e = tid; e < hist * n; e += bd) cp_async4(smem_addr(H + e), p.conv_state + (e / n) * C + chan(e % n), true);
+    if constexpr (STATE_PRE) gdn_step_state<RG>(s, St, rg, col, active, dk, dv);
+    const float a_log = p.a_log[j], dt_bias = p.dt_bias[j];
+    const float nw = owner ? p.norm_w[col] : 0.0f;
+    pdl_wait();
+    pdl_launch_dependents();
+    for (int i = tid; i < n; i += bd) cp_async4(smem_addr(X + i), p.x + chan(i), true);
+    cp_async_commit_group();
+    const float ga = p.a[j] + dt_bias, bv = p.b[j];
+    const float zv = owner ? p.z[(long long)j * dv + col] : 0.0f;
+    cp_async_wait_group<0>();
+    __syncthreads();
+
+    // Conv + SiLU of every channel; the v channels' conv state shifted now (the block's own).
+    float ssq = 0.0f, ssk = 0.0f;
+    for (int i = tid; i < n; i += bd) {
+        float acc = 0.0f;
+        for (int t = 0; t < K; ++t) acc += W[i * K + t] * (t < hist ? H[t * n + i] : X[i]);
+        const float y = silu_f(acc);
+        Y[i] = y;
+        if (i < dk) ssq += y * y;
+        else if (i < 2 * dk) ssk += y * y;
+        else {
+            const long long ch = chan(i);
+            for (int r = 0; r < hist; ++r) p.conv_state[r * C + ch] = r + 1 < hist ? H[(r + 1) * n + i] : X[i];
+        }
+    }
+    // q <- l2norm(q)/sqrt(Dk), k <- l2norm(k) (the second sum ends with a barrier: Y is written).
+    ssq = block_sum_reusable(ssq);
+    ssk = block_sum_reusable(ssk);
+    const float qs = (1.0f / sqrtf(ssq + 1e-6f)) * (1.0f / sqrtf((float)dk));
+    const float ks = 1.0f / sqrtf(ssk + 1e-6f);
+    for (int i = tid; i < 2 * dk; i += bd) Y[i] *= i < dk ? qs : ks;
+    __syncthreads();
+
+    // The gates of head j.
+    const float neg_a = -expf(a_log);
+    const float sp = ga > 20.0f ? ga : log1pf(expf(ga));
+    const float decay = expf(neg_a * sp);
+    const float bt = 1.0f / (1.0f + expf(-bv));
+
+    // The rule (gdn_step's layout); the state is stored after the exchange below.
+    if constexpr (!STATE_PRE) gdn_step_state<RG>(s, St, rg, col, active, dk, dv);
+    const float v = active ? Y[2 * dk + lc] : 0.0f;
+    const float o = gdn_step_rule<RG>(s, Y, Y + dk, v, decay, bt, rg, dk);
+
+    // Gated RMSNorm over the head's Dv outputs: the head's S parts through distributed shared memory.
+    const float part = block_sum_reusable(owner ? o * o : 0.0f);
+    if (tid == 0) ss_part = part;
+    cluster_arrive();  // ss_part written; every block has read the q/k conv state (its copies waited for)
+    cluster_wait();
+    float oss = 0.0f;
+    const uint32_t local = smem_addr(&ss_part);
+    const int rank0 = (j % ratio) * S;
+    for (int t = 0; t < S; ++t) {
+        uint32_t remote;
+        float v2;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank0 + t));
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v2) : "r"(remote) : "memory");
+        oss += v2;
+    }
+    const float inv = 1.0f / sqrtf(oss / (float)dv + p.eps);
+    if (owner) p.y[(long long)j * dv + col] = nw * (o * inv) * silu_f(zv);
+#pragma unroll
+    for (int i = 0; i < NR; ++i) {
+        const int d = rg + RG * i;
+        if (active && d < dk) St[(long long)d * dv + col] = s[i];
+    }
+    // The q/k conv state shifted, channels spread over the cluster's blocks (from shared memory).
+    const int cs = ratio * S, crank = rank0 + slice;
+    for (int i = crank + cs * tid; i < 2 * dk; i += cs * bd) {
+        const long long ch = chan(i);
+        for (int r = 0; r < hist; ++r) p.conv_state[r * C + ch] = r + 1 < hist ? H[(r + 1) * n + i] : X[i];
+    }
+    // No block leaves while another may still read its ss_part (already read by this block: no fence).
+    cluster_arrive_relaxed();
+    cluster_wait();
+}
+
+#define GDN_STEP_ENTRIES(NR)                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r##NR(const GdnStepParams p) { pdl_enter(); gdn_step<NR>(p); }      \
+    extern "C" __global__ void __launch_bounds__(256, 1) gdn_step_b_r##NR(const GdnStepParams p) { gdn_step_batched<NR, false>(p); } \
+    extern "C" __global__ void __launch_bounds__(256, 1) gdn_step_bs_r##NR(const GdnStepParams p) { gdn_step_batched<NR, true>(p); }
 GDN_STEP_ENTRIES(2)
 GDN_STEP_ENTRIES(4)
 GDN_STEP_ENTRIES(8)

@@ -1211,12 +1211,13 @@ fn gdn_step_on() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_GDN_STEP").map(|v| v != "0").unwrap_or(true))
 }
 
-/// Where the one-kernel step loads what does not depend on its conv: `LILY_GDN_STEP=early` issues
-/// those loads first (opt-in until measured; read once).
+/// How the one-kernel step issues its loads and stores (`gdn::StepLoads`): `LILY_GDN_STEP=batched`
+/// or `batched_state` take the batched forms (opt-in until measured; read once).
 fn gdn_step_loads() -> gdn::StepLoads {
     static LOADS: std::sync::OnceLock<gdn::StepLoads> = std::sync::OnceLock::new();
     *LOADS.get_or_init(|| match std::env::var("LILY_GDN_STEP").as_deref() {
-        Ok("early") => gdn::StepLoads::Early,
+        Ok("batched") => gdn::StepLoads::Batched,
+        Ok("batched_state") => gdn::StepLoads::BatchedState,
         _ => gdn::StepLoads::WhenNeeded,
     })
 }

@@ -286,9 +286,10 @@ fn gdn_split_sequence_equals_whole() {
     println!("split 20+1+19 vs CPU whole: out {e_o:.1e} state {e_s:.1e} conv_state {e_c:.1e}");
 }
 
-/// The one-launch decode step (`gdn::decode_step`: conv, gates, rule and gated norm), with its loads
-/// where needed and all first (`StepLoads`), against the CPU over 4 consecutive tokens carrying both
-/// states: the gated norm's output, the conv state and
+/// The one-launch decode step (`gdn::decode_step`: conv, gates, rule and gated norm), in each of its
+/// forms (`StepLoads`: loads where needed; batched, the conv state shifted by every block of a
+/// cluster; batched with the state first), each from the same states, against the CPU over 4
+/// consecutive tokens carrying both states: the gated norm's output, the conv state and
 /// the recurrent state after each token. Real sizes, Hv/Hk = 1, 2, 3, 4 and 8, 1 to 8 blocks per head
 /// (clusters of 1 to 8 blocks), small and odd head dims, K = 2..5.
 #[test]
@@ -307,6 +308,9 @@ fn gdn_decode_step_matches_cpu() {
     ];
     for (i, d) in cases.iter().enumerate() {
         assert!(gdn::step_fits(d), "{d:?}");
+        // Every case runs the batched forms but the one of 288-thread blocks (Dv 72 in one slice),
+        // which takes the first form under every StepLoads.
+        assert_eq!(gdn::step_batched_fits(d), d.head_v_dim != 72, "{d:?}");
         let mut rng = Rng::new(500 + i as u64);
         let mut inp = inputs(&mut rng, d, 1);
         let vd = d.value_dim();
@@ -326,7 +330,7 @@ fn gdn_decode_step_matches_cpu() {
             let want = cpu_layer(&inp, d, 1);
             let (x, a, b, z) = (dev.upload(&inp.x).unwrap(), dev.upload(&inp.a).unwrap(), dev.upload(&inp.b).unwrap(), dev.upload(&inp.z).unwrap());
             // Both placements of the loads, each from the same states.
-            for loads in [gdn::StepLoads::WhenNeeded, gdn::StepLoads::Early] {
+            for loads in gdn::StepLoads::ALL {
                 let (mut cs, mut st) = (dev.upload(&inp.conv_state).unwrap(), dev.upload(&inp.state).unwrap());
                 let mut y = poisoned(&dev, vd);
                 gdn::decode_step(&dev, d, &x, &conv_w, &mut cs, &a, &b, &a_log, &dt_bias, &mut st, &z, &nw, EPS, &mut y, loads).unwrap();

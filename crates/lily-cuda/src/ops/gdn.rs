@@ -150,25 +150,61 @@ const STEP: &[(usize, &str)] = &[
     (32, "gdn_step_r32"),
     (64, "gdn_step_r64"),
 ];
-/// The same with every load that does not wait on the conv issued first ([`StepLoads::Early`]).
-const STEP_EARLY: &[(usize, &str)] = &[
-    (2, "gdn_step_early_r2"),
-    (4, "gdn_step_early_r4"),
-    (8, "gdn_step_early_r8"),
-    (16, "gdn_step_early_r16"),
-    (32, "gdn_step_early_r32"),
-    (64, "gdn_step_early_r64"),
+/// The same with the loads batched ([`StepLoads::Batched`]).
+const STEP_BATCHED: &[(usize, &str)] = &[
+    (2, "gdn_step_b_r2"),
+    (4, "gdn_step_b_r4"),
+    (8, "gdn_step_b_r8"),
+    (16, "gdn_step_b_r16"),
+    (32, "gdn_step_b_r32"),
+    (64, "gdn_step_b_r64"),
 ];
+/// The same with the state columns loaded before the PDL wait too ([`StepLoads::BatchedState`]).
+const STEP_BATCHED_STATE: &[(usize, &str)] = &[
+    (2, "gdn_step_bs_r2"),
+    (4, "gdn_step_bs_r4"),
+    (8, "gdn_step_bs_r8"),
+    (16, "gdn_step_bs_r16"),
+    (32, "gdn_step_bs_r32"),
+    (64, "gdn_step_bs_r64"),
+];
+/// The most threads a block of the batched forms (their launch bound) and the dynamic shared memory
+/// they may ask for without opting in; shapes past either take [`StepLoads::WhenNeeded`].
+const BATCHED_THREADS: usize = 256;
+const BATCHED_SMEM: usize = 48 * 1024;
 
-/// When [`decode_step`] loads what does not depend on the conv: the state columns, the gate
-/// inputs, z and the norm weight.
+/// How [`decode_step`] issues its loads and stores (kernels/gdn.cu, `gdn_step_batched`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum StepLoads {
-    /// Each where it is first needed (after the conv and the q/k norms; z and the norm weight last).
+    /// Each load where it is first needed (the conv's a channel at a time, the gates after the
+    /// norms, z and the norm weight after the cluster's exchange), the state stored before it.
     #[default]
     WhenNeeded,
-    /// All first, so their round trips overlap the conv (built 2026-12-06, not yet measured).
-    Early,
+    /// Conv weights and conv state copied into shared memory before the PDL wait, the token's
+    /// inputs in one batch after it, the stores after the cluster's exchange, the last cluster
+    /// barrier without a fence (2026-12-06, seventeenth session).
+    Batched,
+    /// [`StepLoads::Batched`] with the state columns loaded before the PDL wait too.
+    BatchedState,
+}
+
+impl StepLoads {
+    /// Every form, for tests and A/B runs.
+    pub const ALL: [StepLoads; 3] = [StepLoads::WhenNeeded, StepLoads::Batched, StepLoads::BatchedState];
+}
+
+/// Whether [`decode_step`] runs these dims in the batched forms ([`StepLoads::Batched`],
+/// [`StepLoads::BatchedState`]) rather than the first one: blocks of at most 256 threads, and 48 KiB
+/// of shared memory.
+pub fn step_batched_fits(dims: &GdnDims) -> bool {
+    let cols = dims.head_v_dim / step_slices(dims);
+    step_fits(dims) && 4 * cols <= BATCHED_THREADS && batched_smem(dims, cols) <= BATCHED_SMEM
+}
+
+/// Bytes of dynamic shared memory of the batched forms: the block's n = 2·Dk + Dv/S channels as
+/// Y [n] | W [n, K] | H [K-1, n] | X [n] floats.
+fn batched_smem(dims: &GdnDims, cols: usize) -> usize {
+    4 * (2 * dims.head_k_dim + cols) * (2 * dims.conv_kernel + 1)
 }
 
 pub(crate) const KERNELS: &[&str] = &[
@@ -178,12 +214,18 @@ pub(crate) const KERNELS: &[&str] = &[
     "gdn_step_r16",
     "gdn_step_r32",
     "gdn_step_r64",
-    "gdn_step_early_r2",
-    "gdn_step_early_r4",
-    "gdn_step_early_r8",
-    "gdn_step_early_r16",
-    "gdn_step_early_r32",
-    "gdn_step_early_r64",
+    "gdn_step_b_r2",
+    "gdn_step_b_r4",
+    "gdn_step_b_r8",
+    "gdn_step_b_r16",
+    "gdn_step_b_r32",
+    "gdn_step_b_r64",
+    "gdn_step_bs_r2",
+    "gdn_step_bs_r4",
+    "gdn_step_bs_r8",
+    "gdn_step_bs_r16",
+    "gdn_step_bs_r32",
+    "gdn_step_bs_r64",
     "gdn_conv_qk",
     "gdn_conv_qk_tiled",
     "gdn_conv_qk_warp_k4",
@@ -511,7 +553,8 @@ pub fn step_fits(dims: &GdnDims) -> bool {
 /// [Hv, Dk, Dv] in place) and [`gated_rmsnorm`] with z [Hv·Dv] and the weight w [Dv] into y [Hv·Dv].
 /// The same maths in the same order as the three; g and beta are not written out. Needs
 /// [`step_fits`]; launched as clusters of the Hv/Hk value heads of a key head, each head over up to
-/// 8 / (Hv/Hk) blocks. `loads`: where the kernel loads what does not wait on its conv.
+/// 8 / (Hv/Hk) blocks. `loads`: how it issues its loads and stores ([`StepLoads`]; the batched
+/// forms take blocks of up to 256 threads and 48 KiB of shared memory, larger ones the first form).
 #[allow(clippy::too_many_arguments)]
 pub fn decode_step<X, W, CS, A, B, AL, DB, S, Z, NW, Y>(
     dev: &Device,
@@ -570,12 +613,14 @@ where
         pad: 0,
     };
     let cols = dims.head_v_dim / slices;
-    let table = match loads {
-        StepLoads::WhenNeeded => STEP,
-        StepLoads::Early => STEP_EARLY,
+    let batched_fits = step_batched_fits(dims);
+    let (table, smem) = match loads {
+        StepLoads::Batched if batched_fits => (STEP_BATCHED, batched_smem(dims, cols)),
+        StepLoads::BatchedState if batched_fits => (STEP_BATCHED_STATE, batched_smem(dims, cols)),
+        _ => (STEP, 4 * (2 * dims.head_k_dim + cols)),
     };
     let &(_, name) = table.iter().find(|(nr, _)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ MAX_DK checked");
-    let smem = (4 * (2 * dims.head_k_dim + cols)) as u32;
+    let smem = smem as u32;
     let cfg = LaunchConfig { grid_dim: (hv as u32 * slices as u32, 1, 1), block_dim: (4 * cols as u32, 1, 1), shared_mem_bytes: smem };
     super::launch_cluster(dev, name, cfg, ((hv / dims.num_k_heads) * slices) as u32, &p)
 }
