@@ -574,15 +574,15 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     cluster_wait();
 }
 
-// The same step with its loads batched (gdn_step_b_r*, gdn_step_bs_r*). ncu (2026-12-06, graph node,
+// The same step with its loads batched (gdn_step_b_r*, the default where it fits). ncu (2026-12-06, graph node,
 // H100) found gdn_step's chain in its loads and fences: the conv's inputs a loop of dependent loads
 // a channel, the gates, z and the norm weight each a round trip after the one before, the cluster
 // barrier's release (a GPU-scope MEMBAR) waiting for the state's stores, the q/k conv state shifted
 // by one block after that barrier (whose acquire had emptied L1) as a chain of load-then-store, and
 // every block of the cluster waiting for it. Here:
 //   - before the PDL wait (nothing a predecessor writes): the block's conv weights and conv state
-//     rows into shared memory (cp.async), A_log, dt_bias and the norm weight (STATE_PRE: the state
-//     columns too, into registers);
+//     rows into shared memory (cp.async), the state columns into registers, A_log, dt_bias and the
+//     norm weight;
 //   - after it, one batch: the block's x channels (cp.async), a, b and z;
 //   - the conv from shared memory; the v channels' conv state shifted at once from it (stores only);
 //   - the state and y stored after the cluster's exchange, and the q/k conv state shifted there
@@ -590,7 +590,7 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
 //   - the last cluster barrier (shared memory's lifetime only) arrives relaxed: no fence.
 // The same maths in the same order as gdn_step. Shared memory: the block's n = 2·Dk + Dv/S channels
 // (q | k | its v) as Y [n] (after the conv) | W [n, K] | H [K-1, n] | X [n].
-template <int NR, bool STATE_PRE>
+template <int NR>
 __device__ __forceinline__ void gdn_step_batched(const GdnStepParams& p) {
     extern __shared__ float step_smem[];
     __shared__ float ss_part;
@@ -623,7 +623,7 @@ __device__ __forceinline__ void gdn_step_batched(const GdnStepParams& p) {
     // Before the PDL wait: what no predecessor writes.
     for (int e = tid; e < n * K; e += bd) cp_async4(smem_addr(W + e), p.conv_w + chan(e / K) * K + e % K, true);
     for (int e = tid; e < hist * n; e += bd) cp_async4(smem_addr(H + e), p.conv_state + (e / n) * C + chan(e % n), true);
-    if constexpr (STATE_PRE) gdn_step_state<RG>(s, St, rg, col, active, dk, dv);
+    gdn_step_state<RG>(s, St, rg, col, active, dk, dv);
     const float a_log = p.a_log[j], dt_bias = p.dt_bias[j];
     const float nw = owner ? p.norm_w[col] : 0.0f;
     pdl_wait();
@@ -664,7 +664,6 @@ __device__ __forceinline__ void gdn_step_batched(const GdnStepParams& p) {
     const float bt = 1.0f / (1.0f + expf(-bv));
 
     // The rule (gdn_step's layout); the state is stored after the exchange below.
-    if constexpr (!STATE_PRE) gdn_step_state<RG>(s, St, rg, col, active, dk, dv);
     const float v = active ? Y[2 * dk + lc] : 0.0f;
     const float o = gdn_step_rule<RG>(s, Y, Y + dk, v, decay, bt, rg, dk);
 
@@ -703,8 +702,7 @@ __device__ __forceinline__ void gdn_step_batched(const GdnStepParams& p) {
 
 #define GDN_STEP_ENTRIES(NR)                                                                                                        \
     extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r##NR(const GdnStepParams p) { pdl_enter(); gdn_step<NR>(p); }      \
-    extern "C" __global__ void __launch_bounds__(256, 1) gdn_step_b_r##NR(const GdnStepParams p) { gdn_step_batched<NR, false>(p); } \
-    extern "C" __global__ void __launch_bounds__(256, 1) gdn_step_bs_r##NR(const GdnStepParams p) { gdn_step_batched<NR, true>(p); }
+    extern "C" __global__ void __launch_bounds__(256, 1) gdn_step_b_r##NR(const GdnStepParams p) { gdn_step_batched<NR>(p); }
 GDN_STEP_ENTRIES(2)
 GDN_STEP_ENTRIES(4)
 GDN_STEP_ENTRIES(8)

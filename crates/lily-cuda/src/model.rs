@@ -1211,14 +1211,13 @@ fn gdn_step_on() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_GDN_STEP").map(|v| v != "0").unwrap_or(true))
 }
 
-/// How the one-kernel step issues its loads and stores (`gdn::StepLoads`): `LILY_GDN_STEP=batched`
-/// or `batched_state` take the batched forms (opt-in until measured; read once).
+/// How the one-kernel step issues its loads and stores (`gdn::StepLoads`): batched, or with
+/// `LILY_GDN_STEP=when_needed` each load where first needed (A/B runs; read once).
 fn gdn_step_loads() -> gdn::StepLoads {
     static LOADS: std::sync::OnceLock<gdn::StepLoads> = std::sync::OnceLock::new();
     *LOADS.get_or_init(|| match std::env::var("LILY_GDN_STEP").as_deref() {
-        Ok("batched") => gdn::StepLoads::Batched,
-        Ok("batched_state") => gdn::StepLoads::BatchedState,
-        _ => gdn::StepLoads::WhenNeeded,
+        Ok("when_needed") => gdn::StepLoads::WhenNeeded,
+        _ => gdn::StepLoads::Batched,
     })
 }
 

@@ -288,7 +288,7 @@ fn gdn_split_sequence_equals_whole() {
 
 /// The one-launch decode step (`gdn::decode_step`: conv, gates, rule and gated norm), in each of its
 /// forms (`StepLoads`: loads where needed; batched, the conv state shifted by every block of a
-/// cluster; batched with the state first), each from the same states, against the CPU over 4
+/// cluster), each from the same states, against the CPU over 4
 /// consecutive tokens carrying both states: the gated norm's output, the conv state and
 /// the recurrent state after each token. Real sizes, Hv/Hk = 1, 2, 3, 4 and 8, 1 to 8 blocks per head
 /// (clusters of 1 to 8 blocks), small and odd head dims, K = 2..5.
@@ -308,7 +308,7 @@ fn gdn_decode_step_matches_cpu() {
     ];
     for (i, d) in cases.iter().enumerate() {
         assert!(gdn::step_fits(d), "{d:?}");
-        // Every case runs the batched forms but the one of 288-thread blocks (Dv 72 in one slice),
+        // Every case runs the batched form but the one of 288-thread blocks (Dv 72 in one slice),
         // which takes the first form under every StepLoads.
         assert_eq!(gdn::step_batched_fits(d), d.head_v_dim != 72, "{d:?}");
         let mut rng = Rng::new(500 + i as u64);

@@ -150,7 +150,7 @@ const STEP: &[(usize, &str)] = &[
     (32, "gdn_step_r32"),
     (64, "gdn_step_r64"),
 ];
-/// The same with the loads batched ([`StepLoads::Batched`]).
+/// The same with the loads batched ([`StepLoads::Batched`], the default).
 const STEP_BATCHED: &[(usize, &str)] = &[
     (2, "gdn_step_b_r2"),
     (4, "gdn_step_b_r4"),
@@ -158,15 +158,6 @@ const STEP_BATCHED: &[(usize, &str)] = &[
     (16, "gdn_step_b_r16"),
     (32, "gdn_step_b_r32"),
     (64, "gdn_step_b_r64"),
-];
-/// The same with the state columns loaded before the PDL wait too ([`StepLoads::BatchedState`]).
-const STEP_BATCHED_STATE: &[(usize, &str)] = &[
-    (2, "gdn_step_bs_r2"),
-    (4, "gdn_step_bs_r4"),
-    (8, "gdn_step_bs_r8"),
-    (16, "gdn_step_bs_r16"),
-    (32, "gdn_step_bs_r32"),
-    (64, "gdn_step_bs_r64"),
 ];
 /// The most threads a block of the batched forms (their launch bound) and the dynamic shared memory
 /// they may ask for without opting in; shapes past either take [`StepLoads::WhenNeeded`].
@@ -177,25 +168,24 @@ const BATCHED_SMEM: usize = 48 * 1024;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum StepLoads {
     /// Each load where it is first needed (the conv's a channel at a time, the gates after the
-    /// norms, z and the norm weight after the cluster's exchange), the state stored before it.
-    #[default]
+    /// norms, the state after them, z and the norm weight after the cluster's exchange), the state
+    /// stored before the exchange. The form for blocks past the batched one's limits.
     WhenNeeded,
-    /// Conv weights and conv state copied into shared memory before the PDL wait, the token's
-    /// inputs in one batch after it, the stores after the cluster's exchange, the last cluster
-    /// barrier without a fence (2026-12-06, seventeenth session).
+    /// Conv weights, conv state and the state columns loaded before the PDL wait, the token's inputs
+    /// in one batch after it, the stores after the cluster's exchange, the q/k conv state shifted by
+    /// every block of the cluster, the last cluster barrier without a fence (2026-12-06, seventeenth
+    /// session: the step's marginal 10.5 → 8.0 µs a layer at 4K on an H100).
+    #[default]
     Batched,
-    /// [`StepLoads::Batched`] with the state columns loaded before the PDL wait too.
-    BatchedState,
 }
 
 impl StepLoads {
     /// Every form, for tests and A/B runs.
-    pub const ALL: [StepLoads; 3] = [StepLoads::WhenNeeded, StepLoads::Batched, StepLoads::BatchedState];
+    pub const ALL: [StepLoads; 2] = [StepLoads::WhenNeeded, StepLoads::Batched];
 }
 
-/// Whether [`decode_step`] runs these dims in the batched forms ([`StepLoads::Batched`],
-/// [`StepLoads::BatchedState`]) rather than the first one: blocks of at most 256 threads, and 48 KiB
-/// of shared memory.
+/// Whether [`decode_step`] runs these dims in the batched form ([`StepLoads::Batched`]) rather than
+/// the first one: blocks of at most 256 threads, and 48 KiB of shared memory.
 pub fn step_batched_fits(dims: &GdnDims) -> bool {
     let cols = dims.head_v_dim / step_slices(dims);
     step_fits(dims) && 4 * cols <= BATCHED_THREADS && batched_smem(dims, cols) <= BATCHED_SMEM
@@ -220,12 +210,6 @@ pub(crate) const KERNELS: &[&str] = &[
     "gdn_step_b_r16",
     "gdn_step_b_r32",
     "gdn_step_b_r64",
-    "gdn_step_bs_r2",
-    "gdn_step_bs_r4",
-    "gdn_step_bs_r8",
-    "gdn_step_bs_r16",
-    "gdn_step_bs_r32",
-    "gdn_step_bs_r64",
     "gdn_conv_qk",
     "gdn_conv_qk_tiled",
     "gdn_conv_qk_warp_k4",
@@ -616,7 +600,6 @@ where
     let batched_fits = step_batched_fits(dims);
     let (table, smem) = match loads {
         StepLoads::Batched if batched_fits => (STEP_BATCHED, batched_smem(dims, cols)),
-        StepLoads::BatchedState if batched_fits => (STEP_BATCHED_STATE, batched_smem(dims, cols)),
         _ => (STEP, 4 * (2 * dims.head_k_dim + cols)),
     };
     let &(_, name) = table.iter().find(|(nr, _)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ MAX_DK checked");
