@@ -42,8 +42,16 @@
 #include "pdl.cuh"
 #include "gemv.cuh"
 #include "gemv_tc.cuh"
+#include "route.cuh"
 
-template <int KS, bool SWIGLU, bool I8, int DEPTH>
+// SEL (the MoE gate/up with the router's selection fused; affine_swiglu_i8_q4_k*_sel): slots
+// 0..route_k-1 take the route_k best of the route_e logits at sel_logits, best first, each block
+// selecting them itself (route_block, the same picks as moe_route) right after its PDL wait; slot
+// route_k (the shared expert) takes `matrix`, known before the wait (its first round is loaded
+// then). Block (0, 0) also writes the picks and their weights to route_idx and route_w for the down
+// projection and the combine after it. Replaces the selection kernel (a launch, and the hop between
+// it and the gate/up) with a selection inside each block.
+template <int KS, bool SWIGLU, bool I8, int DEPTH, bool SEL = false>
 __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
     static_assert(DEPTH == 1 || DEPTH == 2, "rounds in flight ahead of the one computed");
     constexpr int RT = TC_WARPS / KS;  // row tiles per block
@@ -60,8 +68,28 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
     float* red = Xs + (I8 ? 2 : 1) * groups;  // [TC_WARPS][NW][16] split-K partials
 
     const int slot = blockIdx.y;
-    if (p.idx) pdl_wait();  // the indices come from the router, a predecessor
-    const uint32_t mat = p.idx ? __ldcg(p.idx + slot) : (uint32_t)p.matrix;  // L2: see affine_gemv.cu
+    uint32_t mat;
+    if constexpr (SEL) {
+        mat = (uint32_t)p.matrix;
+        if (slot < p.route_k) {  // block-uniform: every thread of the block selects
+            __shared__ float sel_s[256];
+            __shared__ float sel_red[TC_WARPS + 1];
+            __shared__ uint32_t sel_idx[32];
+            __shared__ float sel_w[32];
+            pdl_wait();  // the logits come from the router, a predecessor
+            const bool writer = blockIdx.x == 0 && slot == 0;
+            if (writer) route_block<256, TC_WARPS, true>(p.sel_logits, p.route_e, p.route_k, p.route_renorm, sel_s, sel_red, sel_idx, sel_w);
+            else route_block<256, TC_WARPS, false>(p.sel_logits, p.route_e, p.route_k, p.route_renorm, sel_s, sel_red, sel_idx, sel_w);
+            mat = sel_idx[slot];
+            if (writer && threadIdx.x < p.route_k) {
+                p.route_idx[threadIdx.x] = sel_idx[threadIdx.x];
+                p.route_w[threadIdx.x] = sel_w[threadIdx.x];
+            }
+        }
+    } else {
+        if (p.idx) pdl_wait();  // the indices come from the router, a predecessor
+        mat = p.idx ? __ldcg(p.idx + slot) : (uint32_t)p.matrix;  // L2: see affine_gemv.cu
+    }
     const bool bad = mat >= (uint32_t)p.count;
     const int live_rows = bad ? 0 : rows;
     const float* x = p.x + (long long)slot * p.x_stride;
@@ -321,6 +349,8 @@ MIX_TC_ENTRY(affine_mix_tc_q4_u8, 8)
 
 #define GEMV_TC_ENTRY(name, KS, SW, I8, DEPTH) \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, SW, I8, DEPTH>(p); }
+#define GEMV_SEL_ENTRY(name, KS) \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, true, true, 1, true>(p); }
 
 GEMV_TC_ENTRY(affine_gemv_tc_q4_k1, 1, false, false, 1)
 GEMV_TC_ENTRY(affine_gemv_tc_q4_k2, 2, false, false, 1)
@@ -339,6 +369,11 @@ GEMV_TC_ENTRY(affine_swiglu_i8_q4_k1, 1, true, true, 1)
 GEMV_TC_ENTRY(affine_swiglu_i8_q4_k2, 2, true, true, 1)
 GEMV_TC_ENTRY(affine_swiglu_i8_q4_k4, 4, true, true, 1)
 GEMV_TC_ENTRY(affine_swiglu_i8_q4_k8, 8, true, true, 1)
+// The MoE gate/up with the selection (SEL above).
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k1_sel, 1)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k2_sel, 2)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k4_sel, 4)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k8_sel, 8)
 // Two rounds in flight (the bf16 form, one matrix; opt-in, LILY_GEMV_DEPTH=2): twice the weight bytes
 // in flight a warp for 12 more registers a thread.
 GEMV_TC_ENTRY(affine_gemv_tc_q4_k1_d2, 1, false, false, 2)

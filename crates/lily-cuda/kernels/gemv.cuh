@@ -37,6 +37,7 @@ struct GemvParams {
     const float* gate_logit;  // mix entries: slot mix_k (if mix_shared) is weighted by sigmoid(*gate_logit)
     int mix_k;
     int mix_shared;
+    const float* sel_logits;  // select entries: [route_e] the router's logits; each block selects (see affine_gemv_tc.cu)
 };
 
 

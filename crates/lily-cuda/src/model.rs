@@ -1085,8 +1085,9 @@ fn moe(
 /// then, opted in and where the shapes fit it, the rest in one persistent kernel (`ops::moe_decode`:
 /// two launches in all); else the top-k selection, the experts' gate+up as one indexed SwiGLU GEMV
 /// over the k chosen and the shared expert (slot k), the down projections, and the combine adding
-/// into x — or, with the opt-in fusions (`LILY_FUSE`), the selection inside the router's last block
-/// and the combine inside the down projection (three launches). Otherwise the norm runs as its own
+/// into x — or, with the opt-in fusions (`LILY_FUSE`), the selection inside every block of the
+/// gate/up GEMV (`select`) or inside the router's last block (`route`), and the combine inside the
+/// down projection (`mix`). Otherwise the norm runs as its own
 /// kernel and the unfused router, selection, GEMVs and combine follow (slot j of the token is row j
 /// of the outputs), the combine adding into x.
 #[allow(clippy::too_many_arguments)]
@@ -1117,17 +1118,27 @@ fn moe_decode(
             let logits = a.router.slice(0..e + 1);
             return moe_decode::run(dev, &plan, &ex.gate, &ex.up, &ex.down, &logits, post_norm, cfg.rms_norm_eps, e, k, cfg.norm_topk_prob, &mut a.x, &mut a.act, &mut a.moe_barrier, None, None);
         }
-        if unfused & UNFUSE_ROUTE == 0 {
+        if unfused & UNFUSE_SELECT == 0 && affine_gemv::select_fits(&ex.gate, &ex.up, e, k) {
+            // The selection inside the gate/up GEMV's blocks (no kernel of its own).
+            affine_gemv::gemv_fused(dev, rp, Select::matrix(0), &a.x, false, &mut a.router, post)?; // logits [E + 1]
+            mark_swiglu(dev, "moe.gate_up", &ex.gate, k + 1, 1)?;
+            let logits = a.router.slice(0..e);
             let mut chosen = a.idx1.slice_mut(0..k);
-            affine_gemv::router_route(dev, rp, &a.x, post, &mut a.router, e, k, cfg.norm_topk_prob, &mut a.route_counter, &mut chosen, &mut a.route_w)?; // logits [E + 1], idx1[..k], w [k]
+            affine_gemv::swiglu_select(dev, &ex.gate, &ex.up, &logits, e, k, cfg.norm_topk_prob, e, &a.x, post, &mut chosen, &mut a.route_w, &mut a.act)?; // idx1[..k], w [k], [k+1, I]
         } else {
-            affine_gemv::gemv_fused(dev, rp, Select::matrix(0), &a.x, false, &mut a.router, post)?;
-            dev.mark("moe.route", 4 * (e + 2 * k) as u64, 0)?;
-            moe_route::route(dev, &a.router, 1, e, k, cfg.norm_topk_prob, &mut a.idx1, &mut a.route_w)?;
+            if unfused & UNFUSE_ROUTE == 0 {
+                let mut chosen = a.idx1.slice_mut(0..k);
+                affine_gemv::router_route(dev, rp, &a.x, post, &mut a.router, e, k, cfg.norm_topk_prob, &mut a.route_counter, &mut chosen, &mut a.route_w)?; // logits [E + 1], idx1[..k], w [k]
+            } else {
+                affine_gemv::gemv_fused(dev, rp, Select::matrix(0), &a.x, false, &mut a.router, post)?;
+                dev.mark("moe.route", 4 * (e + 2 * k) as u64, 0)?;
+                moe_route::route(dev, &a.router, 1, e, k, cfg.norm_topk_prob, &mut a.idx1, &mut a.route_w)?;
+            }
+            let idx = a.idx1.slice(0..k + 1); // the k chosen, then E: the shared expert
+            mark_swiglu(dev, "moe.gate_up", &ex.gate, k + 1, 1)?;
+            affine_gemv::swiglu_fused(dev, &ex.gate, &ex.up, Select::indexed(dev, &idx), &a.x, false, &mut a.act, post)?; // [k+1, I]
         }
         let idx = a.idx1.slice(0..k + 1); // the k chosen, then E: the shared expert
-        mark_swiglu(dev, "moe.gate_up", &ex.gate, k + 1, 1)?;
-        affine_gemv::swiglu_fused(dev, &ex.gate, &ex.up, Select::indexed(dev, &idx), &a.x, false, &mut a.act, post)?; // [k+1, I]
         mark_grouped(dev, "moe.down", &ex.down, 1, k + 1, k + 1)?;
         let gate_logit = a.router.slice(e..e + 1);
         if unfused & UNFUSE_MIX == 0 {
@@ -1229,6 +1240,9 @@ fn gdn_step_loads() -> gdn::StepLoads {
 /// the router's selection and the combine run as kernels of their own.
 const UNFUSE_ROUTE: u32 = 1;
 const UNFUSE_MIX: u32 = 2;
+/// The selection inside the gate/up GEMV's blocks (`affine_gemv::swiglu_select`, each block ranking
+/// the router's logits itself; seventeenth session): opt-in until measured, `LILY_FUSE=select`.
+const UNFUSE_SELECT: u32 = 8;
 /// The fused MoE decode kernel (`ops::moe_decode`) is opt-in: `LILY_MOE_DECODE=1` (it measured even
 /// with the separate selection, GEMVs and combine in the 4K graph, docs/PERF.md 2026-12-04).
 const UNFUSE_MOE: u32 = 4;
@@ -1238,10 +1252,11 @@ fn unfused_from_env() -> u32 {
     let on = v.split(',').map(|w| match w.trim() {
         "route" => UNFUSE_ROUTE,
         "mix" => UNFUSE_MIX,
+        "select" => UNFUSE_SELECT,
         _ => 0,
     }).fold(0, |a, b| a | b);
     let moe = if std::env::var("LILY_MOE_DECODE").is_ok_and(|v| v == "1") { 0 } else { UNFUSE_MOE };
-    ((UNFUSE_ROUTE | UNFUSE_MIX) & !on) | moe
+    ((UNFUSE_ROUTE | UNFUSE_MIX | UNFUSE_SELECT) & !on) | moe
 }
 
 /// Bytes per element of the KV caches (bf16).

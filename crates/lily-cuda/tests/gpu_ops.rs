@@ -661,6 +661,76 @@ fn router_with_fused_selection_matches_cpu() {
     }
 }
 
+/// The MoE gate/up with the router's selection in each block (`affine_gemv::swiglu_select`): the picks
+/// and weights bit for bit the CPU's selection from the same logits (ties included), the outputs bit
+/// for bit the unfused indexed SwiGLU's over those picks and the shared expert, and within the GEMV
+/// tolerance of f64; fresh logits each round; shapes it does not take refused.
+#[test]
+fn gate_up_with_fused_selection_matches_unfused() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(24);
+    let mut worst = 0.0f64;
+    // (experts, rows, cols, k, renorm): the full-size MoE (256 + the shared expert, 512 x 2048, top 8)
+    // both ways, a small one, and experts not a multiple of 32.
+    for (e, rows, cols, k, renorm) in [(256, 512, 2048, 8, true), (256, 512, 2048, 8, false), (64, 96, 256, 4, true), (100, 48, 512, 6, false)] {
+        let count = e + 1;
+        let (g, u) = (affine_matrix(&mut rng, count, rows, cols, 4, 64, "bf16"), affine_matrix(&mut rng, count, rows, cols, 4, 64, "bf16"));
+        let (dg, du) = (upload_matrix(&dev, &g).unwrap(), upload_matrix(&dev, &u).unwrap());
+        assert!(affine_gemv::select_fits(&dg, &du, e, k), "e {e} k {k}");
+        let x: Vec<f32> = rng.vec(cols).iter().map(|v| 5.0 * v).collect();
+        let nw: Vec<f32> = rng.vec(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
+        let (xd, nwd) = (dev.upload(&x).unwrap(), dev.upload(&nw).unwrap());
+        let fuse = affine_gemv::Fuse::rms_norm(&dev, &nwd, 1e-6);
+        let xn = ref_norm(&x, &nw, 1e-6);
+        for round in 0..3 {
+            let mut logits: Vec<f32> = rng.vec(e).iter().map(|v| 4.0 * v).collect();
+            // A tie among the likely picks: ties go to the lower index.
+            let top = (0..e).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap();
+            let other = (top + 1 + rng.below(e - 1)) % e;
+            logits[other] = logits[top];
+            let ld = dev.upload(&logits).unwrap();
+            let (mut idx, mut wts, mut y) = (dev.zeros::<u32>(k).unwrap(), poisoned(&dev, k), poisoned(&dev, (k + 1) * rows));
+            affine_gemv::swiglu_select(&dev, &dg, &du, &ld, e, k, renorm, e, &xd, fuse, &mut idx, &mut wts, &mut y).unwrap();
+            let what = format!("e {e} [{rows}x{cols}] k {k} renorm {renorm} round {round}");
+            let want = &lily_cpu::moe::route(&logits, e, k, renorm)[0];
+            let (gi, gw) = (dev.download(&idx).unwrap(), dev.download(&wts).unwrap());
+            for (j, &(wi, ww)) in want.iter().enumerate() {
+                assert_eq!(gi[j] as usize, wi, "{what}: pick {j}");
+                assert_eq!(gw[j].to_bits(), ww.to_bits(), "{what}: weight {j} {} vs {ww}", gw[j]);
+            }
+            // The unfused indexed SwiGLU over the same picks and the shared expert.
+            let mut picks: Vec<u32> = want.iter().map(|&(i, _)| i as u32).collect();
+            picks.push(e as u32);
+            let pd = dev.upload(&picks).unwrap();
+            let mut y2 = poisoned(&dev, (k + 1) * rows);
+            affine_gemv::swiglu_fused(&dev, &dg, &du, Select::indexed(&dev, &pd), &xd, false, &mut y2, fuse).unwrap();
+            let (got, unfused) = (dev.download(&y).unwrap(), dev.download(&y2).unwrap());
+            for (i, (a, b)) in got.iter().zip(&unfused).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{what}: output {i} {a} vs unfused {b}");
+            }
+            let mut want_y = Vec::new();
+            for &m in &picks {
+                let (gv, uv) = (ref_gemv(&g, m as usize, &xn), ref_gemv(&u, m as usize, &xn));
+                want_y.extend(gv.iter().zip(&uv).map(|(g, u)| silu64(*g) * u));
+            }
+            worst = worst.max(check(&got, &want_y, GEMV_TOL, &what));
+        }
+    }
+    // Refused: more than 256 experts, k of 0 or past 32 or E, other weight formats.
+    let (g, u) = (affine_matrix(&mut rng, 300, 16, 128, 4, 64, "bf16"), affine_matrix(&mut rng, 300, 16, 128, 4, 64, "bf16"));
+    let (dg, du) = (upload_matrix(&dev, &g).unwrap(), upload_matrix(&dev, &u).unwrap());
+    let (ld, xd) = (dev.upload(&rng.vec(300)).unwrap(), dev.upload(&rng.vec(128)).unwrap());
+    let (mut idx, mut wts, mut y) = (dev.zeros::<u32>(40).unwrap(), poisoned(&dev, 40), poisoned(&dev, 41 * 16));
+    for (e, k) in [(257, 8), (32, 0), (64, 33), (4, 5)] {
+        assert!(!affine_gemv::select_fits(&dg, &du, e, k), "e {e} k {k}");
+        assert!(affine_gemv::swiglu_select(&dev, &dg, &du, &ld, e, k, true, 299, &xd, affine_gemv::Fuse::none(), &mut idx, &mut wts, &mut y).is_err(), "e {e} k {k}");
+    }
+    let (g8, u8_) = (affine_matrix(&mut rng, 9, 16, 128, 8, 64, "bf16"), affine_matrix(&mut rng, 9, 16, 128, 8, 64, "bf16"));
+    let (dg8, du8) = (upload_matrix(&dev, &g8).unwrap(), upload_matrix(&dev, &u8_).unwrap());
+    assert!(!affine_gemv::select_fits(&dg8, &du8, 8, 2), "8-bit weights");
+    println!("gate/up with the selection: worst relative error {worst:.2e} (tolerance {GEMV_TOL:.0e})");
+}
+
 #[test]
 fn down_with_fused_combine_matches_reference() {
     let Some(dev) = device() else { return };

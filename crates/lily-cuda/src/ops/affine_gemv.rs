@@ -48,6 +48,7 @@ struct GemvParams {
     gate_logit: u64,
     mix_k: i32,
     mix_shared: i32,
+    sel_logits: u64,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for GemvParams {}
@@ -325,8 +326,10 @@ pub fn gemv_fused_tuned<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     run(dev, fam, afam, w, None, sel, x, x_per_slot, y, variant, fuse, None)
 }
 
-/// Where the fused router writes its selection.
+/// Where the fused router writes its selection (`router_route`), or, with `logits` set, where the
+/// gate/up with the selection reads the logits and writes the picks (`swiglu_select`).
 struct RouteOut {
+    logits: u64,
     counter: u64,
     idx: u64,
     w: u64,
@@ -374,6 +377,7 @@ where
         b => return Err(CudaError::Shape(format!("no router GEMV for {b}-bit weights"))),
     };
     let route = RouteOut {
+        logits: 0,
         counter: addr_mut(dev, counter, 1, "router counter")?,
         idx: addr_mut(dev, idx, k, "router idx")?,
         w: addr_mut(dev, wts, k, "router weights")?,
@@ -446,6 +450,75 @@ pub fn swiglu_fused_tuned<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
 ) -> Result<()> {
     let (fam, afam) = swiglu_family(gate, up)?;
     run(dev, fam, afam, gate, Some(up), sel, x, x_per_slot, y, variant, fuse, None)
+}
+
+/// The largest expert count [`swiglu_select`] ranks (a block of 256 threads, one logit each).
+pub const SELECT_MAX_EXPERTS: usize = 256;
+
+/// Whether [`swiglu_select`] takes these experts (gate/up stacks) and a top-`k` of `e`: the integer
+/// tensor-core SwiGLU applies to their format and is the automatic choice, `e` ≤ 256, 1 ≤ `k` ≤ 32.
+pub fn select_fits(gate: &DeviceMatrix, up: &DeviceMatrix, e: usize, k: usize) -> bool {
+    check_pair(gate, up).is_ok()
+        && gate.bits() == 4
+        && affine_gemv_tc::fits(4, gate.group_size().unwrap_or(0), gate.cols)
+        && affine_gemv_tc::enabled()
+        && affine_gemv_tc::int8_auto()
+        && e >= 1
+        && e <= SELECT_MAX_EXPERTS.min(gate.count)
+        && k >= 1
+        && k <= e.min(32)
+}
+
+/// The MoE gate/up of one token with the router's selection fused: each block ranks the first `e`
+/// of `logits` exactly as `moe_route::route` does (ties to the lower index, best first; weights
+/// renormalised over the k when `renorm`), and `y` gets `k + 1` rows of `silu(G x) * (U x)`: slots
+/// 0..k the picks, best first, slot k the stack's matrix `shared` (the shared expert). `idx` and
+/// `wts` get the picks and their weights (for the down projection and the combine after it). With
+/// [`Fuse`], typically the post-attention RMSNorm. Needs [`select_fits`].
+#[allow(clippy::too_many_arguments)]
+pub fn swiglu_select<L, X, I, W, Y>(
+    dev: &Device,
+    gate: &DeviceMatrix,
+    up: &DeviceMatrix,
+    logits: &L,
+    e: usize,
+    k: usize,
+    renorm: bool,
+    shared: usize,
+    x: &X,
+    fuse: Fuse,
+    idx: &mut I,
+    wts: &mut W,
+    y: &mut Y,
+) -> Result<()>
+where
+    L: DevicePtr<f32>,
+    X: DevicePtr<f32>,
+    I: DevicePtrMut<u32>,
+    W: DevicePtrMut<f32>,
+    Y: DevicePtrMut<f32>,
+{
+    if !select_fits(gate, up, e, k) {
+        return Err(CudaError::Shape(format!(
+            "swiglu_select: {e} experts, k = {k}, [{}, {}, {}] {}-bit weights (the integer tensor-core SwiGLU, E ≤ {SELECT_MAX_EXPERTS}, 1 ≤ k ≤ min(E, 32))",
+            gate.count,
+            gate.rows,
+            gate.cols,
+            gate.bits()
+        )));
+    }
+    let (fam, afam) = swiglu_family(gate, up)?;
+    let route = RouteOut {
+        logits: addr(dev, logits, e, "swiglu_select logits")?,
+        counter: 0,
+        idx: addr_mut(dev, idx, k, "swiglu_select idx")?,
+        w: addr_mut(dev, wts, k, "swiglu_select weights")?,
+        e,
+        k,
+        renorm,
+    };
+    let sel = Select { idx: 0, slots: k + 1, matrix: shared };
+    run(dev, fam, afam, gate, Some(up), sel, x, false, y, 0, fuse, Some(route))
 }
 
 /// The MoE down projection with the combine fused, for one token: over `ns` slots (`k` routed, plus
@@ -680,11 +753,16 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     // (the default), forced: 13..=16;
     // two rounds in flight (`LILY_GEMV_DEPTH=2`, the bf16 form of one matrix), forced: 17..=20.
     let group = w.group_size().unwrap_or(0);
-    let tc_ok = route.is_none() && (*fam == Q4 || *fam == SW_Q4) && affine_gemv_tc::fits(w.bits(), group, cols);
+    let select = route.as_ref().is_some_and(|r| r.logits != 0);
+    let tc_ok = (route.is_none() || select) && (*fam == Q4 || *fam == SW_Q4) && affine_gemv_tc::fits(w.bits(), group, cols);
+    if select && !(swiglu && tc_ok && forced == 0) {
+        return Err(CudaError::Shape("gemv: the selection runs in the integer tensor-core SwiGLU only".into()));
+    }
     let tc = match forced {
+        0 if select => Some(affine_gemv_tc::Form { ks: 0, int8: true, deep: false, select: true }),
         0 if tc_ok && affine_gemv_tc::enabled() && affine_gemv_tc::preferred(rows, cols, slots) => {
             let int8 = affine_gemv_tc::int8_auto();
-            Some(affine_gemv_tc::Form { ks: 0, int8, deep: !int8 && !swiglu && affine_gemv_tc::depth2_auto() })
+            Some(affine_gemv_tc::Form { ks: 0, int8, deep: !int8 && !swiglu && affine_gemv_tc::depth2_auto(), select: false })
         }
         9..=20 if tc_ok => affine_gemv_tc::Form::forced(forced),
         9..=20 => return Err(CudaError::Shape(format!("gemv: no tensor-core kernel for {}-bit weights, group {group}, cols {cols}", w.bits()))),
@@ -780,6 +858,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         ..Default::default()
     };
     if let Some(r) = &route {
+        params.sel_logits = r.logits;
         params.counter = r.counter;
         params.route_idx = r.idx;
         params.route_w = r.w;
@@ -795,6 +874,9 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         let (name, grid, smem) = affine_gemv_tc::plan(dev, rows, cols, slots, swiglu, form)?;
         let cfg = LaunchConfig { grid_dim: (grid, slots as u32, 1), block_dim: (affine_gemv_tc::THREADS, 1, 1), shared_mem_bytes: smem };
         return launch(dev, name, cfg, &params);
+    }
+    if select {
+        return Err(CudaError::Shape("gemv: the selection's x and norm weight must be 16-byte aligned".into()));
     }
     let want = rows.div_ceil(rows_per_block);
     // At most the blocks that fit at once (blocks then stride over rows, paying the x copy once each;
