@@ -44,14 +44,16 @@
 #include "gemv_tc.cuh"
 #include "route.cuh"
 
-// SEL (the MoE gate/up with the router's selection fused; affine_swiglu_i8_q4_k*_sel): slots
-// 0..route_k-1 take the route_k best of the route_e logits at sel_logits, best first, each block
-// selecting them itself (route_block, the same picks as moe_route) right after its PDL wait; slot
+// SEL (the MoE gate/up with the router's selection fused; affine_swiglu_i8_q4_k*_sel, SEL 1, and
+// *_selw, SEL 2): slots 0..route_k-1 take the route_k best of the route_e logits at sel_logits, best
+// first, each block selecting them itself right after its PDL wait (SEL 1: the whole block,
+// route_block; SEL 2: warp 0 alone, route_row's k rounds, the other warps at a barrier; both the
+// same picks as moe_route); slot
 // route_k (the shared expert) takes `matrix`, known before the wait (its first round is loaded
 // then). Block (0, 0) also writes the picks and their weights to route_idx and route_w for the down
 // projection and the combine after it. Replaces the selection kernel (a launch, and the hop between
 // it and the gate/up) with a selection inside each block.
-template <int KS, bool SWIGLU, bool I8, int DEPTH, bool SEL = false>
+template <int KS, bool SWIGLU, bool I8, int DEPTH, int SEL = 0>
 __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
     static_assert(DEPTH == 1 || DEPTH == 2, "rounds in flight ahead of the one computed");
     constexpr int RT = TC_WARPS / KS;  // row tiles per block
@@ -69,7 +71,7 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
 
     const int slot = blockIdx.y;
     uint32_t mat;
-    if constexpr (SEL) {
+    if constexpr (SEL != 0) {
         mat = (uint32_t)p.matrix;
         if (slot < p.route_k) {  // block-uniform: every thread of the block selects
             __shared__ float sel_s[256];
@@ -78,8 +80,16 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
             __shared__ float sel_w[32];
             pdl_wait();  // the logits come from the router, a predecessor
             const bool writer = blockIdx.x == 0 && slot == 0;
-            if (writer) route_block<256, TC_WARPS, true>(p.sel_logits, p.route_e, p.route_k, p.route_renorm, sel_s, sel_red, sel_idx, sel_w);
-            else route_block<256, TC_WARPS, false>(p.sel_logits, p.route_e, p.route_k, p.route_renorm, sel_s, sel_red, sel_idx, sel_w);
+            if constexpr (SEL == 1) {
+                if (writer) route_block<256, TC_WARPS, true>(p.sel_logits, p.route_e, p.route_k, p.route_renorm, sel_s, sel_red, sel_idx, sel_w);
+                else route_block<256, TC_WARPS, false>(p.sel_logits, p.route_e, p.route_k, p.route_renorm, sel_s, sel_red, sel_idx, sel_w);
+            } else {
+                if (threadIdx.x < 32) {
+                    if (writer) route_row<8, true>(p.sel_logits, p.route_e, p.route_k, p.route_renorm, sel_s, sel_idx, sel_w);
+                    else route_row<8, false>(p.sel_logits, p.route_e, p.route_k, p.route_renorm, sel_s, sel_idx, sel_w);
+                }
+                __syncthreads();
+            }
             mat = sel_idx[slot];
             if (writer && threadIdx.x < p.route_k) {
                 p.route_idx[threadIdx.x] = sel_idx[threadIdx.x];
@@ -349,8 +359,8 @@ MIX_TC_ENTRY(affine_mix_tc_q4_u8, 8)
 
 #define GEMV_TC_ENTRY(name, KS, SW, I8, DEPTH) \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, SW, I8, DEPTH>(p); }
-#define GEMV_SEL_ENTRY(name, KS) \
-    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, true, true, 1, true>(p); }
+#define GEMV_SEL_ENTRY(name, KS, SEL) \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, true, true, 1, SEL>(p); }
 
 GEMV_TC_ENTRY(affine_gemv_tc_q4_k1, 1, false, false, 1)
 GEMV_TC_ENTRY(affine_gemv_tc_q4_k2, 2, false, false, 1)
@@ -370,10 +380,14 @@ GEMV_TC_ENTRY(affine_swiglu_i8_q4_k2, 2, true, true, 1)
 GEMV_TC_ENTRY(affine_swiglu_i8_q4_k4, 4, true, true, 1)
 GEMV_TC_ENTRY(affine_swiglu_i8_q4_k8, 8, true, true, 1)
 // The MoE gate/up with the selection (SEL above).
-GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k1_sel, 1)
-GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k2_sel, 2)
-GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k4_sel, 4)
-GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k8_sel, 8)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k1_sel, 1, 1)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k2_sel, 2, 1)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k4_sel, 4, 1)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k8_sel, 8, 1)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k1_selw, 1, 2)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k2_selw, 2, 2)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k4_selw, 4, 2)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k8_selw, 8, 2)
 // Two rounds in flight (the bf16 form, one matrix; opt-in, LILY_GEMV_DEPTH=2): twice the weight bytes
 // in flight a warp for 12 more registers a thread.
 GEMV_TC_ENTRY(affine_gemv_tc_q4_k1_d2, 1, false, false, 2)

@@ -225,31 +225,39 @@ struct CVec<4> {
 constexpr int COMBINE_THREADS = 128;
 
 // Grid (t, ceil(h / V / COMBINE_THREADS)): block (tok, c) writes vector columns c*128 .. c*128+127 of token tok.
+// Under PDL the order of the terms, their weights and the residual's old value are read before the
+// wait (each written two or more launches back: complete once this kernel may start); y, shared and
+// the gate logit after it (the shared expert's gate may be the launch just before).
 template <int V>
 __device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
     using T = typename CVec<V>::T;
     __shared__ uint32_t key[MAX_K];
     __shared__ uint32_t ord_slot[MAX_K];
     __shared__ float ord_w[MAX_K];
-    __shared__ float gate;
     const int tok = blockIdx.x, k = p.k;
     const long long base = (long long)tok * k;
-    if (threadIdx.x < k) key[threadIdx.x] = p.idx[base + threadIdx.x];
+    // Activations through L2 (ld.global.cg), as everywhere a kernel may start under PDL.
+    if (threadIdx.x < k) key[threadIdx.x] = __ldcg(p.idx + base + threadIdx.x);
     __syncthreads();
     if (threadIdx.x < k) {
         const int j = threadIdx.x;
         const uint32_t kj = key[j];
         int rank = 0;
         for (int q = 0; q < k; q++) rank += (key[q] < kj || (key[q] == kj && q < j)) ? 1 : 0;
-        ord_slot[rank] = p.slot_of ? p.slot_of[base + j] : (uint32_t)(base + j);
-        ord_w[rank] = p.w[base + j];
+        ord_slot[rank] = p.slot_of ? __ldcg(p.slot_of + base + j) : (uint32_t)(base + j);
+        ord_w[rank] = __ldcg(p.w + base + j);
     }
-    if (threadIdx.x == 0 && p.shared) gate = cpu_sigmoid(p.gate_logit[(long long)tok * p.gate_stride]);
     __syncthreads();
 
     const int nv = p.h / V;
     const int c = blockIdx.y * COMBINE_THREADS + threadIdx.x;
+    T* o = reinterpret_cast<T*>(p.out) + (long long)tok * nv + c;
+    // x read from L2 (ld.global.cg), as the GEMVs read activations (affine_gemv.cu, stage_x).
+    const T x_old = p.accumulate && c < nv ? __ldcg(o) : CVec<V>::zero();
+    pdl_wait();
+    pdl_launch_dependents();
     if (c >= nv) return;
+    const float gate = p.shared ? cpu_sigmoid(__ldcg(p.gate_logit + (long long)tok * p.gate_stride)) : 0.0f;
     const T* y = reinterpret_cast<const T*>(p.y);
     T acc = CVec<V>::zero();
     for (int r = 0; r < k; r++) {
@@ -258,16 +266,10 @@ __device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
         acc = CVec<V>::madd(acc, ord_w[r], v);
     }
     if (p.shared) acc = CVec<V>::madd(acc, gate, reinterpret_cast<const T*>(p.shared)[(long long)tok * nv + c]);
-    T* o = reinterpret_cast<T*>(p.out) + (long long)tok * nv + c;
-    // x + 1*sum: the residual add, rounded once; x read from L2 (ld.global.cg), as the GEMVs read
-    // activations (affine_gemv.cu, stage_x).
-    if (p.accumulate) acc = CVec<V>::madd(__ldcg(o), 1.0f, acc);
+    // x + 1*sum: the residual add, rounded once.
+    if (p.accumulate) acc = CVec<V>::madd(x_old, 1.0f, acc);
     *o = acc;
 }
 
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32(const MoeCombineParams p) { pdl_enter();
-    moe_combine<1>(p);
-}
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32_v4(const MoeCombineParams p) { pdl_enter();
-    moe_combine<4>(p);
-}
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32(const MoeCombineParams p) { moe_combine<1>(p); }
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32_v4(const MoeCombineParams p) { moe_combine<4>(p); }

@@ -66,7 +66,8 @@ __device__ __forceinline__ float route_sum(const float* s, int e) {
     return sum;
 }
 
-template <int NPER>
+// WEIGHTS false: the picks only (w_out then holds the renormalised form's logits, not its weights).
+template <int NPER, bool WEIGHTS = true>
 __device__ __forceinline__ void route_row(const float* row, int e, int k, int renorm, float* s, uint32_t* idx_out, float* w_out) {
     const int lane = threadIdx.x & 31;
     float v[NPER];
@@ -125,7 +126,7 @@ __device__ __forceinline__ void route_row(const float* row, int e, int k, int re
     }
 
     float out = route_unkey(mine_key);  // the pick's logit (renormalised) or p (plain)
-    if (renorm) out = route_renorm_weight(out, k);
+    if (WEIGHTS && renorm) out = route_renorm_weight(out, k);
     if (lane < k) {
         idx_out[lane] = (uint32_t)mine_i;
         w_out[lane] = out;

@@ -1085,9 +1085,9 @@ fn moe(
 /// then, opted in and where the shapes fit it, the rest in one persistent kernel (`ops::moe_decode`:
 /// two launches in all); else the top-k selection, the experts' gate+up as one indexed SwiGLU GEMV
 /// over the k chosen and the shared expert (slot k), the down projections, and the combine adding
-/// into x — or, with the opt-in fusions (`LILY_FUSE`), the selection inside every block of the
-/// gate/up GEMV (`select`) or inside the router's last block (`route`), and the combine inside the
-/// down projection (`mix`). Otherwise the norm runs as its own
+/// into x; by default the selection runs inside every block of the gate/up GEMV (no kernel of its
+/// own; `LILY_SELECT=0` restores it) — or, with the opt-in fusions (`LILY_FUSE`), inside the router's
+/// last block (`route`, when the selection is off), and the combine inside the down projection (`mix`). Otherwise the norm runs as its own
 /// kernel and the unfused router, selection, GEMVs and combine follow (slot j of the token is row j
 /// of the outputs), the combine adding into x.
 #[allow(clippy::too_many_arguments)]
@@ -1124,7 +1124,8 @@ fn moe_decode(
             mark_swiglu(dev, "moe.gate_up", &ex.gate, k + 1, 1)?;
             let logits = a.router.slice(0..e);
             let mut chosen = a.idx1.slice_mut(0..k);
-            affine_gemv::swiglu_select(dev, &ex.gate, &ex.up, &logits, e, k, cfg.norm_topk_prob, e, &a.x, post, &mut chosen, &mut a.route_w, &mut a.act)?; // idx1[..k], w [k], [k+1, I]
+            let by = if unfused & SELECT_BY_WARP != 0 { affine_gemv::SelectBy::Warp } else { affine_gemv::SelectBy::Block };
+            affine_gemv::swiglu_select(dev, by, &ex.gate, &ex.up, &logits, e, k, cfg.norm_topk_prob, e, &a.x, post, &mut chosen, &mut a.route_w, &mut a.act)?; // idx1[..k], w [k], [k+1, I]
         } else {
             if unfused & UNFUSE_ROUTE == 0 {
                 let mut chosen = a.idx1.slice_mut(0..k);
@@ -1241,8 +1242,11 @@ fn gdn_step_loads() -> gdn::StepLoads {
 const UNFUSE_ROUTE: u32 = 1;
 const UNFUSE_MIX: u32 = 2;
 /// The selection inside the gate/up GEMV's blocks (`affine_gemv::swiglu_select`, each block ranking
-/// the router's logits itself; seventeenth session): opt-in until measured, `LILY_FUSE=select`.
+/// the router's logits itself) is the default (seventeenth session, H100 4K: the graph −28 to −66 µs,
+/// decode +3%); `LILY_SELECT=0` runs the selection kernel instead, `LILY_SELECT=warp` ranks in warp 0
+/// alone (A/B runs; read once).
 const UNFUSE_SELECT: u32 = 8;
+const SELECT_BY_WARP: u32 = 16;
 /// The fused MoE decode kernel (`ops::moe_decode`) is opt-in: `LILY_MOE_DECODE=1` (it measured even
 /// with the separate selection, GEMVs and combine in the 4K graph, docs/PERF.md 2026-12-04).
 const UNFUSE_MOE: u32 = 4;
@@ -1252,11 +1256,15 @@ fn unfused_from_env() -> u32 {
     let on = v.split(',').map(|w| match w.trim() {
         "route" => UNFUSE_ROUTE,
         "mix" => UNFUSE_MIX,
-        "select" => UNFUSE_SELECT,
         _ => 0,
     }).fold(0, |a, b| a | b);
     let moe = if std::env::var("LILY_MOE_DECODE").is_ok_and(|v| v == "1") { 0 } else { UNFUSE_MOE };
-    ((UNFUSE_ROUTE | UNFUSE_MIX | UNFUSE_SELECT) & !on) | moe
+    let select = match std::env::var("LILY_SELECT").as_deref() {
+        Ok("0") => UNFUSE_SELECT,
+        Ok("warp") => SELECT_BY_WARP,
+        _ => 0,
+    };
+    ((UNFUSE_ROUTE | UNFUSE_MIX) & !on) | moe | select
 }
 
 /// Bytes per element of the KV caches (bf16).

@@ -661,7 +661,8 @@ fn router_with_fused_selection_matches_cpu() {
     }
 }
 
-/// The MoE gate/up with the router's selection in each block (`affine_gemv::swiglu_select`): the picks
+/// The MoE gate/up with the router's selection in each block (`affine_gemv::swiglu_select`, ranked by
+/// the whole block and by warp 0 alone in alternate rounds): the picks
 /// and weights bit for bit the CPU's selection from the same logits (ties included), the outputs bit
 /// for bit the unfused indexed SwiGLU's over those picks and the shared expert, and within the GEMV
 /// tolerance of f64; fresh logits each round; shapes it does not take refused.
@@ -682,16 +683,17 @@ fn gate_up_with_fused_selection_matches_unfused() {
         let (xd, nwd) = (dev.upload(&x).unwrap(), dev.upload(&nw).unwrap());
         let fuse = affine_gemv::Fuse::rms_norm(&dev, &nwd, 1e-6);
         let xn = ref_norm(&x, &nw, 1e-6);
-        for round in 0..3 {
+        for round in 0..4 {
             let mut logits: Vec<f32> = rng.vec(e).iter().map(|v| 4.0 * v).collect();
             // A tie among the likely picks: ties go to the lower index.
             let top = (0..e).max_by(|&a, &b| logits[a].total_cmp(&logits[b])).unwrap();
             let other = (top + 1 + rng.below(e - 1)) % e;
             logits[other] = logits[top];
             let ld = dev.upload(&logits).unwrap();
+            let by = [affine_gemv::SelectBy::Block, affine_gemv::SelectBy::Warp][round % 2];
             let (mut idx, mut wts, mut y) = (dev.zeros::<u32>(k).unwrap(), poisoned(&dev, k), poisoned(&dev, (k + 1) * rows));
-            affine_gemv::swiglu_select(&dev, &dg, &du, &ld, e, k, renorm, e, &xd, fuse, &mut idx, &mut wts, &mut y).unwrap();
-            let what = format!("e {e} [{rows}x{cols}] k {k} renorm {renorm} round {round}");
+            affine_gemv::swiglu_select(&dev, by, &dg, &du, &ld, e, k, renorm, e, &xd, fuse, &mut idx, &mut wts, &mut y).unwrap();
+            let what = format!("e {e} [{rows}x{cols}] k {k} renorm {renorm} round {round} ({by:?})");
             let want = &lily_cpu::moe::route(&logits, e, k, renorm)[0];
             let (gi, gw) = (dev.download(&idx).unwrap(), dev.download(&wts).unwrap());
             for (j, &(wi, ww)) in want.iter().enumerate() {
@@ -723,7 +725,7 @@ fn gate_up_with_fused_selection_matches_unfused() {
     let (mut idx, mut wts, mut y) = (dev.zeros::<u32>(40).unwrap(), poisoned(&dev, 40), poisoned(&dev, 41 * 16));
     for (e, k) in [(257, 8), (32, 0), (64, 33), (4, 5)] {
         assert!(!affine_gemv::select_fits(&dg, &du, e, k), "e {e} k {k}");
-        assert!(affine_gemv::swiglu_select(&dev, &dg, &du, &ld, e, k, true, 299, &xd, affine_gemv::Fuse::none(), &mut idx, &mut wts, &mut y).is_err(), "e {e} k {k}");
+        assert!(affine_gemv::swiglu_select(&dev, affine_gemv::SelectBy::Block, &dg, &du, &ld, e, k, true, 299, &xd, affine_gemv::Fuse::none(), &mut idx, &mut wts, &mut y).is_err(), "e {e} k {k}");
     }
     let (g8, u8_) = (affine_matrix(&mut rng, 9, 16, 128, 8, 64, "bf16"), affine_matrix(&mut rng, 9, 16, 128, 8, 64, "bf16"));
     let (dg8, du8) = (upload_matrix(&dev, &g8).unwrap(), upload_matrix(&dev, &u8_).unwrap());

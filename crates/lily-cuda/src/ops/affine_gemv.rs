@@ -11,6 +11,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
 use super::{addr, addr_mut, affine_gemv_tc, launch};
+pub use super::affine_gemv_tc::SelectBy;
 use crate::weights::{DeviceMatrix, DeviceStorage};
 use crate::{CudaError, Device, Result};
 
@@ -330,6 +331,7 @@ pub fn gemv_fused_tuned<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
 /// gate/up with the selection reads the logits and writes the picks (`swiglu_select`).
 struct RouteOut {
     logits: u64,
+    by: SelectBy,
     counter: u64,
     idx: u64,
     w: u64,
@@ -378,6 +380,7 @@ where
     };
     let route = RouteOut {
         logits: 0,
+        by: SelectBy::Block,
         counter: addr_mut(dev, counter, 1, "router counter")?,
         idx: addr_mut(dev, idx, k, "router idx")?,
         w: addr_mut(dev, wts, k, "router weights")?,
@@ -474,10 +477,12 @@ pub fn select_fits(gate: &DeviceMatrix, up: &DeviceMatrix, e: usize, k: usize) -
 /// renormalised over the k when `renorm`), and `y` gets `k + 1` rows of `silu(G x) * (U x)`: slots
 /// 0..k the picks, best first, slot k the stack's matrix `shared` (the shared expert). `idx` and
 /// `wts` get the picks and their weights (for the down projection and the combine after it). With
-/// [`Fuse`], typically the post-attention RMSNorm. Needs [`select_fits`].
+/// [`Fuse`], typically the post-attention RMSNorm. `by`: who ranks in each block (the same picks).
+/// Needs [`select_fits`].
 #[allow(clippy::too_many_arguments)]
 pub fn swiglu_select<L, X, I, W, Y>(
     dev: &Device,
+    by: SelectBy,
     gate: &DeviceMatrix,
     up: &DeviceMatrix,
     logits: &L,
@@ -510,6 +515,7 @@ where
     let (fam, afam) = swiglu_family(gate, up)?;
     let route = RouteOut {
         logits: addr(dev, logits, e, "swiglu_select logits")?,
+        by,
         counter: 0,
         idx: addr_mut(dev, idx, k, "swiglu_select idx")?,
         w: addr_mut(dev, wts, k, "swiglu_select weights")?,
@@ -759,10 +765,10 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         return Err(CudaError::Shape("gemv: the selection runs in the integer tensor-core SwiGLU only".into()));
     }
     let tc = match forced {
-        0 if select => Some(affine_gemv_tc::Form { ks: 0, int8: true, deep: false, select: true }),
+        0 if select => Some(affine_gemv_tc::Form { ks: 0, int8: true, deep: false, select: route.as_ref().map(|r| r.by) }),
         0 if tc_ok && affine_gemv_tc::enabled() && affine_gemv_tc::preferred(rows, cols, slots) => {
             let int8 = affine_gemv_tc::int8_auto();
-            Some(affine_gemv_tc::Form { ks: 0, int8, deep: !int8 && !swiglu && affine_gemv_tc::depth2_auto(), select: false })
+            Some(affine_gemv_tc::Form { ks: 0, int8, deep: !int8 && !swiglu && affine_gemv_tc::depth2_auto(), select: None })
         }
         9..=20 if tc_ok => affine_gemv_tc::Form::forced(forced),
         9..=20 => return Err(CudaError::Shape(format!("gemv: no tensor-core kernel for {}-bit weights, group {group}, cols {cols}", w.bits()))),
