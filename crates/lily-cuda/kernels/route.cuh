@@ -139,9 +139,8 @@ __device__ __forceinline__ void route_row(const float* row, int e, int k, int re
 // lower bound on the k-th largest, from the warps' largest keys) each rank themselves among the
 // candidates (key descending, ties to the lower index): the ranks below k are the picks, best first.
 // The same values, picks and weights as route_row, without its k dependent rounds. `s`: e floats of
-// shared memory; `red`: NWARPS + 1 floats. Needs e <= MAXE. WEIGHTS false: the picks only (w_out
-// then holds the renormalised form's logits, not its weights).
-template <int MAXE, int NWARPS, bool WEIGHTS = true>
+// shared memory; `red`: NWARPS + 1 floats. Needs e <= MAXE.
+template <int MAXE, int NWARPS>
 __device__ __forceinline__ void route_block(const float* row, int e, int k, int renorm, float* s, float* red, uint32_t* idx_out, float* w_out) {
     __shared__ int cand_i[MAXE];
     __shared__ int cand_n[1];
@@ -207,7 +206,7 @@ __device__ __forceinline__ void route_block(const float* row, int e, int k, int 
         }
     }
     __syncthreads();
-    if (WEIGHTS && renorm && warp == 0) {
+    if (renorm && warp == 0) {
         const float w = route_renorm_weight(lane < k ? w_out[lane] : 0.0f, k);
         __syncwarp();
         if (lane < k) w_out[lane] = w;

@@ -1118,14 +1118,14 @@ fn moe_decode(
             let logits = a.router.slice(0..e + 1);
             return moe_decode::run(dev, &plan, &ex.gate, &ex.up, &ex.down, &logits, post_norm, cfg.rms_norm_eps, e, k, cfg.norm_topk_prob, &mut a.x, &mut a.act, &mut a.moe_barrier, None, None);
         }
-        if unfused & UNFUSE_SELECT == 0 && affine_gemv::select_fits(&ex.gate, &ex.up, e, k) {
+        let select = unfused & UNFUSE_SELECT == 0 && affine_gemv::select_fits(&ex.gate, &ex.up, e, k);
+        if select {
             // The selection inside the gate/up GEMV's blocks (no kernel of its own).
             affine_gemv::gemv_fused(dev, rp, Select::matrix(0), &a.x, false, &mut a.router, post)?; // logits [E + 1]
             mark_swiglu(dev, "moe.gate_up", &ex.gate, k + 1, 1)?;
             let logits = a.router.slice(0..e);
             let mut chosen = a.idx1.slice_mut(0..k);
-            let by = if unfused & SELECT_BY_WARP != 0 { affine_gemv::SelectBy::Warp } else { affine_gemv::SelectBy::Block };
-            affine_gemv::swiglu_select(dev, by, &ex.gate, &ex.up, &logits, e, k, cfg.norm_topk_prob, e, &a.x, post, &mut chosen, &mut a.route_w, &mut a.act)?; // idx1[..k], w [k], [k+1, I]
+            affine_gemv::swiglu_select(dev, &ex.gate, &ex.up, &logits, e, k, cfg.norm_topk_prob, e, &a.x, post, &mut chosen, &mut a.route_w, &mut a.act)?; // idx1[..k], w [k], [k+1, I]
         } else {
             if unfused & UNFUSE_ROUTE == 0 {
                 let mut chosen = a.idx1.slice_mut(0..k);
@@ -1145,7 +1145,12 @@ fn moe_decode(
         if unfused & UNFUSE_MIX == 0 {
             return affine_gemv::down_mix(dev, &ex.down, &idx, &a.act, &a.route_w, Some(&gate_logit), k, true, &mut a.x); // x += [H]
         }
-        affine_gemv::gemv(dev, &ex.down, Select::indexed(dev, &idx), &a.act, true, &mut a.expert_out)?; // [k+1, H]
+        if select && unfused & SELECT_GATE_UP_ONLY == 0 && affine_gemv::select_fits_one(&ex.down, e, k) {
+            // The down projection ranks the router's logits again, before its PDL wait.
+            affine_gemv::gemv_select(dev, &ex.down, &a.router.slice(0..e), e, k, cfg.norm_topk_prob, e, &a.act, &mut a.expert_out)?; // [k+1, H]
+        } else {
+            affine_gemv::gemv(dev, &ex.down, Select::indexed(dev, &idx), &a.act, true, &mut a.expert_out)?; // [k+1, H]
+        }
         let (y, shared_row) = (a.expert_out.slice(0..k * h), a.expert_out.slice(k * h..(k + 1) * h));
         dev.mark("moe.combine", 4 * ((k + 3) * h) as u64, 2 * ((k + 1) * h) as u64)?;
         return moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, Some((&shared_row, &gate_logit)), 1, 1, k, h, &mut a.x, true);
@@ -1243,10 +1248,11 @@ const UNFUSE_ROUTE: u32 = 1;
 const UNFUSE_MIX: u32 = 2;
 /// The selection inside the gate/up GEMV's blocks (`affine_gemv::swiglu_select`, each block ranking
 /// the router's logits itself) is the default (seventeenth session, H100 4K: the graph −28 to −66 µs,
-/// decode +3%); `LILY_SELECT=0` runs the selection kernel instead, `LILY_SELECT=warp` ranks in warp 0
-/// alone (A/B runs; read once).
+/// decode +3%), and the down projection ranks them again before its PDL wait
+/// (`affine_gemv::gemv_select`); `LILY_SELECT=0` runs the selection kernel instead,
+/// `LILY_SELECT=gate_up` the down projection on the gate/up's picks (A/B runs; read once).
 const UNFUSE_SELECT: u32 = 8;
-const SELECT_BY_WARP: u32 = 16;
+const SELECT_GATE_UP_ONLY: u32 = 16;
 /// The fused MoE decode kernel (`ops::moe_decode`) is opt-in: `LILY_MOE_DECODE=1` (it measured even
 /// with the separate selection, GEMVs and combine in the 4K graph, docs/PERF.md 2026-12-04).
 const UNFUSE_MOE: u32 = 4;
@@ -1261,7 +1267,7 @@ fn unfused_from_env() -> u32 {
     let moe = if std::env::var("LILY_MOE_DECODE").is_ok_and(|v| v == "1") { 0 } else { UNFUSE_MOE };
     let select = match std::env::var("LILY_SELECT").as_deref() {
         Ok("0") => UNFUSE_SELECT,
-        Ok("warp") => SELECT_BY_WARP,
+        Ok("gate_up") => SELECT_GATE_UP_ONLY,
         _ => 0,
     };
     ((UNFUSE_ROUTE | UNFUSE_MIX) & !on) | moe | select

@@ -11,7 +11,6 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
 use super::{addr, addr_mut, affine_gemv_tc, launch};
-pub use super::affine_gemv_tc::SelectBy;
 use crate::weights::{DeviceMatrix, DeviceStorage};
 use crate::{CudaError, Device, Result};
 
@@ -331,7 +330,6 @@ pub fn gemv_fused_tuned<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
 /// gate/up with the selection reads the logits and writes the picks (`swiglu_select`).
 struct RouteOut {
     logits: u64,
-    by: SelectBy,
     counter: u64,
     idx: u64,
     w: u64,
@@ -380,7 +378,6 @@ where
     };
     let route = RouteOut {
         logits: 0,
-        by: SelectBy::Block,
         counter: addr_mut(dev, counter, 1, "router counter")?,
         idx: addr_mut(dev, idx, k, "router idx")?,
         w: addr_mut(dev, wts, k, "router weights")?,
@@ -461,13 +458,17 @@ pub const SELECT_MAX_EXPERTS: usize = 256;
 /// Whether [`swiglu_select`] takes these experts (gate/up stacks) and a top-`k` of `e`: the integer
 /// tensor-core SwiGLU applies to their format and is the automatic choice, `e` ≤ 256, 1 ≤ `k` ≤ 32.
 pub fn select_fits(gate: &DeviceMatrix, up: &DeviceMatrix, e: usize, k: usize) -> bool {
-    check_pair(gate, up).is_ok()
-        && gate.bits() == 4
-        && affine_gemv_tc::fits(4, gate.group_size().unwrap_or(0), gate.cols)
+    check_pair(gate, up).is_ok() && select_fits_one(gate, e, k)
+}
+
+/// Whether [`gemv_select`] takes this stack (the experts' down projections) and a top-`k` of `e`.
+pub fn select_fits_one(w: &DeviceMatrix, e: usize, k: usize) -> bool {
+    w.bits() == 4
+        && affine_gemv_tc::fits(4, w.group_size().unwrap_or(0), w.cols)
         && affine_gemv_tc::enabled()
         && affine_gemv_tc::int8_auto()
         && e >= 1
-        && e <= SELECT_MAX_EXPERTS.min(gate.count)
+        && e <= SELECT_MAX_EXPERTS.min(w.count)
         && k >= 1
         && k <= e.min(32)
 }
@@ -477,12 +478,10 @@ pub fn select_fits(gate: &DeviceMatrix, up: &DeviceMatrix, e: usize, k: usize) -
 /// renormalised over the k when `renorm`), and `y` gets `k + 1` rows of `silu(G x) * (U x)`: slots
 /// 0..k the picks, best first, slot k the stack's matrix `shared` (the shared expert). `idx` and
 /// `wts` get the picks and their weights (for the down projection and the combine after it). With
-/// [`Fuse`], typically the post-attention RMSNorm. `by`: who ranks in each block (the same picks).
-/// Needs [`select_fits`].
+/// [`Fuse`], typically the post-attention RMSNorm. Needs [`select_fits`].
 #[allow(clippy::too_many_arguments)]
 pub fn swiglu_select<L, X, I, W, Y>(
     dev: &Device,
-    by: SelectBy,
     gate: &DeviceMatrix,
     up: &DeviceMatrix,
     logits: &L,
@@ -515,7 +514,6 @@ where
     let (fam, afam) = swiglu_family(gate, up)?;
     let route = RouteOut {
         logits: addr(dev, logits, e, "swiglu_select logits")?,
-        by,
         counter: 0,
         idx: addr_mut(dev, idx, k, "swiglu_select idx")?,
         w: addr_mut(dev, wts, k, "swiglu_select weights")?,
@@ -525,6 +523,34 @@ where
     };
     let sel = Select { idx: 0, slots: k + 1, matrix: shared };
     run(dev, fam, afam, gate, Some(up), sel, x, false, y, 0, fuse, Some(route))
+}
+
+/// The MoE down projections of one token with the router's selection made again in each block:
+/// `y` gets `k + 1` rows of `W[m_j] x_j` (x: `k + 1` inputs of `cols`, the gate/up's output), with
+/// `m_j` the `j`-th best of the first `e` of `logits` (as [`swiglu_select`] and `moe_route::route`
+/// pick them) for `j < k` and the stack's matrix `shared` for `j = k`. The logits must have been
+/// written two launches back or more (router, gate/up, this): the kernel ranks them, and loads its
+/// first weights, before its PDL wait. Needs [`select_fits_one`].
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_select<L, X, Y>(dev: &Device, w: &DeviceMatrix, logits: &L, e: usize, k: usize, renorm: bool, shared: usize, x: &X, y: &mut Y) -> Result<()>
+where
+    L: DevicePtr<f32>,
+    X: DevicePtr<f32>,
+    Y: DevicePtrMut<f32>,
+{
+    if !select_fits_one(w, e, k) {
+        return Err(CudaError::Shape(format!(
+            "gemv_select: {e} experts, k = {k}, [{}, {}, {}] {}-bit weights (the integer tensor-core GEMV, E ≤ {SELECT_MAX_EXPERTS}, 1 ≤ k ≤ min(E, 32))",
+            w.count,
+            w.rows,
+            w.cols,
+            w.bits()
+        )));
+    }
+    let (fam, afam) = gemv_family(w.bits(), Q4Decode::Fast)?;
+    let route = RouteOut { logits: addr(dev, logits, e, "gemv_select logits")?, counter: 0, idx: 0, w: 0, e, k, renorm };
+    let sel = Select { idx: 0, slots: k + 1, matrix: shared };
+    run(dev, fam, afam, w, None, sel, x, true, y, 0, Fuse::none(), Some(route))
 }
 
 /// The MoE down projection with the combine fused, for one token: over `ns` slots (`k` routed, plus
@@ -761,14 +787,14 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     let group = w.group_size().unwrap_or(0);
     let select = route.as_ref().is_some_and(|r| r.logits != 0);
     let tc_ok = (route.is_none() || select) && (*fam == Q4 || *fam == SW_Q4) && affine_gemv_tc::fits(w.bits(), group, cols);
-    if select && !(swiglu && tc_ok && forced == 0) {
-        return Err(CudaError::Shape("gemv: the selection runs in the integer tensor-core SwiGLU only".into()));
+    if select && !(tc_ok && forced == 0) {
+        return Err(CudaError::Shape("gemv: the selection runs in the integer tensor-core kernels only".into()));
     }
     let tc = match forced {
-        0 if select => Some(affine_gemv_tc::Form { ks: 0, int8: true, deep: false, select: route.as_ref().map(|r| r.by) }),
+        0 if select => Some(affine_gemv_tc::Form { ks: 0, int8: true, deep: false, select: true }),
         0 if tc_ok && affine_gemv_tc::enabled() && affine_gemv_tc::preferred(rows, cols, slots) => {
             let int8 = affine_gemv_tc::int8_auto();
-            Some(affine_gemv_tc::Form { ks: 0, int8, deep: !int8 && !swiglu && affine_gemv_tc::depth2_auto(), select: None })
+            Some(affine_gemv_tc::Form { ks: 0, int8, deep: !int8 && !swiglu && affine_gemv_tc::depth2_auto(), select: false })
         }
         9..=20 if tc_ok => affine_gemv_tc::Form::forced(forced),
         9..=20 => return Err(CudaError::Shape(format!("gemv: no tensor-core kernel for {}-bit weights, group {group}, cols {cols}", w.bits()))),

@@ -13,10 +13,10 @@ const SWIGLU: [&str; 4] = ["affine_swiglu_tc_q4_k1", "affine_swiglu_tc_q4_k2", "
 /// The integer form (x as three byte planes, int8 mmas; `gemv_tc.cuh`), by K split.
 const GEMV_I8: [&str; 4] = ["affine_gemv_i8_q4_k1", "affine_gemv_i8_q4_k2", "affine_gemv_i8_q4_k4", "affine_gemv_i8_q4_k8"];
 const SWIGLU_I8: [&str; 4] = ["affine_swiglu_i8_q4_k1", "affine_swiglu_i8_q4_k2", "affine_swiglu_i8_q4_k4", "affine_swiglu_i8_q4_k8"];
-/// The integer SwiGLU with the MoE router's selection in each block (`SEL` in the .cu), by K split:
-/// the whole block selecting, and its warp 0 alone.
+/// The integer forms with the MoE router's selection in each block (`SEL` in the .cu), by K split:
+/// the gate/up SwiGLU (ranking after its PDL wait) and the down projection (ranking before it).
 const SWIGLU_I8_SEL: [&str; 4] = ["affine_swiglu_i8_q4_k1_sel", "affine_swiglu_i8_q4_k2_sel", "affine_swiglu_i8_q4_k4_sel", "affine_swiglu_i8_q4_k8_sel"];
-const SWIGLU_I8_SELW: [&str; 4] = ["affine_swiglu_i8_q4_k1_selw", "affine_swiglu_i8_q4_k2_selw", "affine_swiglu_i8_q4_k4_selw", "affine_swiglu_i8_q4_k8_selw"];
+const GEMV_I8_SEL: [&str; 4] = ["affine_gemv_i8_q4_k1_sel", "affine_gemv_i8_q4_k2_sel", "affine_gemv_i8_q4_k4_sel", "affine_gemv_i8_q4_k8_sel"];
 /// The bf16 form of one matrix with two rounds in flight a warp (`LILY_GEMV_DEPTH=2`), by K split.
 const GEMV_D2: [&str; 4] = ["affine_gemv_tc_q4_k1_d2", "affine_gemv_tc_q4_k2_d2", "affine_gemv_tc_q4_k4_d2", "affine_gemv_tc_q4_k8_d2"];
 /// The down projection with the combine, by most (slot, round) units a warp loads at once.
@@ -24,29 +24,19 @@ const MIX: [(&str, usize); 3] = [("affine_mix_tc_q4_u2", 2), ("affine_mix_tc_q4_
 pub(crate) const KERNELS: &[&str] = &[
     GEMV[0], GEMV[1], GEMV[2], GEMV[3], SWIGLU[0], SWIGLU[1], SWIGLU[2], SWIGLU[3], MIX[0].0, MIX[1].0, MIX[2].0, GEMV_I8[0], GEMV_I8[1],
     GEMV_I8[2], GEMV_I8[3], SWIGLU_I8[0], SWIGLU_I8[1], SWIGLU_I8[2], SWIGLU_I8[3], GEMV_D2[0], GEMV_D2[1], GEMV_D2[2], GEMV_D2[3],
-    SWIGLU_I8_SEL[0], SWIGLU_I8_SEL[1], SWIGLU_I8_SEL[2], SWIGLU_I8_SEL[3], SWIGLU_I8_SELW[0], SWIGLU_I8_SELW[1], SWIGLU_I8_SELW[2],
-    SWIGLU_I8_SELW[3],
+    SWIGLU_I8_SEL[0], SWIGLU_I8_SEL[1], SWIGLU_I8_SEL[2], SWIGLU_I8_SEL[3], GEMV_I8_SEL[0], GEMV_I8_SEL[1], GEMV_I8_SEL[2], GEMV_I8_SEL[3],
 ];
 
 /// Which tensor-core GEMV kernel: the K split (0: chosen by [`plan`]), the integer form, two
 /// rounds of weights in flight a warp instead of one (the bf16 form of one matrix only), and the
-/// MoE router's selection inside each block (the integer SwiGLU only; `affine_gemv::swiglu_select`).
+/// MoE router's selection inside each block (the integer form only; `affine_gemv::swiglu_select`,
+/// `affine_gemv::gemv_select`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Form {
     pub ks: usize,
     pub int8: bool,
     pub deep: bool,
-    pub select: Option<SelectBy>,
-}
-
-/// Who ranks the router's logits in each block of the gate/up with the selection.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum SelectBy {
-    /// Every thread, one logit each (`route_block`: candidates above a bound rank themselves).
-    #[default]
-    Block,
-    /// Warp 0 alone, k rounds of a warp-wide maximum (`route_row`), the other warps waiting.
-    Warp,
+    pub select: bool,
 }
 
 impl Form {
@@ -54,7 +44,7 @@ impl Form {
     /// the integer form, 17..=20 the bf16 form with two rounds in flight, each at a K split of 1, 2, 4, 8.
     pub(crate) fn forced(variant: u32) -> Option<Form> {
         let v = variant.checked_sub(9).filter(|v| *v < 12)?;
-        Some(Form { ks: 1 << (v % 4), int8: v / 4 == 1, deep: v / 4 == 2, select: None })
+        Some(Form { ks: 1 << (v % 4), int8: v / 4 == 1, deep: v / 4 == 2, select: false })
     }
 }
 
@@ -131,8 +121,8 @@ pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu:
     if deep && (swiglu || int8) {
         return Err(CudaError::Shape("gemv (tensor cores): two rounds in flight only in the bf16 form of one matrix".into()));
     }
-    if select.is_some() && !(swiglu && int8) {
-        return Err(CudaError::Shape("gemv (tensor cores): the selection only in the integer SwiGLU".into()));
+    if select && (!int8 || deep) {
+        return Err(CudaError::Shape("gemv (tensor cores): the selection only in the integer form".into()));
     }
     let rounds = cols / ROUND_COLS;
     let tiles = rows.div_ceil(16);
@@ -164,8 +154,8 @@ pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu:
     let launch = |ks: usize| -> Result<(&'static str, usize, usize)> {
         let i = ks.trailing_zeros() as usize;
         let name = match (swiglu, int8, deep) {
-            (true, true, _) if select == Some(SelectBy::Block) => SWIGLU_I8_SEL[i],
-            (true, true, _) if select == Some(SelectBy::Warp) => SWIGLU_I8_SELW[i],
+            (true, true, _) if select => SWIGLU_I8_SEL[i],
+            (false, true, _) if select => GEMV_I8_SEL[i],
             (false, false, true) => GEMV_D2[i],
             (false, false, _) => GEMV[i],
             (true, false, _) => SWIGLU[i],
@@ -195,10 +185,10 @@ mod tests {
 
     #[test]
     fn forced_variants_name_each_form_and_split() {
-        assert_eq!(Form::forced(9), Some(Form { ks: 1, int8: false, deep: false, select: None }));
-        assert_eq!(Form::forced(12), Some(Form { ks: 8, int8: false, deep: false, select: None }));
-        assert_eq!(Form::forced(14), Some(Form { ks: 2, int8: true, deep: false, select: None }));
-        assert_eq!(Form::forced(19), Some(Form { ks: 4, int8: false, deep: true, select: None }));
+        assert_eq!(Form::forced(9), Some(Form { ks: 1, int8: false, deep: false, select: false }));
+        assert_eq!(Form::forced(12), Some(Form { ks: 8, int8: false, deep: false, select: false }));
+        assert_eq!(Form::forced(14), Some(Form { ks: 2, int8: true, deep: false, select: false }));
+        assert_eq!(Form::forced(19), Some(Form { ks: 4, int8: false, deep: true, select: false }));
         for v in [0, 8, 21, 100] {
             assert_eq!(Form::forced(v), None, "variant {v}");
         }
