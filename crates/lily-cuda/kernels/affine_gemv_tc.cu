@@ -44,21 +44,19 @@
 #include "gemv_tc.cuh"
 #include "route.cuh"
 
-// SEL: the MoE router's selection inside each block (affine_swiglu_i8_q4_k*_sel, the gate/up, SEL
-// 1; affine_gemv_i8_q4_k*_sel, the down projection, SEL 2). Slots 0..route_k-1 take the route_k
-// best of the route_e logits at sel_logits, best first, ranked by warp 0 of each block (route_row,
-// the same picks as moe_route) while the other warps wait at a barrier; slot route_k (the shared
-// expert) takes `matrix`. SEL 1: the logits come from the launch just before (the router), so the
-// ranking follows the PDL wait; block (0, 0) also writes the picks and their weights to route_idx
-// and route_w (for the combine). SEL 2: the logits are two launches back (router, gate/up, down),
-// complete before this kernel may start, so the ranking and the first round's weight loads run
-// before the wait. (A form ranking with the whole block, route_block, measured slower in the gate/up:
-// PERF.md, seventeenth session.) Replaces the selection kernel and the down projection's wait for
-// its indices.
-template <int KS, bool SWIGLU, bool I8, int DEPTH, int SEL = 0>
+// SEL: the MoE gate/up with the router's selection inside each block (affine_swiglu_i8_q4_k*_sel).
+// Slots 0..route_k-1 take the route_k best of the route_e logits at sel_logits, best first, ranked
+// after the PDL wait (the router is the launch just before) by warp 0 of each block (route_row, the
+// same picks as moe_route) while the other warps wait at a barrier; slot route_k (the shared expert)
+// takes `matrix`, known before the wait (its first round is loaded then). Block (0, 0) also writes
+// the picks and their weights to route_idx and route_w for the down projection and the combine after
+// it. Replaces the selection kernel (a launch, and the hop between it and the gate/up). Measured
+// (PERF.md, seventeenth session) and not kept: the whole block ranking (route_block), slower; the
+// down projection ranking again before its own PDL wait, no faster.
+template <int KS, bool SWIGLU, bool I8, int DEPTH, bool SEL = false>
 __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
     static_assert(DEPTH == 1 || DEPTH == 2, "rounds in flight ahead of the one computed");
-    static_assert(SEL == 0 || (I8 && DEPTH == 1), "the selection in the integer form");
+    static_assert(!SEL || (SWIGLU && I8 && DEPTH == 1), "the selection in the integer SwiGLU");
     constexpr int RT = TC_WARPS / KS;  // row tiles per block
     constexpr int NW = SWIGLU ? 2 : 1;
     constexpr int ROUND_BYTES = I8 ? I8_ROUND : TC_ROUND;
@@ -74,14 +72,14 @@ __device__ __forceinline__ void gemv_tc(const GemvParams& p) {
 
     const int slot = blockIdx.y;
     uint32_t mat;
-    if constexpr (SEL != 0) {
+    if constexpr (SEL) {
         mat = (uint32_t)p.matrix;
         if (slot < p.route_k) {  // block-uniform
             __shared__ float sel_s[256];
             __shared__ uint32_t sel_idx[32];
             __shared__ float sel_w[32];
-            if (SEL == 1) pdl_wait();  // the logits come from the launch just before
-            const bool writer = SEL == 1 && blockIdx.x == 0 && slot == 0;
+            pdl_wait();  // the logits come from the launch just before
+            const bool writer = blockIdx.x == 0 && slot == 0;
             if (threadIdx.x < 32) {
                 if (writer) route_row<8, true>(p.sel_logits, p.route_e, p.route_k, p.route_renorm, sel_s, sel_idx, sel_w);
                 else route_row<8, false>(p.sel_logits, p.route_e, p.route_k, p.route_renorm, sel_s, sel_idx, sel_w);
@@ -356,8 +354,8 @@ MIX_TC_ENTRY(affine_mix_tc_q4_u8, 8)
 
 #define GEMV_TC_ENTRY(name, KS, SW, I8, DEPTH) \
     extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, SW, I8, DEPTH>(p); }
-#define GEMV_SEL_ENTRY(name, KS, SW, SEL) \
-    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, SW, true, 1, SEL>(p); }
+#define GEMV_SEL_ENTRY(name, KS) \
+    extern "C" __global__ void __launch_bounds__(TC_WARPS * 32) name(const GemvParams p) { gemv_tc<KS, true, true, 1, true>(p); }
 
 GEMV_TC_ENTRY(affine_gemv_tc_q4_k1, 1, false, false, 1)
 GEMV_TC_ENTRY(affine_gemv_tc_q4_k2, 2, false, false, 1)
@@ -376,15 +374,11 @@ GEMV_TC_ENTRY(affine_swiglu_i8_q4_k1, 1, true, true, 1)
 GEMV_TC_ENTRY(affine_swiglu_i8_q4_k2, 2, true, true, 1)
 GEMV_TC_ENTRY(affine_swiglu_i8_q4_k4, 4, true, true, 1)
 GEMV_TC_ENTRY(affine_swiglu_i8_q4_k8, 8, true, true, 1)
-// The MoE gate/up and down projections with the selection (SEL above).
-GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k1_sel, 1, true, 1)
-GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k2_sel, 2, true, 1)
-GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k4_sel, 4, true, 1)
-GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k8_sel, 8, true, 1)
-GEMV_SEL_ENTRY(affine_gemv_i8_q4_k1_sel, 1, false, 2)
-GEMV_SEL_ENTRY(affine_gemv_i8_q4_k2_sel, 2, false, 2)
-GEMV_SEL_ENTRY(affine_gemv_i8_q4_k4_sel, 4, false, 2)
-GEMV_SEL_ENTRY(affine_gemv_i8_q4_k8_sel, 8, false, 2)
+// The MoE gate/up with the selection (SEL above).
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k1_sel, 1)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k2_sel, 2)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k4_sel, 4)
+GEMV_SEL_ENTRY(affine_swiglu_i8_q4_k8_sel, 8)
 // Two rounds in flight (the bf16 form, one matrix; opt-in, LILY_GEMV_DEPTH=2): twice the weight bytes
 // in flight a warp for 12 more registers a thread.
 GEMV_TC_ENTRY(affine_gemv_tc_q4_k1_d2, 1, false, false, 2)

@@ -1118,8 +1118,7 @@ fn moe_decode(
             let logits = a.router.slice(0..e + 1);
             return moe_decode::run(dev, &plan, &ex.gate, &ex.up, &ex.down, &logits, post_norm, cfg.rms_norm_eps, e, k, cfg.norm_topk_prob, &mut a.x, &mut a.act, &mut a.moe_barrier, None, None);
         }
-        let select = unfused & UNFUSE_SELECT == 0 && affine_gemv::select_fits(&ex.gate, &ex.up, e, k);
-        if select {
+        if unfused & UNFUSE_SELECT == 0 && affine_gemv::select_fits(&ex.gate, &ex.up, e, k) {
             // The selection inside the gate/up GEMV's blocks (no kernel of its own).
             affine_gemv::gemv_fused(dev, rp, Select::matrix(0), &a.x, false, &mut a.router, post)?; // logits [E + 1]
             mark_swiglu(dev, "moe.gate_up", &ex.gate, k + 1, 1)?;
@@ -1145,12 +1144,7 @@ fn moe_decode(
         if unfused & UNFUSE_MIX == 0 {
             return affine_gemv::down_mix(dev, &ex.down, &idx, &a.act, &a.route_w, Some(&gate_logit), k, true, &mut a.x); // x += [H]
         }
-        if select && unfused & SELECT_GATE_UP_ONLY == 0 && affine_gemv::select_fits_one(&ex.down, e, k) {
-            // The down projection ranks the router's logits again, before its PDL wait.
-            affine_gemv::gemv_select(dev, &ex.down, &a.router.slice(0..e), e, k, cfg.norm_topk_prob, e, &a.act, &mut a.expert_out)?; // [k+1, H]
-        } else {
-            affine_gemv::gemv(dev, &ex.down, Select::indexed(dev, &idx), &a.act, true, &mut a.expert_out)?; // [k+1, H]
-        }
+        affine_gemv::gemv(dev, &ex.down, Select::indexed(dev, &idx), &a.act, true, &mut a.expert_out)?; // [k+1, H]
         let (y, shared_row) = (a.expert_out.slice(0..k * h), a.expert_out.slice(k * h..(k + 1) * h));
         dev.mark("moe.combine", 4 * ((k + 3) * h) as u64, 2 * ((k + 1) * h) as u64)?;
         return moe_dispatch::combine_with(dev, &y, &a.idx1.slice(0..k), None::<&CudaSlice<u32>>, &a.route_w, Some((&shared_row, &gate_logit)), 1, 1, k, h, &mut a.x, true);
@@ -1248,11 +1242,8 @@ const UNFUSE_ROUTE: u32 = 1;
 const UNFUSE_MIX: u32 = 2;
 /// The selection inside the gate/up GEMV's blocks (`affine_gemv::swiglu_select`, each block ranking
 /// the router's logits itself) is the default (seventeenth session, H100 4K: the graph −28 to −66 µs,
-/// decode +3%), and the down projection ranks them again before its PDL wait
-/// (`affine_gemv::gemv_select`); `LILY_SELECT=0` runs the selection kernel instead,
-/// `LILY_SELECT=gate_up` the down projection on the gate/up's picks (A/B runs; read once).
+/// decode +3%); `LILY_SELECT=0` runs the selection kernel instead (A/B runs; read once).
 const UNFUSE_SELECT: u32 = 8;
-const SELECT_GATE_UP_ONLY: u32 = 16;
 /// The fused MoE decode kernel (`ops::moe_decode`) is opt-in: `LILY_MOE_DECODE=1` (it measured even
 /// with the separate selection, GEMVs and combine in the 4K graph, docs/PERF.md 2026-12-04).
 const UNFUSE_MOE: u32 = 4;
@@ -1267,7 +1258,6 @@ fn unfused_from_env() -> u32 {
     let moe = if std::env::var("LILY_MOE_DECODE").is_ok_and(|v| v == "1") { 0 } else { UNFUSE_MOE };
     let select = match std::env::var("LILY_SELECT").as_deref() {
         Ok("0") => UNFUSE_SELECT,
-        Ok("gate_up") => SELECT_GATE_UP_ONLY,
         _ => 0,
     };
     ((UNFUSE_ROUTE | UNFUSE_MIX) & !on) | moe | select

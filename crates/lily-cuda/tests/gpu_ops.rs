@@ -661,11 +661,10 @@ fn router_with_fused_selection_matches_cpu() {
     }
 }
 
-/// The MoE gate/up and down projections with the router's selection in each block
-/// (`affine_gemv::swiglu_select`, `affine_gemv::gemv_select`): the picks and weights bit for bit the
-/// CPU's selection from the same logits (ties included), the outputs bit for bit the unfused indexed
-/// kernels' over those picks and the shared expert, and within the GEMV tolerance of f64; fresh logits
-/// each round; shapes they do not take refused.
+/// The MoE gate/up with the router's selection in each block (`affine_gemv::swiglu_select`): the picks
+/// and weights bit for bit the CPU's selection from the same logits (ties included), the outputs bit
+/// for bit the unfused indexed SwiGLU's over those picks and the shared expert, and within the GEMV
+/// tolerance of f64; fresh logits each round; shapes it does not take refused.
 #[test]
 fn gate_up_with_fused_selection_matches_unfused() {
     let Some(dev) = device() else { return };
@@ -677,10 +676,7 @@ fn gate_up_with_fused_selection_matches_unfused() {
         let count = e + 1;
         let (g, u) = (affine_matrix(&mut rng, count, rows, cols, 4, 64, "bf16"), affine_matrix(&mut rng, count, rows, cols, 4, 64, "bf16"));
         let (dg, du) = (upload_matrix(&dev, &g).unwrap(), upload_matrix(&dev, &u).unwrap());
-        let d = affine_matrix(&mut rng, count, cols, rows, 4, 64, "bf16");
-        let dd = upload_matrix(&dev, &d).unwrap();
         assert!(affine_gemv::select_fits(&dg, &du, e, k), "e {e} k {k}");
-        assert!(affine_gemv::select_fits_one(&dd, e, k), "down e {e} k {k}");
         let x: Vec<f32> = rng.vec(cols).iter().map(|v| 5.0 * v).collect();
         let nw: Vec<f32> = rng.vec(cols).iter().map(|v| 1.0 + 0.5 * v).collect();
         let (xd, nwd) = (dev.upload(&x).unwrap(), dev.upload(&nw).unwrap());
@@ -718,20 +714,6 @@ fn gate_up_with_fused_selection_matches_unfused() {
                 want_y.extend(gv.iter().zip(&uv).map(|(g, u)| silu64(*g) * u));
             }
             worst = worst.max(check(&got, &want_y, GEMV_TOL, &what));
-            // The down projection of those outputs ([cols x rows] per expert), ranking again.
-            let mut yd = poisoned(&dev, (k + 1) * cols);
-            affine_gemv::gemv_select(&dev, &dd, &ld, e, k, renorm, e, &y, &mut yd).unwrap();
-            let mut yd2 = poisoned(&dev, (k + 1) * cols);
-            affine_gemv::gemv(&dev, &dd, Select::indexed(&dev, &pd), &y, true, &mut yd2).unwrap();
-            let (got_d, unfused_d) = (dev.download(&yd).unwrap(), dev.download(&yd2).unwrap());
-            for (i, (a, b)) in got_d.iter().zip(&unfused_d).enumerate() {
-                assert_eq!(a.to_bits(), b.to_bits(), "{what}: down output {i} {a} vs unfused {b}");
-            }
-            let mut want_d = Vec::new();
-            for (j, &m) in picks.iter().enumerate() {
-                want_d.extend(ref_gemv(&d, m as usize, &got[j * rows..(j + 1) * rows]));
-            }
-            worst = worst.max(check(&got_d, &want_d, GEMV_TOL, &format!("{what}: down")));
         }
     }
     // Refused: more than 256 experts, k of 0 or past 32 or E, other weight formats.
@@ -742,8 +724,6 @@ fn gate_up_with_fused_selection_matches_unfused() {
     for (e, k) in [(257, 8), (32, 0), (64, 33), (4, 5)] {
         assert!(!affine_gemv::select_fits(&dg, &du, e, k), "e {e} k {k}");
         assert!(affine_gemv::swiglu_select(&dev, &dg, &du, &ld, e, k, true, 299, &xd, affine_gemv::Fuse::none(), &mut idx, &mut wts, &mut y).is_err(), "e {e} k {k}");
-        assert!(!affine_gemv::select_fits_one(&dg, e, k), "down e {e} k {k}");
-        assert!(affine_gemv::gemv_select(&dev, &dg, &ld, e, k, true, 299, &y, &mut y.clone()).is_err(), "down e {e} k {k}");
     }
     let (g8, u8_) = (affine_matrix(&mut rng, 9, 16, 128, 8, 64, "bf16"), affine_matrix(&mut rng, 9, 16, 128, 8, 64, "bf16"));
     let (dg8, du8) = (upload_matrix(&dev, &g8).unwrap(), upload_matrix(&dev, &u8_).unwrap());

@@ -458,17 +458,13 @@ pub const SELECT_MAX_EXPERTS: usize = 256;
 /// Whether [`swiglu_select`] takes these experts (gate/up stacks) and a top-`k` of `e`: the integer
 /// tensor-core SwiGLU applies to their format and is the automatic choice, `e` ≤ 256, 1 ≤ `k` ≤ 32.
 pub fn select_fits(gate: &DeviceMatrix, up: &DeviceMatrix, e: usize, k: usize) -> bool {
-    check_pair(gate, up).is_ok() && select_fits_one(gate, e, k)
-}
-
-/// Whether [`gemv_select`] takes this stack (the experts' down projections) and a top-`k` of `e`.
-pub fn select_fits_one(w: &DeviceMatrix, e: usize, k: usize) -> bool {
-    w.bits() == 4
-        && affine_gemv_tc::fits(4, w.group_size().unwrap_or(0), w.cols)
+    check_pair(gate, up).is_ok()
+        && gate.bits() == 4
+        && affine_gemv_tc::fits(4, gate.group_size().unwrap_or(0), gate.cols)
         && affine_gemv_tc::enabled()
         && affine_gemv_tc::int8_auto()
         && e >= 1
-        && e <= SELECT_MAX_EXPERTS.min(w.count)
+        && e <= SELECT_MAX_EXPERTS.min(gate.count)
         && k >= 1
         && k <= e.min(32)
 }
@@ -523,34 +519,6 @@ where
     };
     let sel = Select { idx: 0, slots: k + 1, matrix: shared };
     run(dev, fam, afam, gate, Some(up), sel, x, false, y, 0, fuse, Some(route))
-}
-
-/// The MoE down projections of one token with the router's selection made again in each block:
-/// `y` gets `k + 1` rows of `W[m_j] x_j` (x: `k + 1` inputs of `cols`, the gate/up's output), with
-/// `m_j` the `j`-th best of the first `e` of `logits` (as [`swiglu_select`] and `moe_route::route`
-/// pick them) for `j < k` and the stack's matrix `shared` for `j = k`. The logits must have been
-/// written two launches back or more (router, gate/up, this): the kernel ranks them, and loads its
-/// first weights, before its PDL wait. Needs [`select_fits_one`].
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_select<L, X, Y>(dev: &Device, w: &DeviceMatrix, logits: &L, e: usize, k: usize, renorm: bool, shared: usize, x: &X, y: &mut Y) -> Result<()>
-where
-    L: DevicePtr<f32>,
-    X: DevicePtr<f32>,
-    Y: DevicePtrMut<f32>,
-{
-    if !select_fits_one(w, e, k) {
-        return Err(CudaError::Shape(format!(
-            "gemv_select: {e} experts, k = {k}, [{}, {}, {}] {}-bit weights (the integer tensor-core GEMV, E ≤ {SELECT_MAX_EXPERTS}, 1 ≤ k ≤ min(E, 32))",
-            w.count,
-            w.rows,
-            w.cols,
-            w.bits()
-        )));
-    }
-    let (fam, afam) = gemv_family(w.bits(), Q4Decode::Fast)?;
-    let route = RouteOut { logits: addr(dev, logits, e, "gemv_select logits")?, counter: 0, idx: 0, w: 0, e, k, renorm };
-    let sel = Select { idx: 0, slots: k + 1, matrix: shared };
-    run(dev, fam, afam, w, None, sel, x, true, y, 0, Fuse::none(), Some(route))
 }
 
 /// The MoE down projection with the combine fused, for one token: over `ns` slots (`k` routed, plus
@@ -787,8 +755,8 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     let group = w.group_size().unwrap_or(0);
     let select = route.as_ref().is_some_and(|r| r.logits != 0);
     let tc_ok = (route.is_none() || select) && (*fam == Q4 || *fam == SW_Q4) && affine_gemv_tc::fits(w.bits(), group, cols);
-    if select && !(tc_ok && forced == 0) {
-        return Err(CudaError::Shape("gemv: the selection runs in the integer tensor-core kernels only".into()));
+    if select && !(swiglu && tc_ok && forced == 0) {
+        return Err(CudaError::Shape("gemv: the selection runs in the integer tensor-core SwiGLU only".into()));
     }
     let tc = match forced {
         0 if select => Some(affine_gemv_tc::Form { ks: 0, int8: true, deep: false, select: true }),

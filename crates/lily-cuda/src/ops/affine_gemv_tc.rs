@@ -13,10 +13,8 @@ const SWIGLU: [&str; 4] = ["affine_swiglu_tc_q4_k1", "affine_swiglu_tc_q4_k2", "
 /// The integer form (x as three byte planes, int8 mmas; `gemv_tc.cuh`), by K split.
 const GEMV_I8: [&str; 4] = ["affine_gemv_i8_q4_k1", "affine_gemv_i8_q4_k2", "affine_gemv_i8_q4_k4", "affine_gemv_i8_q4_k8"];
 const SWIGLU_I8: [&str; 4] = ["affine_swiglu_i8_q4_k1", "affine_swiglu_i8_q4_k2", "affine_swiglu_i8_q4_k4", "affine_swiglu_i8_q4_k8"];
-/// The integer forms with the MoE router's selection in each block (`SEL` in the .cu), by K split:
-/// the gate/up SwiGLU (ranking after its PDL wait) and the down projection (ranking before it).
+/// The integer SwiGLU with the MoE router's selection in each block (`SEL` in the .cu), by K split.
 const SWIGLU_I8_SEL: [&str; 4] = ["affine_swiglu_i8_q4_k1_sel", "affine_swiglu_i8_q4_k2_sel", "affine_swiglu_i8_q4_k4_sel", "affine_swiglu_i8_q4_k8_sel"];
-const GEMV_I8_SEL: [&str; 4] = ["affine_gemv_i8_q4_k1_sel", "affine_gemv_i8_q4_k2_sel", "affine_gemv_i8_q4_k4_sel", "affine_gemv_i8_q4_k8_sel"];
 /// The bf16 form of one matrix with two rounds in flight a warp (`LILY_GEMV_DEPTH=2`), by K split.
 const GEMV_D2: [&str; 4] = ["affine_gemv_tc_q4_k1_d2", "affine_gemv_tc_q4_k2_d2", "affine_gemv_tc_q4_k4_d2", "affine_gemv_tc_q4_k8_d2"];
 /// The down projection with the combine, by most (slot, round) units a warp loads at once.
@@ -24,13 +22,12 @@ const MIX: [(&str, usize); 3] = [("affine_mix_tc_q4_u2", 2), ("affine_mix_tc_q4_
 pub(crate) const KERNELS: &[&str] = &[
     GEMV[0], GEMV[1], GEMV[2], GEMV[3], SWIGLU[0], SWIGLU[1], SWIGLU[2], SWIGLU[3], MIX[0].0, MIX[1].0, MIX[2].0, GEMV_I8[0], GEMV_I8[1],
     GEMV_I8[2], GEMV_I8[3], SWIGLU_I8[0], SWIGLU_I8[1], SWIGLU_I8[2], SWIGLU_I8[3], GEMV_D2[0], GEMV_D2[1], GEMV_D2[2], GEMV_D2[3],
-    SWIGLU_I8_SEL[0], SWIGLU_I8_SEL[1], SWIGLU_I8_SEL[2], SWIGLU_I8_SEL[3], GEMV_I8_SEL[0], GEMV_I8_SEL[1], GEMV_I8_SEL[2], GEMV_I8_SEL[3],
+    SWIGLU_I8_SEL[0], SWIGLU_I8_SEL[1], SWIGLU_I8_SEL[2], SWIGLU_I8_SEL[3],
 ];
 
 /// Which tensor-core GEMV kernel: the K split (0: chosen by [`plan`]), the integer form, two
 /// rounds of weights in flight a warp instead of one (the bf16 form of one matrix only), and the
-/// MoE router's selection inside each block (the integer form only; `affine_gemv::swiglu_select`,
-/// `affine_gemv::gemv_select`).
+/// MoE router's selection inside each block (the integer SwiGLU only; `affine_gemv::swiglu_select`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Form {
     pub ks: usize,
@@ -121,8 +118,8 @@ pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu:
     if deep && (swiglu || int8) {
         return Err(CudaError::Shape("gemv (tensor cores): two rounds in flight only in the bf16 form of one matrix".into()));
     }
-    if select && (!int8 || deep) {
-        return Err(CudaError::Shape("gemv (tensor cores): the selection only in the integer form".into()));
+    if select && !(swiglu && int8 && !deep) {
+        return Err(CudaError::Shape("gemv (tensor cores): the selection only in the integer SwiGLU".into()));
     }
     let rounds = cols / ROUND_COLS;
     let tiles = rows.div_ceil(16);
@@ -155,7 +152,6 @@ pub(crate) fn plan(dev: &Device, rows: usize, cols: usize, slots: usize, swiglu:
         let i = ks.trailing_zeros() as usize;
         let name = match (swiglu, int8, deep) {
             (true, true, _) if select => SWIGLU_I8_SEL[i],
-            (false, true, _) if select => GEMV_I8_SEL[i],
             (false, false, true) => GEMV_D2[i],
             (false, false, _) => GEMV[i],
             (true, false, _) => SWIGLU[i],
