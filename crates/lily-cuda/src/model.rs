@@ -308,8 +308,6 @@ pub struct CudaModel {
     unfused: u32,
     /// The captured decode step and the state buffers it was captured against.
     decode_graph: Option<(Vec<u64>, StepGraph)>,
-    /// The same step with the final norm and the lm_head inside (`run_chunk_with`, serving's picks).
-    decode_graph_head: Option<(Vec<u64>, StepGraph)>,
     /// KV cache allocations and decode-graph captures so far (tests check a decode step makes none).
     counts: std::cell::Cell<Counts>,
 }
@@ -483,7 +481,7 @@ impl CudaModel {
         let graphs = std::env::var_os("LILY_NO_GRAPHS").is_none();
         let pdl = std::env::var_os("LILY_NO_PDL").is_none();
         let unfused = unfused_from_env();
-        Ok(CudaModel { dev, cfg, embed, lm_head, final_norm, layers, act, max_chunk, report, graphs, pdl, unfused, decode_graph: None, decode_graph_head: None, counts: Default::default() })
+        Ok(CudaModel { dev, cfg, embed, lm_head, final_norm, layers, act, max_chunk, report, graphs, pdl, unfused, decode_graph: None, counts: Default::default() })
     }
 
     pub fn report(&self) -> &LoadReport {
@@ -500,21 +498,18 @@ impl CudaModel {
     pub fn set_graphs(&mut self, on: bool) {
         self.graphs = on;
         self.decode_graph = None;
-        self.decode_graph_head = None;
     }
     /// Programmatic dependent launch inside the decode graph (the default; `LILY_NO_PDL=1` turns it
     /// off at load); a change recaptures.
     pub fn set_pdl(&mut self, on: bool) {
         self.pdl = on;
         self.decode_graph = None;
-        self.decode_graph_head = None;
     }
     /// The fused MoE decode kernel (`ops::moe_decode`) where the shapes fit it (off by default;
     /// `LILY_MOE_DECODE=1` turns it on at load); a change recaptures.
     pub fn set_fused_moe(&mut self, on: bool) {
         self.unfused = if on { self.unfused & !UNFUSE_MOE } else { self.unfused | UNFUSE_MOE };
         self.decode_graph = None;
-        self.decode_graph_head = None;
     }
 
     /// KV cache allocations (a session's first, and each growth) and decode-graph captures so far.
@@ -587,53 +582,35 @@ impl CudaModel {
     /// are left in `act.normed`. One token replays the captured decode graph (captured first when the
     /// state's buffers are not the ones it was captured against).
     fn run_chunk(&mut self, state: &mut CudaState, tokens: &[u32]) -> Result<()> {
-        self.run_chunk_with(state, tokens, false).map(|_| ())
-    }
-
-    /// [`Self::run_chunk`]; with `head`, one token replayed as a graph also computes its logits
-    /// (`act.logits`, the final norm folded into the lm_head GEMV, inside the graph): returns whether
-    /// it did (else the caller runs [`Self::logits_rows`]). Two graphs are kept, with and without.
-    fn run_chunk_with(&mut self, state: &mut CudaState, tokens: &[u32], head: bool) -> Result<bool> {
         let t = tokens.len();
         debug_assert!(t >= 1 && t <= self.max_chunk);
         self.grow_kv(state, state.pos + t)?;
         self.dev.upload_into(tokens, &mut self.act.ids)?;
-        let head = head && t == 1 && self.graphs && graph_head_on();
         if t == 1 && self.graphs {
             let pos = i32::try_from(state.pos).map_err(|_| CudaError::Shape("position beyond i32".into()))?;
             self.dev.upload_into(&[pos, pos + 1], &mut self.act.step_pos)?;
             let key = state_key(&self.dev, state);
-            let slot = if head { &self.decode_graph_head } else { &self.decode_graph };
-            if slot.as_ref().map(|g| &g.0) != Some(&key) {
-                if head {
-                    self.decode_graph_head = None;
-                } else {
-                    self.decode_graph = None;
-                }
+            if self.decode_graph.as_ref().map(|g| &g.0) != Some(&key) {
+                self.decode_graph = None;
                 self.count(|c| c.graph_captures += 1);
-                let graph = Some((key, StepGraph(self.capture_step(state, head)?)));
-                if head {
-                    self.decode_graph_head = graph;
-                } else {
-                    self.decode_graph = graph;
-                }
+                let graph = self.capture_step(state)?;
+                self.decode_graph = Some((key, StepGraph(graph)));
             }
-            let slot = if head { &self.decode_graph_head } else { &self.decode_graph };
-            slot.as_ref().expect("captured above").1 .0.launch()?;
+            self.decode_graph.as_ref().expect("captured above").1 .0.launch()?;
         } else {
             self.layers_pass(state, t, false)?;
         }
         state.pos += t;
-        Ok(head)
+        Ok(())
     }
 
     /// The decode step's kernels (one token at `act.step_pos`) captured as a graph, with programmatic
     /// dependent launch when the model uses it.
-    fn capture_step(&mut self, state: &mut CudaState, head: bool) -> Result<cudarc::driver::CudaGraph> {
+    fn capture_step(&mut self, state: &mut CudaState) -> Result<cudarc::driver::CudaGraph> {
         let stream = self.dev.stream().clone();
         stream.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         self.dev.set_pdl(self.pdl);
-        let recorded = self.layers_pass_with(state, 1, true, head);
+        let recorded = self.layers_pass(state, 1, true);
         self.dev.set_pdl(false);
         let graph = stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
         recorded?;
@@ -644,13 +621,7 @@ impl CudaModel {
     /// `device_pos` (one token), attention reads its position from `act.step_pos`, so the launches can
     /// be captured once and replayed at every position.
     fn layers_pass(&mut self, state: &mut CudaState, t: usize, device_pos: bool) -> Result<()> {
-        self.layers_pass_with(state, t, device_pos, false)
-    }
-
-    /// [`Self::layers_pass`]; with `head` (one token) the final norm is folded into the lm_head GEMV,
-    /// which writes the token's logits into `act.logits` (`act.normed` is not written).
-    fn layers_pass_with(&mut self, state: &mut CudaState, t: usize, device_pos: bool, head: bool) -> Result<()> {
-        let CudaModel { dev, cfg, embed: table, lm_head, final_norm, layers, act: a, unfused, .. } = self;
+        let CudaModel { dev, cfg, embed: table, final_norm, layers, act: a, unfused, .. } = self;
         let dev: &Device = dev;
         let eps = cfg.rms_norm_eps;
         let pos0 = state.pos;
@@ -713,12 +684,6 @@ impl CudaModel {
             }
         }
         dev.set_layer(-1);
-        if decode && head {
-            let w = lm_head.as_ref().unwrap_or(table);
-            mark_linear(dev, "lm_head", w, 1)?;
-            let fuse = affine_gemv::Fuse::rms_norm(dev, final_norm, eps);
-            return affine_gemv::gemv_fused(dev, w, Select::matrix(0), &a.x, false, &mut a.logits, fuse); // logits [V]
-        }
         if decode {
             dev.mark("norm", 12 * h, 0)?;
             return rmsnorm::rms_norm(dev, &a.x, final_norm, eps, 1, &mut a.normed);
@@ -746,13 +711,10 @@ impl CudaModel {
             if chunk.len() <= STEP_TOKENS {
                 // A few tokens (a grammar's forced run): decode steps, each the replayed graph.
                 for (i, &tok) in chunk.iter().enumerate() {
+                    self.run_chunk(state, &[tok])?;
                     let last = ci + 1 == n_chunks && i + 1 == chunk.len();
-                    let wanted = matches!(want, Logits::All) || (last && matches!(want, Logits::Last));
-                    let done = self.run_chunk_with(state, &[tok], wanted)?;
-                    if wanted {
-                        if !done {
-                            self.logits_rows(0, 1)?;
-                        }
+                    if matches!(want, Logits::All) || (last && matches!(want, Logits::Last)) {
+                        self.logits_rows(0, 1)?;
                         let row = self.dev.download(&self.act.logits.slice(0..v))?;
                         if matches!(want, Logits::All) {
                             out.extend(row);
@@ -788,32 +750,25 @@ impl CudaModel {
 
     /// Runs `tokens` (at least one) in chunks of `max_chunk`; a chunk of at most [`STEP_TOKENS`] runs
     /// as that many decode steps. Returns the row of `act.normed` that holds the last token.
-    /// Runs `tokens` and leaves the last one's logits in `act.logits` row 0: its step's graph computes
-    /// them where it can ([`Self::run_chunk_with`]), else the lm_head runs on its normed row.
-    fn run_tokens_logits(&mut self, state: &mut CudaState, tokens: &[u32]) -> Result<()> {
-        let (mut row, mut done) = (0, false);
-        let n_chunks = tokens.len().div_ceil(self.max_chunk);
-        for (ci, chunk) in tokens.chunks(self.max_chunk).enumerate() {
+    fn run_tokens(&mut self, state: &mut CudaState, tokens: &[u32]) -> Result<usize> {
+        let mut row = 0;
+        for chunk in tokens.chunks(self.max_chunk) {
             if chunk.len() <= STEP_TOKENS {
-                for (i, &tok) in chunk.iter().enumerate() {
-                    let last = ci + 1 == n_chunks && i + 1 == chunk.len();
-                    done = self.run_chunk_with(state, &[tok], last)?;
+                for &tok in chunk {
+                    self.run_chunk(state, &[tok])?;
                 }
                 row = 0;
             } else {
                 self.run_chunk(state, chunk)?;
                 row = chunk.len() - 1;
-                done = false;
             }
         }
-        if !done {
-            self.logits_rows(row, row + 1)?;
-        }
-        Ok(())
+        Ok(row)
     }
 
     fn pick_impl(&mut self, state: &mut CudaState, tokens: &[u32], pick: &DevicePick) -> Result<u32> {
-        self.run_tokens_logits(state, tokens)?;
+        let r = self.run_tokens(state, tokens)?;
+        self.logits_rows(r, r + 1)?;
         let a = &mut self.act;
         self.dev.mark("pick", 4 * self.cfg.vocab_size as u64, 0)?;
         sample::pick(&self.dev, &a.logits, pick, &mut a.pick_edits, &mut a.pick_scratch, &mut a.pick_out)?;
@@ -824,7 +779,8 @@ impl CudaModel {
     /// [`Self::pick_impl`] under a token mask: the forward pass and the logits are queued, then the
     /// host fills the mask while the device runs them, then it is uploaded and the pick applies it.
     fn pick_masked_impl(&mut self, state: &mut CudaState, tokens: &[u32], pick: &DevicePick, fill: &mut MaskFill<'_>) -> Result<u32, BackendError> {
-        self.run_tokens_logits(state, tokens).map_err(dev_err)?;
+        let r = self.run_tokens(state, tokens).map_err(dev_err)?;
+        self.logits_rows(r, r + 1).map_err(dev_err)?;
         let words = pick.vocab.div_ceil(32);
         if words > self.act.pick_mask_host.len() {
             return Err(BackendError::BadState(format!("a mask over {} tokens for a vocabulary of {}", pick.vocab, self.cfg.vocab_size)));
@@ -1264,13 +1220,6 @@ fn reuse_x() -> gemm::Opts {
 fn gdn_step_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("LILY_GDN_STEP").map(|v| v != "0").unwrap_or(true))
-}
-
-/// Whether a served decode step's graph also runs the final norm folded into the lm_head GEMV
-/// (`run_chunk_with`): `LILY_GRAPH_HEAD=1` (opt-in until measured; read once).
-fn graph_head_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_GRAPH_HEAD").is_ok_and(|v| v == "1"))
 }
 
 /// How the one-kernel step issues its loads and stores (`gdn::StepLoads`): batched, or with

@@ -141,7 +141,7 @@ impl CudaModel {
         for label in std::iter::once(None).chain(labels.iter().map(|&l| Some(l))) {
             self.dev.set_knockout(label);
             let skipped0 = self.dev.knocked_launches();
-            let graph = self.capture_step(state, false);
+            let graph = self.capture_step(state);
             self.dev.set_knockout(None);
             let skipped = self.dev.knocked_launches() - skipped0;
             let graph = graph?;
