@@ -546,16 +546,8 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     if (threadIdx.x == 0) ss_part = part;
     cluster_arrive();  // ss_part written; this block is done reading the q/k conv state
     cluster_wait();
-    float oss = 0.0f;
-    const uint32_t local = (uint32_t)__cvta_generic_to_shared(&ss_part);
     const int rank0 = (j % ratio) * S;  // the head's first block in the cluster
-    for (int t = 0; t < S; ++t) {
-        uint32_t remote;
-        float v2;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank0 + t));
-        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v2) : "r"(remote) : "memory");
-        oss += v2;
-    }
+    const float oss = cluster_sum(&ss_part, rank0, S);
     const float inv = 1.0f / sqrtf(oss / (float)dv + p.eps);
     if (owner) {
         const long long i = (long long)j * dv + col;
@@ -672,16 +664,8 @@ __device__ __forceinline__ void gdn_step_batched(const GdnStepParams& p) {
     if (tid == 0) ss_part = part;
     cluster_arrive();  // ss_part written; every block has read the q/k conv state (its copies waited for)
     cluster_wait();
-    float oss = 0.0f;
-    const uint32_t local = smem_addr(&ss_part);
-    const int rank0 = (j % ratio) * S;
-    for (int t = 0; t < S; ++t) {
-        uint32_t remote;
-        float v2;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank0 + t));
-        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v2) : "r"(remote) : "memory");
-        oss += v2;
-    }
+    const int rank0 = (j % ratio) * S;  // the head's first block in the cluster
+    const float oss = cluster_sum(&ss_part, rank0, S);
     const float inv = 1.0f / sqrtf(oss / (float)dv + p.eps);
     if (owner) p.y[(long long)j * dv + col] = nw * (o * inv) * silu_f(zv);
 #pragma unroll
