@@ -40,6 +40,11 @@
 #include "pdl.cuh"
 #include "reduce.cuh"
 
+// The gates' activations, as lily_cpu::gdn computes them: softplus(x) (x = a + dt_bias; past 20, x
+// itself), so g = −exp(A_log)·softplus(x), and beta = sigmoid(b).
+__device__ __forceinline__ float gdn_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+__device__ __forceinline__ float gdn_beta(float b) { return 1.0f / (1.0f + expf(-b)); }
+
 struct GdnConvQkParams {
     const float* x;        // [T, C] pre-conv projections, rows x_stride apart
     const float* conv_w;   // [C, K] (tap K-1 multiplies the current token)
@@ -172,10 +177,8 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_conv_qk(const GdnConvQkPa
         const float bias = p.dt_bias[j];
         for (int t = threadIdx.x; t < p.t_len; t += blockDim.x) {
             const long long i = (long long)t * p.hv + j, in = (long long)t * p.ab_stride + j;
-            const float x = p.a[in] + bias;
-            const float sp = x > 20.0f ? x : log1pf(expf(x));
-            p.g[i] = neg_a * sp;
-            p.beta[i] = 1.0f / (1.0f + expf(-p.b[in]));
+            p.g[i] = neg_a * gdn_softplus(p.a[in] + bias);
+            p.beta[i] = gdn_beta(p.b[in]);
         }
     }
 }
@@ -333,10 +336,8 @@ extern "C" __global__ void __launch_bounds__(256) gdn_conv_finish(const GdnConvQ
             const int j = (int)(i % p.hv);
             const long long in = (i / p.hv) * p.ab_stride + j;
             const float neg_a = -expf(p.a_log[j]);
-            const float x = p.a[in] + p.dt_bias[j];
-            const float sp = x > 20.0f ? x : log1pf(expf(x));
-            p.g[i] = neg_a * sp;
-            p.beta[i] = 1.0f / (1.0f + expf(-p.b[in]));
+            p.g[i] = neg_a * gdn_softplus(p.a[in] + p.dt_bias[j]);
+            p.beta[i] = gdn_beta(p.b[in]);
         }
     }
 }
@@ -517,11 +518,8 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
     __syncthreads();
 
     // The gates of head j.
-    const float neg_a = -expf(p.a_log[j]);
-    const float ga = p.a[j] + p.dt_bias[j];
-    const float sp = ga > 20.0f ? ga : log1pf(expf(ga));
-    const float decay = expf(neg_a * sp);
-    const float bt = 1.0f / (1.0f + expf(-p.b[j]));
+    const float decay = expf(-expf(p.a_log[j]) * gdn_softplus(p.a[j] + p.dt_bias[j]));
+    const float bt = gdn_beta(p.b[j]);
 
     // The rule, as gdn_recurrent (T = 1): warp w owns columns c0 + 8w .. +7, lane = rg·8 + column.
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -650,10 +648,8 @@ __device__ __forceinline__ void gdn_step_batched(const GdnStepParams& p) {
     __syncthreads();
 
     // The gates of head j.
-    const float neg_a = -expf(a_log);
-    const float sp = ga > 20.0f ? ga : log1pf(expf(ga));
-    const float decay = expf(neg_a * sp);
-    const float bt = 1.0f / (1.0f + expf(-bv));
+    const float decay = expf(-expf(a_log) * gdn_softplus(ga));
+    const float bt = gdn_beta(bv);
 
     // The rule (gdn_step's layout); the state is stored after the exchange below.
     const float v = active ? Y[2 * dk + lc] : 0.0f;

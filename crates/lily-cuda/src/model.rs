@@ -1087,9 +1087,9 @@ fn moe(
 /// over the k chosen and the shared expert (slot k), the down projections, and the combine adding
 /// into x; by default the selection runs inside every block of the gate/up GEMV (no kernel of its
 /// own; `LILY_SELECT=0` restores it) — or, with the opt-in fusions (`LILY_FUSE`), inside the router's
-/// last block (`route`, when the selection is off), and the combine inside the down projection (`mix`). Otherwise the norm runs as its own
-/// kernel and the unfused router, selection, GEMVs and combine follow (slot j of the token is row j
-/// of the outputs), the combine adding into x.
+/// last block (`route`, when the selection is off), and the combine inside the down projection
+/// (`mix`). Otherwise the norm runs as its own kernel and the unfused router, selection, GEMVs and
+/// combine follow (slot j of the token is row j of the outputs), the combine adding into x.
 #[allow(clippy::too_many_arguments)]
 fn moe_decode(
     dev: &Device,
@@ -1118,25 +1118,26 @@ fn moe_decode(
             let logits = a.router.slice(0..e + 1);
             return moe_decode::run(dev, &plan, &ex.gate, &ex.up, &ex.down, &logits, post_norm, cfg.rms_norm_eps, e, k, cfg.norm_topk_prob, &mut a.x, &mut a.act, &mut a.moe_barrier, None, None);
         }
-        if unfused & UNFUSE_SELECT == 0 && affine_gemv::select_fits(&ex.gate, &ex.up, e, k) {
-            // The selection inside the gate/up GEMV's blocks (no kernel of its own).
-            affine_gemv::gemv_fused(dev, rp, Select::matrix(0), &a.x, false, &mut a.router, post)?; // logits [E + 1]
-            mark_swiglu(dev, "moe.gate_up", &ex.gate, k + 1, 1)?;
-            let logits = a.router.slice(0..e);
+        // The selection: inside the gate/up GEMV's blocks (the default), in the router's last block
+        // (`LILY_FUSE=route`), or a kernel of its own.
+        let select = unfused & UNFUSE_SELECT == 0 && affine_gemv::select_fits(&ex.gate, &ex.up, e, k);
+        if !select && unfused & UNFUSE_ROUTE == 0 {
             let mut chosen = a.idx1.slice_mut(0..k);
-            affine_gemv::swiglu_select(dev, &ex.gate, &ex.up, &logits, e, k, cfg.norm_topk_prob, e, &a.x, post, &mut chosen, &mut a.route_w, &mut a.act)?; // idx1[..k], w [k], [k+1, I]
+            affine_gemv::router_route(dev, rp, &a.x, post, &mut a.router, e, k, cfg.norm_topk_prob, &mut a.route_counter, &mut chosen, &mut a.route_w)?; // logits [E + 1], idx1[..k], w [k]
         } else {
-            if unfused & UNFUSE_ROUTE == 0 {
-                let mut chosen = a.idx1.slice_mut(0..k);
-                affine_gemv::router_route(dev, rp, &a.x, post, &mut a.router, e, k, cfg.norm_topk_prob, &mut a.route_counter, &mut chosen, &mut a.route_w)?; // logits [E + 1], idx1[..k], w [k]
-            } else {
-                affine_gemv::gemv_fused(dev, rp, Select::matrix(0), &a.x, false, &mut a.router, post)?;
+            affine_gemv::gemv_fused(dev, rp, Select::matrix(0), &a.x, false, &mut a.router, post)?; // logits [E + 1]
+            if !select {
                 dev.mark("moe.route", 4 * (e + 2 * k) as u64, 0)?;
-                moe_route::route(dev, &a.router, 1, e, k, cfg.norm_topk_prob, &mut a.idx1, &mut a.route_w)?;
+                moe_route::route(dev, &a.router, 1, e, k, cfg.norm_topk_prob, &mut a.idx1, &mut a.route_w)?; // idx1[..k], w [k]
             }
-            let idx = a.idx1.slice(0..k + 1); // the k chosen, then E: the shared expert
-            mark_swiglu(dev, "moe.gate_up", &ex.gate, k + 1, 1)?;
-            affine_gemv::swiglu_fused(dev, &ex.gate, &ex.up, Select::indexed(dev, &idx), &a.x, false, &mut a.act, post)?; // [k+1, I]
+        }
+        mark_swiglu(dev, "moe.gate_up", &ex.gate, k + 1, 1)?;
+        if select {
+            let mut chosen = a.idx1.slice_mut(0..k);
+            affine_gemv::swiglu_select(dev, &ex.gate, &ex.up, &a.router.slice(0..e), e, k, cfg.norm_topk_prob, e, &a.x, post, &mut chosen, &mut a.route_w, &mut a.act)?; // idx1[..k], w [k], [k+1, I]
+        } else {
+            let sel = Select::indexed(dev, &a.idx1.slice(0..k + 1));
+            affine_gemv::swiglu_fused(dev, &ex.gate, &ex.up, sel, &a.x, false, &mut a.act, post)?; // [k+1, I]
         }
         let idx = a.idx1.slice(0..k + 1); // the k chosen, then E: the shared expert
         mark_grouped(dev, "moe.down", &ex.down, 1, k + 1, k + 1)?;

@@ -49,6 +49,13 @@ fn gpu(dev: &Arc<Device>, w: &ModelWeights, chunk: usize) -> CudaModel {
     CudaModel::load_on(Arc::clone(dev), w, chunk, &mut |_, _| {}).unwrap()
 }
 
+/// The tiny-b fixture (MLX checkpoint) on the GPU with chunks of `chunk`: its vocabulary, its test
+/// tokens and the model.
+fn tiny_b(dev: &Arc<Device>, chunk: usize) -> (usize, Vec<u32>, CudaModel) {
+    let w = load("tiny-b", "mlx");
+    (w.config.vocab_size, tokens("tiny-b"), gpu(dev, &w, chunk))
+}
+
 /// Teacher-forced log-probs and argmax of logits rows [n, V] against `next`.
 fn score(logits: &[f32], v: usize, next: &[u32]) -> (Vec<f64>, Vec<usize>) {
     logits
@@ -264,10 +271,7 @@ fn wide_model_decode_matches_the_cpu() {
 fn device_pick_greedy_is_the_argmax_and_clones_resume() {
     let Some(dev) = common::device() else { return };
     let dev = Arc::new(dev);
-    let w = load("tiny-b", "mlx");
-    let v = w.config.vocab_size;
-    let toks = tokens("tiny-b");
-    let mut g = gpu(&dev, &w, 64);
+    let (v, toks, mut g) = tiny_b(&dev, 64);
     let greedy = greedy_pick(v);
     let mut s = g.new_state();
     g.forward(&mut s, &toks[..100], Logits::None).unwrap();
@@ -291,10 +295,7 @@ fn device_pick_greedy_is_the_argmax_and_clones_resume() {
 fn decode_ledger_knockouts_name_every_graph_op_and_leave_decoding_intact() {
     let Some(dev) = common::device() else { return };
     let dev = Arc::new(dev);
-    let w = load("tiny-b", "mlx");
-    let v = w.config.vocab_size;
-    let toks = tokens("tiny-b");
-    let mut g = gpu(&dev, &w, 64);
+    let (v, toks, mut g) = tiny_b(&dev, 64);
     let before = decode_each(&mut g, &toks[..12]);
     let greedy = greedy_pick(v);
     let mut s = g.new_state();
@@ -326,10 +327,7 @@ fn decode_ledger_knockouts_name_every_graph_op_and_leave_decoding_intact() {
 fn device_pick_under_a_mask_matches_the_host() {
     let Some(dev) = common::device() else { return };
     let dev = Arc::new(dev);
-    let w = load("tiny-b", "mlx");
-    let v = w.config.vocab_size;
-    let toks = tokens("tiny-b");
-    let mut g = gpu(&dev, &w, 64);
+    let (v, toks, mut g) = tiny_b(&dev, 64);
     assert!(g.masks_on_device());
     let mut s = g.new_state();
     g.forward(&mut s, &toks[..80], Logits::None).unwrap();
@@ -403,10 +401,7 @@ fn bad_tokens_and_states_are_errors() {
 fn reserved_sessions_decode_without_allocating_and_clones_are_compact() {
     let Some(dev) = common::device() else { return };
     let dev = Arc::new(dev);
-    let w = load("tiny-b", "mlx");
-    let v = w.config.vocab_size;
-    let toks = tokens("tiny-b");
-    let mut g = gpu(&dev, &w, 512);
+    let (v, toks, mut g) = tiny_b(&dev, 512);
     // A prompt ending 3 positions before a KV step, so that 8 decode steps cross it.
     let n = KV_STEP - 3;
     let steps = 8;

@@ -187,8 +187,12 @@ impl StepLoads {
 /// Whether [`decode_step`] runs these dims in the batched form ([`StepLoads::Batched`]) rather than
 /// the first one: blocks of at most 256 threads, and 48 KiB of shared memory.
 pub fn step_batched_fits(dims: &GdnDims) -> bool {
-    let cols = dims.head_v_dim / step_slices(dims);
-    step_fits(dims) && 4 * cols <= BATCHED_THREADS && batched_smem(dims, cols) <= BATCHED_SMEM
+    step_fits(dims) && batched_takes(dims, dims.head_v_dim / step_slices(dims))
+}
+
+/// Whether blocks of `cols` state columns (4·cols threads) fit the batched form's limits.
+fn batched_takes(dims: &GdnDims, cols: usize) -> bool {
+    4 * cols <= BATCHED_THREADS && batched_smem(dims, cols) <= BATCHED_SMEM
 }
 
 /// Bytes of dynamic shared memory of the batched forms: the block's n = 2·Dk + Dv/S channels as
@@ -597,9 +601,8 @@ where
         pad: 0,
     };
     let cols = dims.head_v_dim / slices;
-    let batched_fits = step_batched_fits(dims);
     let (table, smem) = match loads {
-        StepLoads::Batched if batched_fits => (STEP_BATCHED, batched_smem(dims, cols)),
+        StepLoads::Batched if batched_takes(dims, cols) => (STEP_BATCHED, batched_smem(dims, cols)),
         _ => (STEP, 4 * (2 * dims.head_k_dim + cols)),
     };
     let &(_, name) = table.iter().find(|(nr, _)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ MAX_DK checked");
