@@ -326,16 +326,23 @@ pub fn gemv_fused_tuned<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     run(dev, fam, afam, w, None, sel, x, x_per_slot, y, variant, fuse, None)
 }
 
-/// Where the fused router writes its selection (`router_route`), or, with `logits` set, where the
-/// gate/up with the selection reads the logits and writes the picks (`swiglu_select`).
+/// A top-k selection inside a GEMV: where it ranks and where the picks and weights go.
 struct RouteOut {
-    logits: u64,
-    counter: u64,
+    by: RankedBy,
     idx: u64,
     w: u64,
     e: usize,
     k: usize,
     renorm: bool,
+}
+
+/// Who ranks the logits of a [`RouteOut`].
+enum RankedBy {
+    /// The last block of the router's own grid to finish (`router_route`): the counter of finished
+    /// blocks.
+    LastBlock { counter: u64 },
+    /// Every block of the gate/up GEMV, from the router's logits (`swiglu_select`).
+    EachBlock { logits: u64 },
 }
 
 /// The MoE router for one token with its selection fused: `logits = W x` (with [`Fuse`], typically
@@ -377,8 +384,7 @@ where
         b => return Err(CudaError::Shape(format!("no router GEMV for {b}-bit weights"))),
     };
     let route = RouteOut {
-        logits: 0,
-        counter: addr_mut(dev, counter, 1, "router counter")?,
+        by: RankedBy::LastBlock { counter: addr_mut(dev, counter, 1, "router counter")? },
         idx: addr_mut(dev, idx, k, "router idx")?,
         w: addr_mut(dev, wts, k, "router weights")?,
         e,
@@ -509,8 +515,7 @@ where
     }
     let (fam, afam) = swiglu_family(gate, up)?;
     let route = RouteOut {
-        logits: addr(dev, logits, e, "swiglu_select logits")?,
-        counter: 0,
+        by: RankedBy::EachBlock { logits: addr(dev, logits, e, "swiglu_select logits")? },
         idx: addr_mut(dev, idx, k, "swiglu_select idx")?,
         w: addr_mut(dev, wts, k, "swiglu_select weights")?,
         e,
@@ -753,7 +758,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     // (the default), forced: 13..=16;
     // two rounds in flight (`LILY_GEMV_DEPTH=2`, the bf16 form of one matrix), forced: 17..=20.
     let group = w.group_size().unwrap_or(0);
-    let select = route.as_ref().is_some_and(|r| r.logits != 0);
+    let select = matches!(route, Some(RouteOut { by: RankedBy::EachBlock { .. }, .. }));
     let tc_ok = (route.is_none() || select) && (*fam == Q4 || *fam == SW_Q4) && affine_gemv_tc::fits(w.bits(), group, cols);
     if select && !(swiglu && tc_ok && forced == 0) {
         return Err(CudaError::Shape("gemv: the selection runs in the integer tensor-core SwiGLU only".into()));
@@ -858,8 +863,10 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         ..Default::default()
     };
     if let Some(r) = &route {
-        params.sel_logits = r.logits;
-        params.counter = r.counter;
+        match r.by {
+            RankedBy::LastBlock { counter } => params.counter = counter,
+            RankedBy::EachBlock { logits } => params.sel_logits = logits,
+        }
         params.route_idx = r.idx;
         params.route_w = r.w;
         params.route_e = r.e as i32;
