@@ -48,8 +48,9 @@
 //
 // Entry points: gemm_wgmma_{plain, swiglu, grouped, grouped_swiglu}_n{64, 128}_{p1, p2, h128, h256}
 // (p: folded with 1 or 2 planes; h: half, 128 or 256 weight rows), gemm_wgmma_plain_n{64, 128}_h128_q8
-// (8-bit codes), gemm_wgmma_{form}_ws{128, 256, 4} (warp-specialised: 128 or 256 weight rows on two
-// consumer warpgroups, or 256 on four); dynamic shared memory: see smem_bytes in ops/gemm_wgmma.rs. Launch bounds: n128_p* one
+// (8-bit codes), gemm_wgmma_grouped_n{128, 64}_h128_o16 (bf16 outputs), gemm_wgmma_{form}_ws{128, 256, 4}
+// (warp-specialised: 128 or 256 weight rows on two consumer warpgroups, or 256 on four); dynamic shared
+// memory: see smem_bytes in ops/gemm_wgmma.rs. Launch bounds: n128_p* one
 // block an SM (up to 255 registers), n64_p* two, n128_h128* two, n64_h128 three (ptxas serialises its
 // MMAs for registers at that bound; the same tile at two blocks measured even, docs/PERF.md 2026-12-05;
 // n64_h128_q8 takes two), *_h256 (512 threads) one.
@@ -83,7 +84,7 @@ struct WgParams {
     const uint16_t* xh;        // staged x: hi plane [x_rows, cols]
     const uint16_t* xl;        // lo plane (PLANES = 2)
     const float* xsum;         // [x_rows, cols / 64]
-    float* y;                  // [t, rows]
+    void* y;                   // [t, rows] f32, or bf16 bits (the _o16 kernels)
     const uint32_t* offsets;   // grouped: [count + 1]
     const uint32_t* gather;    // grouped: [t] source rows, or null
     long long x_rows;
@@ -172,12 +173,19 @@ __device__ __forceinline__ void half_scales(const uint16_t (&n)[4], __half2& hs0
     hb1 = __float2half2_rn(bf16_to_f32(n[3]));
 }
 
+// One output element: y[i] = v, in f32, or (OUT16) as the bits of bf16(v), rounded to nearest even.
+template <bool OUT16>
+__device__ __forceinline__ void put_out(void* y, long long i, float v) {
+    if constexpr (OUT16) reinterpret_cast<uint16_t*>(y)[i] = (uint16_t)bf16_bits(v);
+    else reinterpret_cast<float*>(y)[i] = v;
+}
+
 // The epilogue of a tile: a thread's accumulators (MT m64 tiles of BT tokens: rows o0[m] and o1[m],
 // tokens 8j + 2q + e) times their slot's scale(tok), written to y[slot, row] for the slots in
 // [m_begin, m_end) and the rows that exist (SwiGLU: silu(gate) · up to output o0[m]); NaN where
-// nan_row(tok) (a gathered row past x).
-template <int MT, int BT, bool SWIGLU, typename Scale, typename NanRow>
-__device__ __forceinline__ void store_tile(const float (&acc)[MT][BT / 2], float* y, int rows, int m_begin, int m_end, int q, const int (&o0)[MT],
+// nan_row(tok) (a gathered row past x). OUT16: y holds bf16 (the f32 value rounded once).
+template <int MT, int BT, bool SWIGLU, bool OUT16 = false, typename Scale, typename NanRow>
+__device__ __forceinline__ void store_tile(const float (&acc)[MT][BT / 2], void* y, int rows, int m_begin, int m_end, int q, const int (&o0)[MT],
                                            const int (&o1)[MT], const bool (&ok0)[MT], const bool (&ok1)[MT], Scale scale, NanRow nan_row) {
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
@@ -188,15 +196,15 @@ __device__ __forceinline__ void store_tile(const float (&acc)[MT][BT / 2], float
                 const int tok = 8 * j + 2 * q + e;
                 const int slot = m_begin + tok;
                 if (slot >= m_end) continue;
-                float* yrow = y + (long long)slot * rows;
+                const long long yrow = (long long)slot * rows;
                 const bool bad = nan_row(tok);
                 const float k = scale(tok);
                 const float v0 = acc[m][4 * j + e] * k, v1 = acc[m][4 * j + 2 + e] * k;
                 if (SWIGLU) {
-                    if (ok0[m]) yrow[o0[m]] = bad ? __int_as_float(0x7fc00000) : v0 / (1.0f + expf(-v0)) * v1;
+                    if (ok0[m]) put_out<OUT16>(y, yrow + o0[m], bad ? __int_as_float(0x7fc00000) : v0 / (1.0f + expf(-v0)) * v1);
                 } else {
-                    if (ok0[m]) yrow[o0[m]] = bad ? __int_as_float(0x7fc00000) : v0;
-                    if (ok1[m]) yrow[o1[m]] = bad ? __int_as_float(0x7fc00000) : v1;
+                    if (ok0[m]) put_out<OUT16>(y, yrow + o0[m], bad ? __int_as_float(0x7fc00000) : v0);
+                    if (ok1[m]) put_out<OUT16>(y, yrow + o1[m], bad ? __int_as_float(0x7fc00000) : v1);
                 }
             }
         }
@@ -296,7 +304,7 @@ __device__ __forceinline__ bool tile_slots(const WgParams& p, int& matrix, int& 
 // BT tokens × 64·WGS·MT weight rows (WGS warpgroups of 64·MT rows, MT m64 tiles each) in numerics NUM:
 // NUM_EXACT / NUM_BF16X fold each group (MT = 1, a ring of NS = STAGES); NUM_HALF accumulates across
 // groups in the MMA (a ring of NS stages, see the header).
-template <int BT, int MT, int NUM, int NS, int WGS, bool SWIGLU, bool GROUPED, int BITS = 4>
+template <int BT, int MT, int NUM, int NS, int WGS, bool SWIGLU, bool GROUPED, int BITS = 4, bool OUT16 = false>
 __device__ __forceinline__ void wg_tile(const WgParams& p) {
     constexpr int NT = 128 * WGS;               // threads
     constexpr bool HALF = NUM == NUM_HALF;
@@ -320,6 +328,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     static_assert(RPT >= 1 && BT <= NT, "every X row has a loader and every slot a sum thread");
     static_assert(NS >= 3, "the half ring needs a stage in use, one in flight and one filling");
     static_assert(BITS == 4 || (BITS == 8 && HALF && !SWIGLU), "8-bit codes: the half forms without SwiGLU");
+    static_assert(!OUT16 || (HALF && GROUPED && !SWIGLU && BITS == 4), "bf16 outputs: the grouped 4-bit half form without SwiGLU");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned char bad[BT];           // gathered slot past x: a NaN output row
@@ -588,7 +597,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     }
     cp_async_wait_group<0>();
 
-    store_tile<MT, BT, SWIGLU>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return HALF ? tscale[tok] : 1.0f; },
+    store_tile<MT, BT, SWIGLU, OUT16>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return HALF ? tscale[tok] : 1.0f; },
                                [&](int tok) { return bad[tok] != 0; });
 }
 
@@ -874,3 +883,13 @@ WG_FORM(gemm_wgmma_grouped_swiglu, true, true)
     }
 WG_ENTRY8(gemm_wgmma_plain_n128_h128_q8, 128, 4, false, 2)
 WG_ENTRY8(gemm_wgmma_plain_n64_h128_q8, 64, 4, false, 2)
+
+// bf16 outputs (the MoE down projection's per-slot rows, which the combine reads back): the grouped
+// 4-bit half form on the 128- and 64-token tiles of 128 weight rows (variants n128_h128, n64_h128).
+#define WG_ENTRY16(name, BT, NS, MINB)                                                               \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(const WgParams p) {                  \
+        pdl_enter();                                                                                   \
+        wg_tile<BT, 1, NUM_HALF, NS, 2, false, true, 4, true>(p);                                      \
+    }
+WG_ENTRY16(gemm_wgmma_grouped_n128_h128_o16, 128, 5, 2)
+WG_ENTRY16(gemm_wgmma_grouped_n64_h128_o16, 64, 4, 3)

@@ -21,10 +21,21 @@
 // `accumulate` the result is then added to out (the residual stream: x += moe(x) as the CPU does). The
 // sigmoid is 1 / (1 + expf(-x)) with glibc's expf (the x86-64 FMA build, as Rust's f32::exp calls it)
 // ported op for op in double precision; checked equal to glibc 2.36's on all 2^32 inputs.
-// Entry points moe_combine_f32 (scalar) and moe_combine_f32_v4 (float4; h % 4 == 0, 16-byte aligned).
+// Entry points moe_combine_f32 (scalar) and moe_combine_f32_v4 (float4; h % 4 == 0, 16-byte aligned);
+// moe_combine_bf16 and moe_combine_bf16_v4 read the expert outputs y as bf16 (each widened to f32
+// exactly, then the same sums; the v4 form reads 8-byte groups: y 8-byte aligned).
+// Combine with the next RMSNorm (a prompt chunk's MoE block, then the next layer's input norm or the
+// final norm): moe_combine_norm_{f32, bf16}{, _v4}, one block a token of ceil(h / V / 32) warps (at most
+// 32; rmsnorm.cu's launch), each thread its vectors c = tid, tid + blockDim, ...: out[t] += the sum as
+// above (accumulate), then normed[t] = out[t] · (1 / sqrt(mean(out[t]²) + eps)) · norm_w, the squares
+// summed and the product formed as rmsnorm.cu's kernel does for the same launch: bit for bit the
+// combine into a buffer followed by rmsnorm's residual add and norm.
 
 #include <stdint.h>
 #include "pdl.cuh"
+#include "bf16.cuh"
+#include "reduce.cuh"
+#include "rms_vec.cuh"
 
 constexpr int PLAN_THREADS = 256;
 constexpr int PLAN_WARPS = PLAN_THREADS / 32;
@@ -140,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(PLAN_THREADS) moe_plan_scatter(cons
 // Combine
 
 struct MoeCombineParams {
-    const float* y;           // [n, h], sorted-slot order
+    const void* y;            // [n, h], sorted-slot order: f32, or bf16 bits (moe_combine_bf16*)
     const uint32_t* idx;      // [t, k] expert ids (the summation order)
     const uint32_t* slot_of;  // [t, k] or null (identity: slot t*k + j)
     const float* w;           // [t, k]
@@ -153,6 +164,11 @@ struct MoeCombineParams {
     int n;  // t * k
     int accumulate;  // out += the sum (out is the residual stream), else out = the sum
     int gate_stride; // between tokens' gate logits (1, or E + 1 in the rows of a router fused with the gate)
+    // moe_combine_norm* only: out is the residual stream (out += the sum), then normed = RMSNorm(out)·norm_w.
+    const float* norm_w;  // [h]
+    float* normed;        // [t, h]
+    float eps;
+    int pad_;
 };
 
 // glibc's expf (sysdeps/ieee754/flt-32/e_expf.c, the FMA build), every double op rounded as there.
@@ -207,6 +223,7 @@ struct CVec<1> {
     static __device__ __forceinline__ T zero() { return 0.0f; }
     static __device__ __forceinline__ T nan() { return __int_as_float(0x7fc00000); }
     static __device__ __forceinline__ T madd(T acc, float a, T v) { return __fadd_rn(acc, __fmul_rn(a, v)); }
+    static __device__ __forceinline__ T load_bf16(const void* y, long long i) { return bf16_to_f32(reinterpret_cast<const uint16_t*>(y)[i]); }
 };
 template <>
 struct CVec<4> {
@@ -220,6 +237,11 @@ struct CVec<4> {
         return make_float4(__fadd_rn(acc.x, __fmul_rn(a, v.x)), __fadd_rn(acc.y, __fmul_rn(a, v.y)),
                            __fadd_rn(acc.z, __fmul_rn(a, v.z)), __fadd_rn(acc.w, __fmul_rn(a, v.w)));
     }
+    // Four bf16 (8 bytes) at vector index i.
+    static __device__ __forceinline__ T load_bf16(const void* y, long long i) {
+        const uint2 b = reinterpret_cast<const uint2*>(y)[i];
+        return make_float4(__uint_as_float(b.x << 16), __uint_as_float(b.x & 0xFFFF0000u), __uint_as_float(b.y << 16), __uint_as_float(b.y & 0xFFFF0000u));
+    }
 };
 
 constexpr int COMBINE_THREADS = 128;
@@ -228,7 +250,7 @@ constexpr int COMBINE_THREADS = 128;
 // Under PDL the order of the terms, their weights and the residual's old value are read before the
 // wait (each written two or more launches back: complete once this kernel may start); y, shared and
 // the gate logit after it (the shared expert's gate may be the launch just before).
-template <int V>
+template <int V, bool YB16>
 __device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
     using T = typename CVec<V>::T;
     __shared__ uint32_t key[MAX_K];
@@ -258,11 +280,11 @@ __device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
     pdl_launch_dependents();
     if (c >= nv) return;
     const float gate = p.shared ? cpu_sigmoid(__ldcg(p.gate_logit + (long long)tok * p.gate_stride)) : 0.0f;
-    const T* y = reinterpret_cast<const T*>(p.y);
     T acc = CVec<V>::zero();
     for (int r = 0; r < k; r++) {
         const uint32_t s = ord_slot[r];
-        const T v = s < (uint32_t)p.n ? y[(long long)s * nv + c] : CVec<V>::nan();
+        const long long at = (long long)s * nv + c;
+        const T v = s >= (uint32_t)p.n ? CVec<V>::nan() : YB16 ? CVec<V>::load_bf16(p.y, at) : reinterpret_cast<const T*>(p.y)[at];
         acc = CVec<V>::madd(acc, ord_w[r], v);
     }
     if (p.shared) acc = CVec<V>::madd(acc, gate, reinterpret_cast<const T*>(p.shared)[(long long)tok * nv + c]);
@@ -271,5 +293,58 @@ __device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
     *o = acc;
 }
 
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32(const MoeCombineParams p) { moe_combine<1>(p); }
-extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32_v4(const MoeCombineParams p) { moe_combine<4>(p); }
+// One token a block (blockIdx.x), vectors c = tid + i·blockDim (see the header).
+template <int V, bool YB16>
+__device__ __forceinline__ void moe_combine_norm(const MoeCombineParams& p) {
+    using T = typename CVec<V>::T;
+    __shared__ uint32_t key[MAX_K];
+    __shared__ uint32_t ord_slot[MAX_K];
+    __shared__ float ord_w[MAX_K];
+    const int tok = blockIdx.x, k = p.k;
+    const long long base = (long long)tok * k;
+    if (threadIdx.x < k) key[threadIdx.x] = __ldcg(p.idx + base + threadIdx.x);
+    __syncthreads();
+    if (threadIdx.x < k) {
+        const int j = threadIdx.x;
+        const uint32_t kj = key[j];
+        int rank = 0;
+        for (int q = 0; q < k; q++) rank += (key[q] < kj || (key[q] == kj && q < j)) ? 1 : 0;
+        ord_slot[rank] = p.slot_of ? __ldcg(p.slot_of + base + j) : (uint32_t)(base + j);
+        ord_w[rank] = __ldcg(p.w + base + j);
+    }
+    __syncthreads();
+    const int nv = p.h / V;
+    T* o = reinterpret_cast<T*>(p.out) + (long long)tok * nv;
+    pdl_wait();
+    pdl_launch_dependents();
+    const float gate = p.shared ? cpu_sigmoid(__ldcg(p.gate_logit + (long long)tok * p.gate_stride)) : 0.0f;
+    float ss = 0.0f;
+    for (int c = threadIdx.x; c < nv; c += blockDim.x) {
+        T acc = CVec<V>::zero();
+        for (int r = 0; r < k; r++) {
+            const uint32_t s = ord_slot[r];
+            const long long at = (long long)s * nv + c;
+            const T v = s >= (uint32_t)p.n ? CVec<V>::nan() : YB16 ? CVec<V>::load_bf16(p.y, at) : reinterpret_cast<const T*>(p.y)[at];
+            acc = CVec<V>::madd(acc, ord_w[r], v);
+        }
+        if (p.shared) acc = CVec<V>::madd(acc, gate, reinterpret_cast<const T*>(p.shared)[(long long)tok * nv + c]);
+        const T h = CVec<V>::madd(__ldcg(o + c), 1.0f, acc);  // x + the MoE output, rounded once
+        o[c] = h;
+        ss += RmsVec<V>::sq(h);
+    }
+    ss = block_sum(ss);
+    const float inv = 1.0f / sqrtf(ss / (float)p.h + p.eps);
+    const T* w = reinterpret_cast<const T*>(p.norm_w);
+    T* y = reinterpret_cast<T*>(p.normed) + (long long)tok * nv;
+    for (int c = threadIdx.x; c < nv; c += blockDim.x) y[c] = RmsVec<V>::norm(o[c], inv, w[c]);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm_f32(const MoeCombineParams p) { moe_combine_norm<1, false>(p); }
+extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm_f32_v4(const MoeCombineParams p) { moe_combine_norm<4, false>(p); }
+extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm_bf16(const MoeCombineParams p) { moe_combine_norm<1, true>(p); }
+extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm_bf16_v4(const MoeCombineParams p) { moe_combine_norm<4, true>(p); }
+
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32(const MoeCombineParams p) { moe_combine<1, false>(p); }
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32_v4(const MoeCombineParams p) { moe_combine<4, false>(p); }
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_bf16(const MoeCombineParams p) { moe_combine<1, true>(p); }
+extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_bf16_v4(const MoeCombineParams p) { moe_combine<4, true>(p); }

@@ -8,6 +8,7 @@
 #include <stdint.h>
 #include "pdl.cuh"
 #include "reduce.cuh"
+#include "rms_vec.cuh"
 
 struct RmsNormParams {
     const float* x;         // [rows, n]
@@ -22,27 +23,8 @@ struct RmsNormParams {
 };
 
 template <int V>
-struct Vec;
-template <>
-struct Vec<1> {
-    using T = float;
-    static __device__ __forceinline__ float sq(T a) { return a * a; }
-    static __device__ __forceinline__ T add(T a, T b) { return a + b; }
-    static __device__ __forceinline__ T norm(T h, float inv, T w) { return h * inv * w; }
-};
-template <>
-struct Vec<4> {
-    using T = float4;
-    static __device__ __forceinline__ float sq(T a) { return (a.x * a.x + a.y * a.y) + (a.z * a.z + a.w * a.w); }
-    static __device__ __forceinline__ T add(T a, T b) { return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, a.w + b.w); }
-    static __device__ __forceinline__ T norm(T h, float inv, T w) {
-        return make_float4(h.x * inv * w.x, h.y * inv * w.y, h.z * inv * w.z, h.w * inv * w.w);
-    }
-};
-
-template <int V>
 __device__ __forceinline__ void rmsnorm(const RmsNormParams& p) {
-    using T = typename Vec<V>::T;
+    using T = typename RmsVec<V>::T;
     const int row = blockIdx.x;
     const int nv = p.n / V;
     const long long off = (long long)row * nv;
@@ -55,9 +37,9 @@ __device__ __forceinline__ void rmsnorm(const RmsNormParams& p) {
     float ss = 0.0f;
     for (int j = threadIdx.x; j < nv; j += blockDim.x) {
         T h = x[j];
-        if (res) h = Vec<V>::add(h, res[j]);
+        if (res) h = RmsVec<V>::add(h, res[j]);
         if (rout) rout[j] = h;
-        ss += Vec<V>::sq(h);
+        ss += RmsVec<V>::sq(h);
     }
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)p.n + p.eps);
@@ -67,9 +49,9 @@ __device__ __forceinline__ void rmsnorm(const RmsNormParams& p) {
             h = rout[j];
         } else {
             h = x[j];
-            if (res) h = Vec<V>::add(h, res[j]);
+            if (res) h = RmsVec<V>::add(h, res[j]);
         }
-        y[j] = Vec<V>::norm(h, inv, w[j]);
+        y[j] = RmsVec<V>::norm(h, inv, w[j]);
     }
 }
 

@@ -634,20 +634,25 @@ impl CudaModel {
         // stages it (Fuse::rms_norm), and each block's last GEMV adds its output into x (the residual
         // stream) — so the decode step is x += mixer(RMSNorm(x)); x += moe(RMSNorm(x)), as below.
         let decode = t == 1;
+        // A prompt chunk's MoE combine may do the residual add and the next norm itself (then a.normed
+        // already holds the next layer's normed input, or the final norm's output).
+        let mut normed_next = false;
         for (li, (l, ls)) in layers.iter().zip(state.layers.iter_mut()).enumerate() {
             dev.set_layer(li as i32);
             // h = RMSNorm(x += previous MLP output)
             let in_norm = if decode {
                 Some(affine_gemv::Fuse::rms_norm(dev, &l.input_norm, eps))
             } else {
-                dev.mark("norm", 4 * tt * h * if li == 0 { 2 } else { 4 }, 0)?;
                 if li == 0 {
+                    dev.mark("norm", 8 * tt * h, 0)?;
                     rmsnorm::rms_norm(dev, &a.x, &l.input_norm, eps, t, &mut a.normed)?;
-                } else {
+                } else if !normed_next {
+                    dev.mark("norm", 16 * tt * h, 0)?;
                     rmsnorm::add_rms_norm(dev, &a.mlp, &mut a.x, &l.input_norm, eps, t, &mut a.normed)?;
                 }
                 None
             };
+            normed_next = false;
             match (&l.mixer, ls) {
                 (DevMixer::Gdn(g), DevLayerState::Gdn { conv, ssm }) => gdn_mixer(dev, cfg, g, a, t, in_norm, conv, ssm)?,
                 (DevMixer::Attn(at), DevLayerState::Attn { k, v, cap }) => {
@@ -674,7 +679,13 @@ impl CudaModel {
             dev.mark("norm", 16 * tt * h, 0)?;
             rmsnorm::add_rms_norm(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed)?;
             match &l.mlp {
-                DevMlp::Moe { router, router_plus, experts, shared } => moe(dev, cfg, router, router_plus.as_ref(), experts, shared, a, t)?,
+                DevMlp::Moe { router, router_plus, experts, shared } => {
+                    // The norm after this block: the next layer's input norm, or the final norm.
+                    let next_norm = layers.get(li + 1).map_or(&*final_norm, |n| &n.input_norm);
+                    let then_norm = moe_norm_fused().then_some((next_norm, eps));
+                    moe(dev, cfg, router, router_plus.as_ref(), experts, shared, a, t, then_norm)?;
+                    normed_next = then_norm.is_some();
+                }
                 DevMlp::Dense(m) => {
                     mark_swiglu(dev, "mlp.gate_up", &m.gate, 1, t)?;
                     swiglu_linear(dev, &m.gate, &m.up, &a.normed, t, &mut a.act)?;
@@ -687,6 +698,9 @@ impl CudaModel {
         if decode {
             dev.mark("norm", 12 * h, 0)?;
             return rmsnorm::rms_norm(dev, &a.x, final_norm, eps, 1, &mut a.normed);
+        }
+        if normed_next {
+            return Ok(());
         }
         dev.mark("norm", 16 * tt * h, 0)?;
         rmsnorm::add_rms_norm(dev, &a.mlp, &mut a.x, final_norm, eps, t, &mut a.normed)
@@ -1020,7 +1034,9 @@ fn attn_dims(cfg: &ModelConfig) -> attn_prep::AttnDims {
 
 /// The sparse MoE block on a.normed [T, H] → a.mlp [T, H] (prompt chunks; one token: [`moe_decode`]).
 /// With `router_plus` (the router with the shared expert's gate as row E) and a shared expert, one GEMM
-/// writes both: a.router holds rows of E + 1, the gate logit last.
+/// writes both: a.router holds rows of E + 1, the gate logit last. With `then_norm` (the next norm's
+/// weight and eps) the combine adds the block's output into a.x and writes RMSNorm(a.x) to a.normed
+/// instead (a.mlp untouched).
 #[allow(clippy::too_many_arguments)]
 fn moe(
     dev: &Device,
@@ -1031,6 +1047,7 @@ fn moe(
     shared: &Shared,
     a: &mut Activations,
     t: usize,
+    then_norm: Option<(&CudaSlice<f32>, f32)>,
 ) -> Result<()> {
     let (h, e, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
     let router_plus = router_plus.filter(|_| !matches!(shared, Shared::None));
@@ -1071,13 +1088,38 @@ fn moe(
         mark_linear(dev, "moe.shared", sd, t)?;
         gemm::gemm_with(dev, sd, m, &a.shared_act, t, &mut a.shared_out, prefill_opts())?; // [T, H]
     }
-    mark_grouped(dev, "moe.down", &ex.down, 1, used, t * k)?;
-    gemm::grouped_gemm_with(dev, &ex.down, &a.offsets, None, &a.act, t * k, &mut a.expert_out, routed)?; // [T·k, H]
+    // The slots' outputs in bf16 where the down projection's kernels can write them (half the bytes
+    // the GEMM writes and the combine reads back), in a.expert_out's memory; else f32.
+    let out16 = moe_out_bf16() && gemm::bf16_out_ok(&ex.down, routed);
+    let y_bytes = if out16 { 2 } else { 4 } as u64;
+    mark_grouped_out(dev, "moe.down", &ex.down, 1, used, t * k, y_bytes)?;
+    if out16 {
+        // SAFETY: every bit pattern is a u16; a.expert_out holds t·k·H f32, twice the bytes needed.
+        let mut y16 = unsafe { a.expert_out.transmute_mut::<u16>(t * k * h) }.ok_or_else(|| CudaError::Shape("moe: expert outputs buffer too small".into()))?;
+        gemm::grouped_gemm_with(dev, &ex.down, &a.offsets, None, &a.act, t * k, &mut y16, routed)?; // [T·k, H] bf16
+    } else {
+        gemm::grouped_gemm_with(dev, &ex.down, &a.offsets, None, &a.act, t * k, &mut a.expert_out, routed)?; // [T·k, H]
+    }
     // The gate logits: column E of a.router's rows, or a.shared_gate.
     let (gate_logits, gate_stride) = if router_plus.is_some() { (a.router.slice(e..), e + 1) } else { (a.shared_gate.slice(0..), 1) };
     let shared_terms = shared_mlp.map(|_| (&a.shared_out, &gate_logits));
-    dev.mark("moe.combine", 4 * ((t * k + 2 * t) * h) as u64, 2 * (t * (k + 1) * h) as u64)?;
-    moe_dispatch::combine_with(dev, &a.expert_out, &a.idx, Some(&a.slot_of), &a.route_w, shared_terms, gate_stride, t, k, h, &mut a.mlp, false)
+    // Bytes: y, shared, out (f32), and with the norm x read and normed written too.
+    let extra = if then_norm.is_some() { 8 } else { 0 };
+    dev.mark("moe.combine", (y_bytes * (t * k) as u64 + (8 + extra) * t as u64) * h as u64, 2 * (t * (k + 1) * h) as u64)?;
+    // SAFETY: as above; the GEMM just wrote these t·k·H bf16.
+    let y16 = match out16 {
+        true => Some(unsafe { a.expert_out.transmute::<u16>(t * k * h) }.ok_or_else(|| CudaError::Shape("moe: expert outputs buffer too small".into()))?),
+        false => None,
+    };
+    let (idx, slot_of, route_w) = (&a.idx, Some(&a.slot_of), &a.route_w);
+    match (then_norm, y16) {
+        (Some((nw, eps)), Some(y)) => moe_dispatch::combine_norm(dev, &y, idx, slot_of, route_w, shared_terms, gate_stride, t, k, h, &mut a.x, nw, eps, &mut a.normed),
+        (Some((nw, eps)), None) => {
+            moe_dispatch::combine_norm(dev, &a.expert_out, idx, slot_of, route_w, shared_terms, gate_stride, t, k, h, &mut a.x, nw, eps, &mut a.normed)
+        }
+        (None, Some(y)) => moe_dispatch::combine_with(dev, &y, idx, slot_of, route_w, shared_terms, gate_stride, t, k, h, &mut a.mlp, false),
+        (None, None) => moe_dispatch::combine_with(dev, &a.expert_out, idx, slot_of, route_w, shared_terms, gate_stride, t, k, h, &mut a.mlp, false),
+    }
 }
 
 /// One token: x += MoE(RMSNorm(x)). With the shared expert in the stack and its gate as the router's
@@ -1210,6 +1252,22 @@ fn prefill_opts() -> gemm::Opts {
     gemm::Opts { precision, ..Default::default() }
 }
 
+/// Whether a prompt chunk's MoE combine also does the residual add and the next RMSNorm (one kernel
+/// instead of two, bit for bit the same results): the default; `LILY_MOE_NORM=0` keeps the norm kernel
+/// (A/B runs; read once).
+fn moe_norm_fused() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_MOE_NORM").map(|v| v != "0").unwrap_or(true))
+}
+
+/// Whether a prompt chunk's MoE down projection writes its per-slot outputs in bf16 for the combine
+/// (where the GEMM has that form: 4-bit group-64 experts in the half numerics): the default;
+/// `LILY_MOE_OUT=f32` keeps them in f32 (A/B runs and reference runs; read once).
+fn moe_out_bf16() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_MOE_OUT").map(|v| v != "f32").unwrap_or(true))
+}
+
 /// [`prefill_opts`] for a GEMM whose x is the previous GEMM's, unwritten since (its staged copy is
 /// reused where the staging buffer still holds it).
 fn reuse_x() -> gemm::Opts {
@@ -1279,10 +1337,16 @@ fn mark_swiglu(dev: &Device, label: &'static str, gate: &DeviceMatrix, mats: usi
     dev.mark(label, 2 * m * gate.bytes_per_matrix() as u64 + 4 * t * (c + m * r), 4 * m * t * r * c)
 }
 
-/// Marks a grouped product reading `used` matrices (of `per` stacks) for `slots` rows in all.
+/// Marks a grouped product reading `used` matrices (of `per` stacks) for `slots` rows in all (f32 in
+/// and out).
 fn mark_grouped(dev: &Device, label: &'static str, w: &DeviceMatrix, per: usize, used: usize, slots: usize) -> Result<()> {
+    mark_grouped_out(dev, label, w, per, used, slots, 4)
+}
+
+/// [`mark_grouped`] with outputs of `y_bytes` bytes each.
+fn mark_grouped_out(dev: &Device, label: &'static str, w: &DeviceMatrix, per: usize, used: usize, slots: usize, y_bytes: u64) -> Result<()> {
     let (n, r, c, p) = (slots as u64, w.rows as u64, w.cols as u64, per as u64);
-    dev.mark(label, p * used as u64 * w.bytes_per_matrix() as u64 + 4 * n * (p * c + r), 2 * p * n * r * c)
+    dev.mark(label, p * used as u64 * w.bytes_per_matrix() as u64 + n * (4 * p * c + y_bytes * r), 2 * p * n * r * c)
 }
 
 /// Marks the attention prep of T tokens (q/k norm, RoPE, cache append).

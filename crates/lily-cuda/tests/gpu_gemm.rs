@@ -890,6 +890,69 @@ fn warp_specialised_tiles_walk_many_tiles_like_wg128() {
     );
 }
 
+/// The grouped form's bf16 outputs (`grouped_gemm_with` into a u16 buffer: the MoE down projection's
+/// slots for the combine) are, bit for bit, the same tile's f32 outputs rounded to nearest even on the
+/// host (the f32 outputs are held to the f64 reference by the suites above); spare elements past the
+/// end stay untouched; a gathered row past x stays NaN. A forced 256-row or warp-specialised tile runs
+/// the 128-row tile of its token width. Refused: Exact, the mma.sync tiles, 8-bit weights.
+#[test]
+fn grouped_bf16_outputs_are_the_f32_outputs_rounded() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(211);
+    let f = Fmt { bits: 4, gs: 64 };
+    let half = |tile| Opts { tile, precision: Precision::Half, ..Default::default() };
+    let (e, rows, cols) = (64, 384, 512);
+    let w = upload_matrix(&dev, &matrix(&mut rng, f, e, rows, cols)).unwrap();
+    const POISON: u16 = 0xFFFF; // a bf16 NaN
+    for (n_target, gather) in [(3000, true), (3000, false), (9000, false), (700, true)] {
+        let counts = random_counts(&mut rng, e, n_target);
+        let n: usize = counts.iter().sum();
+        let off = dev.upload(&offsets_of(&counts)).unwrap();
+        // With the gather, 5 slots read a row past x (NaN rows).
+        let x_rows = if gather { 900 } else { n };
+        let src: Vec<u32> = (0..n).map(|i| if gather && i % 601 == 5 { x_rows as u32 + 3 } else { rng.below(x_rows.min(900)) as u32 }).collect();
+        let src = dev.upload(&src).unwrap();
+        let (xd, _, _) = inputs(&dev, &mut rng, x_rows, cols, 0);
+        let rows_arg = gather.then_some(&src);
+        for tile in [Tile::Auto, Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws4] {
+            // The f32 outputs of the tile that runs: a forced wide tile runs the 128-row one.
+            let f32_tile = match tile {
+                Tile::Wg128x256 | Tile::Ws128 | Tile::Ws4 => Tile::Wg128,
+                Tile::Auto if n / e < 96 => Tile::Wg64,
+                Tile::Auto => Tile::Wg128,
+                t => t,
+            };
+            let mut y = poisoned(&dev, n * rows);
+            gemm::grouped_gemm_with(&dev, &w, &off, rows_arg, &xd, n, &mut y, half(f32_tile)).unwrap();
+            let want: Vec<u16> = dev.download(&y).unwrap().iter().map(|&v| bf16::from_f32(v).to_bits()).collect();
+            let mut y16 = dev.upload(&vec![POISON; n * rows + SPARE]).unwrap();
+            gemm::grouped_gemm_with(&dev, &w, &off, rows_arg, &xd, n, &mut y16, half(tile)).unwrap();
+            let got = dev.download(&y16).unwrap();
+            let what = format!("grouped bf16 [{e}x{rows}x{cols}] n={n} gather={gather} {tile:?}");
+            assert!(got[n * rows..].iter().all(|&v| v == POISON), "{what}: wrote past the end");
+            let nan = |v: u16| bf16::from_bits(v).is_nan();
+            let bad = got[..n * rows].iter().zip(&want).filter(|&(&g, &w)| if nan(w) { !nan(g) } else { g != w }).count();
+            let nans = want.iter().filter(|&&v| nan(v)).count();
+            assert_eq!(bad, 0, "{what}: {bad} outputs differ from the f32 outputs rounded");
+            assert_eq!(nans, if gather { rows * (0..n).filter(|i| i % 601 == 5).count() } else { 0 }, "{what}: NaN rows");
+            println!("{what}: {} outputs bit for bit bf16(f32 outputs), {nans} NaN", n * rows);
+        }
+    }
+    // Refused: other numerics, the mma.sync tiles, 8-bit weights.
+    let counts = random_counts(&mut rng, e, 500);
+    let n: usize = counts.iter().sum();
+    let off = dev.upload(&offsets_of(&counts)).unwrap();
+    let (xd, _, _) = inputs(&dev, &mut rng, n, cols, 0);
+    let mut y16 = dev.upload(&vec![POISON; n * rows]).unwrap();
+    let exact = Opts { tile: Tile::Wg128, precision: Precision::Exact, ..Default::default() };
+    assert!(gemm::grouped_gemm_with(&dev, &w, &off, None, &xd, n, &mut y16, exact).is_err());
+    assert!(gemm::grouped_gemm_with(&dev, &w, &off, None, &xd, n, &mut y16, half(Tile::M64)).is_err());
+    let w8 = upload_matrix(&dev, &matrix(&mut rng, Fmt { bits: 8, gs: 64 }, e, rows, cols)).unwrap();
+    assert!(gemm::grouped_gemm_with(&dev, &w8, &off, None, &xd, n, &mut y16, half(Tile::Auto)).is_err());
+    assert!(dev.download(&y16).unwrap().iter().all(|&v| v == POISON), "a refused call wrote");
+    assert!(gemm::bf16_out_ok(&w, half(Tile::Auto)) && !gemm::bf16_out_ok(&w8, half(Tile::Auto)) && !gemm::bf16_out_ok(&w, exact));
+}
+
 #[test]
 fn gemm_rejects_bad_shapes_and_does_nothing_for_zero_tokens() {
     let Some(dev) = device() else { return };

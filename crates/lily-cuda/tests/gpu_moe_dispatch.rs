@@ -20,7 +20,7 @@ mod common;
 
 use common::{device, Rng, time_op};
 use cudarc::driver::CudaSlice;
-use lily_cuda::ops::{moe_dispatch, util};
+use lily_cuda::ops::{moe_dispatch, rmsnorm, util};
 use lily_cuda::Device;
 
 // ---------------------------------------------------------------------------------------------------
@@ -270,6 +270,19 @@ fn check_combine(
     let got = dev.download(&d_out).unwrap()[..t * h].to_vec();
     let want = cpu_combine(&y, idx, Some(slot_of), &w, Some((&sh[..], &g[..])), t, k, h, e);
     assert_bits(&got, &want, h, &format!("{what} H={h} gate logits {stride} apart"));
+    // y in bf16 (the prefill's down projection writes it so): each value widened exactly, then the
+    // same sums; the vector form (H % 4 == 0) reads 8-byte groups.
+    let y16: Vec<u16> = y.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    let y16_wide: Vec<f32> = y16.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+    let d_y16 = dev.upload(&y16).unwrap();
+    for with_shared in [true, false] {
+        let mut d_out = poisoned_f32(dev, t * h);
+        let sh_terms = with_shared.then_some((&d_sh, &gate));
+        moe_dispatch::combine_with(dev, &d_y16, d_idx, Some(d_slot), &d_w, sh_terms, stride, t, k, h, &mut d_out, false).unwrap();
+        let got = dev.download(&d_out).unwrap()[..t * h].to_vec();
+        let want = cpu_combine(&y16_wide, idx, Some(slot_of), &w, with_shared.then_some((&sh[..], &g[..])), t, k, h, e);
+        assert_bits(&got, &want, h, &format!("{what} H={h} y in bf16, shared={with_shared}"));
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -297,6 +310,72 @@ fn moe_plan_and_combine_match_cpu() {
                     }
                     println!("{what}: plan exact (stable order), combine bit-identical");
                 }
+            }
+        }
+    }
+}
+
+/// The combine fused with the residual add and the next RMSNorm (`combine_norm`, a prompt chunk's MoE
+/// block) against the combine into a buffer followed by `rmsnorm::add_rms_norm`: x and the normed rows
+/// bit for bit, with y in f32 and in bf16, with and without the shared expert, at widths that take the
+/// vector kernel (one and two vectors a thread) and the scalar one; x also bit for bit the CPU's
+/// x + `cpu_combine`, and the normed rows within 2e-5 of `lily_cpu::norm::rms_norm` on it (its sequential f32 sum of
+/// squares is the larger error; a wrong weight, row or eps is > 1e-3).
+#[test]
+fn combine_norm_matches_combine_then_norm() {
+    let Some(dev) = device() else { return };
+    let eps = 1e-6f32;
+    for (c, &(t, e, k, h)) in [(513usize, 256usize, 8usize, 2048usize), (37, 64, 8, 64), (5, 8, 2, 7), (1, 8, 1, 36), (20, 64, 8, 5000)].iter().enumerate() {
+        let mut rng = Rng::new(900 + c as u64);
+        let idx = gen_idx(&mut rng, t, e, k, c % 4);
+        let what = format!("T={t} E={e} k={k} H={h}");
+        let (d_idx, d_slot, slot_of) = check_plan(&dev, &idx, t, k, e, &what);
+        let n = t * k;
+        let y: Vec<f32> = (0..n * h).map(|_| rng.range(-2.0, 2.0)).collect();
+        let y16: Vec<u16> = y.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        let y16_wide: Vec<f32> = y16.iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+        let w: Vec<f32> = (0..n).map(|_| rng.range(0.01, 1.0)).collect();
+        let sh: Vec<f32> = (0..t * h).map(|_| rng.range(-2.0, 2.0)).collect();
+        let g: Vec<f32> = (0..t).map(|_| rng.normal(3.0)).collect();
+        let x0: Vec<f32> = (0..t * h).map(|_| rng.range(-4.0, 4.0)).collect();
+        let nw: Vec<f32> = (0..h).map(|_| rng.range(0.5, 1.5)).collect();
+        let (d_y, d_y16, d_w, d_sh, d_g, d_nw) =
+            (dev.upload(&y).unwrap(), dev.upload(&y16).unwrap(), dev.upload(&w).unwrap(), dev.upload(&sh).unwrap(), dev.upload(&g).unwrap(), dev.upload(&nw).unwrap());
+        for bf16_y in [false, true] {
+            for with_shared in [true, false] {
+                let sht = with_shared.then_some((&d_sh, &d_g));
+                let case = format!("{what} y in {} shared={with_shared}", if bf16_y { "bf16" } else { "f32" });
+                // The two kernels.
+                let mut mlp = poisoned_f32(&dev, t * h);
+                let (mut x_ref, mut nr_ref) = (dev.upload(&x0).unwrap(), poisoned_f32(&dev, t * h));
+                let (mut x_got, mut nr_got) = (dev.upload(&x0).unwrap(), poisoned_f32(&dev, t * h));
+                if bf16_y {
+                    moe_dispatch::combine_with(&dev, &d_y16, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut mlp, false).unwrap();
+                    moe_dispatch::combine_norm(&dev, &d_y16, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut x_got, &d_nw, eps, &mut nr_got).unwrap();
+                } else {
+                    moe_dispatch::combine_with(&dev, &d_y, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut mlp, false).unwrap();
+                    moe_dispatch::combine_norm(&dev, &d_y, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut x_got, &d_nw, eps, &mut nr_got).unwrap();
+                }
+                rmsnorm::add_rms_norm(&dev, &mlp, &mut x_ref, &d_nw, eps, t, &mut nr_ref).unwrap();
+                let (x_got, nr_got) = (dev.download(&x_got).unwrap()[..t * h].to_vec(), dev.download(&nr_got).unwrap()[..t * h].to_vec());
+                assert_bits(&x_got, &dev.download(&x_ref).unwrap()[..t * h], h, &format!("{case}: x vs combine + add_rms_norm"));
+                assert_bits(&nr_got, &dev.download(&nr_ref).unwrap()[..t * h], h, &format!("{case}: normed vs combine + add_rms_norm"));
+                // The CPU.
+                let yy = if bf16_y { &y16_wide } else { &y };
+                let sum = cpu_combine(yy, &idx, Some(&slot_of), &w, with_shared.then_some((&sh[..], &g[..])), t, k, h, e);
+                let x_cpu: Vec<f32> = x0.iter().zip(&sum).map(|(a, b)| a + b).collect();
+                assert_bits(&x_got, &x_cpu, h, &format!("{case}: x vs the CPU"));
+                let mut worst = 0.0f64;
+                for r in 0..t {
+                    let mut want = vec![0.0f32; h];
+                    lily_cpu::norm::rms_norm(&x_cpu[r * h..(r + 1) * h], &nw, eps, &mut want);
+                    let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64));
+                    for (a, b) in nr_got[r * h..(r + 1) * h].iter().zip(&want) {
+                        worst = worst.max((*a as f64 - *b as f64).abs() / scale);
+                    }
+                }
+                assert!(worst <= 2e-5, "{case}: normed vs the CPU's rms_norm: {worst:e}");
+                println!("{case}: x and normed bit for bit combine + add_rms_norm; normed within {worst:.1e} of the CPU");
             }
         }
     }
@@ -381,6 +460,15 @@ fn moe_combine_misaligned_view() {
     assert!(got[0].is_nan(), "wrote before the view");
     let want = cpu_combine(&y[1..], &idx, Some(&slot_of), &w, Some((&sh, &g)), t, k, h, e);
     assert_bits(&got[1..], &want, h, "misaligned view");
+    // bf16 y two elements in (4-byte, not 8-byte, aligned): the scalar bf16 kernel, output aligned.
+    let y16: Vec<u16> = y.iter().chain([0.5f32].iter()).map(|&v| half::bf16::from_f32(v).to_bits()).collect(); // n·h + 2
+    let d_y16 = dev.upload(&y16).unwrap();
+    let y16v = d_y16.slice(2..);
+    let mut d_out = poisoned_f32(&dev, t * h);
+    moe_dispatch::combine_with(&dev, &y16v, &d_idx, Some(&d_slot), &d_w, Some((&d_sh, &d_g)), 1, t, k, h, &mut d_out, false).unwrap();
+    let wide: Vec<f32> = y16[2..].iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+    let want = cpu_combine(&wide, &idx, Some(&slot_of), &w, Some((&sh, &g)), t, k, h, e);
+    assert_bits(&dev.download(&d_out).unwrap(), &want, h, "bf16 y misaligned view");
 }
 
 #[test]

@@ -366,6 +366,10 @@ pub fn swiglu_gemm_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
 /// The per-expert counts stay on the device: the grid covers the worst case and each block finds its
 /// expert from `offsets`. Offsets are clamped to `n`; a slot no expert covers is not written; a source
 /// row past the end of x gives a NaN output row.
+///
+/// [`grouped_gemm_with`] also writes y in bf16 (a `u16` buffer of the bits; each f32 result rounded
+/// once to nearest even) on the wgmma tiles of 128 weight rows in [`Precision::Half`] with 4-bit
+/// group-64 weights (see [`bf16_out_ok`]); other calls are refused.
 pub fn grouped_gemm<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     dev: &Device,
     w: &DeviceMatrix,
@@ -380,7 +384,7 @@ pub fn grouped_gemm<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
 
 /// [`grouped_gemm`] with chosen [`Opts`].
 #[allow(clippy::too_many_arguments)]
-pub fn grouped_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+pub fn grouped_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
     dev: &Device,
     w: &DeviceMatrix,
     offsets: &O,
@@ -425,6 +429,16 @@ pub fn grouped_swiglu_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DeviceP
 ) -> Result<()> {
     let g = group(dev, gate, o.experts.unwrap_or(gate.count), offsets, rows, n)?;
     run(dev, gate, Some(up), g, x, n, y, o.tile, o.precision, o.reuse_x)
+}
+
+/// Whether [`grouped_gemm_with`] can write bf16 outputs for `w` under `o`: 4-bit group-64 weights in
+/// [`Precision::Half`], on the wgmma tiles (`Tile::Auto` takes them unless `LILY_GEMM=mma`).
+pub fn bf16_out_ok(w: &DeviceMatrix, o: Opts) -> bool {
+    let wgmma_tile = match o.tile {
+        Tile::Auto => gemm_switch() != GemmSwitch::Mma,
+        t => t.is_wgmma(),
+    };
+    o.precision == Precision::Half && w.bits() == 4 && w.group_size() == Some(super::gemm_wgmma::GROUP) && wgmma_tile
 }
 
 /// Which rows of X and which matrix each output row uses.
@@ -490,7 +504,7 @@ fn half_tile(dev: &Device, grouped: bool, t: usize, experts: usize, wg_tiles: us
 }
 
 #[allow(clippy::too_many_arguments)]
-fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
     dev: &Device,
     w: &DeviceMatrix,
     w2: Option<&DeviceMatrix>,
@@ -632,6 +646,19 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
         }
         other => other,
     };
+    // bf16 outputs: the grouped 4-bit Half wgmma form without SwiGLU, on its tiles of 128 weight rows
+    // (a forced 256-row or warp-specialised tile gives way to the 128-row one of its token width).
+    let tile = if E::BF16 {
+        if !(grouped && w2.is_none() && precision == Precision::Half && w.bits() == 4 && g64 && tile.is_wgmma()) {
+            return Err(CudaError::Shape(format!(
+                "{what}: bf16 outputs take the grouped form on the wgmma tiles in Half with 4-bit group-64 weights, not {} in {precision:?} on {tile:?}",
+                describe(w)
+            )));
+        }
+        if tile.wgmma_shape().0 == 64 { Tile::Wg64 } else { Tile::Wg128 }
+    } else {
+        tile
+    };
     let (w_p, s_p, b_p, group_shift) = parts(dev, w);
     let (w2_p, s2_p, b2_p) = match w2 {
         Some(u) => {
@@ -653,6 +680,7 @@ fn run<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
             matrix,
             bits: w.bits(),
             grouped: if grouped { Some((offsets, gather, experts)) } else { None },
+            out16: E::BF16,
         };
         let (bt, wrows) = tile.wgmma_shape();
         let num = match precision {

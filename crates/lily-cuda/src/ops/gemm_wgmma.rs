@@ -96,6 +96,8 @@ const NAMES: [&str; 4 * VARIANTS] = forms!("plain", "swiglu", "grouped", "groupe
 /// The 8-bit plain half kernels: 128 tokens, then 64 (variants 4 and 5 of the 4-bit forms, one ring
 /// stage shallower).
 const NAMES_Q8: [&str; 2] = ["gemm_wgmma_plain_n128_h128_q8", "gemm_wgmma_plain_n64_h128_q8"];
+/// The grouped half kernels writing bf16 outputs: variants 4 (128 tokens) and 5 (64) of the grouped form.
+const NAMES_O16: [&str; 2] = ["gemm_wgmma_grouped_n128_h128_o16", "gemm_wgmma_grouped_n64_h128_o16"];
 /// The warp-specialised persistent tiles (half numerics, 4-bit, 128 tokens): per form (plain, swiglu,
 /// grouped, grouped swiglu) [`Ws::R128`], [`Ws::R256`], [`Ws::Four`].
 const NAMES_WS: [&str; 12] = [
@@ -156,8 +158,8 @@ pub(crate) const WS_MAX_EXPERTS: usize = 768;
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 
-const fn all_kernels() -> [&'static str; 4 * VARIANTS + 16] {
-    let mut out = [""; 4 * VARIANTS + 16];
+const fn all_kernels() -> [&'static str; 4 * VARIANTS + 18] {
+    let mut out = [""; 4 * VARIANTS + 18];
     let mut i = 0;
     while i < 4 * VARIANTS {
         out[i] = NAMES[i];
@@ -172,9 +174,11 @@ const fn all_kernels() -> [&'static str; 4 * VARIANTS + 16] {
         out[4 * VARIANTS + 4 + j] = NAMES_WS[j];
         j += 1;
     }
+    out[4 * VARIANTS + 16] = NAMES_O16[0];
+    out[4 * VARIANTS + 17] = NAMES_O16[1];
     out
 }
-const ALL: [&str; 4 * VARIANTS + 16] = all_kernels();
+const ALL: [&str; 4 * VARIANTS + 18] = all_kernels();
 pub(crate) const KERNELS: &[&str] = &ALL;
 
 /// A kernel variant: tokens a block, numerics, ring stages, warpgroups (of 64 weight rows each), bits
@@ -260,6 +264,10 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(i)) as i32)?;
     }
+    for (i, name) in NAMES_O16.iter().enumerate() {
+        dev.function(name)?
+            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(4 + i)) as i32)?;
+    }
     for (i, name) in NAMES_Q8.iter().enumerate() {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant_q8(i)) as i32)?;
@@ -276,7 +284,7 @@ pub(crate) struct Call {
     /// f32 `[x_rows, cols]`.
     pub x: u64,
     pub x_rows: usize,
-    /// f32 `[t, rows]`.
+    /// `[t, rows]`: f32, or bf16 with `out16`.
     pub y: u64,
     pub t: usize,
     pub rows: usize,
@@ -287,6 +295,8 @@ pub(crate) struct Call {
     pub bits: u32,
     /// Grouped forms: (offsets address, gather address or 0, experts).
     pub grouped: Option<(u64, u64, usize)>,
+    /// y in bf16: the grouped form without SwiGLU, 4-bit, `Num::Half`, 128 weight rows, not `ws`.
+    pub out16: bool,
 }
 
 /// Bytes of staged x for `x_rows` rows of `cols` (a multiple of 64) in `planes` planes: the planes
@@ -336,6 +346,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     debug_assert!(ws.is_none_or(|k| c.bits == 4 && num == Num::Half && bt == 128 && k.rows() == wrows));
     let q8 = c.bits == 8;
     debug_assert!(c.bits == 4 || (q8 && c.w2.0 == 0 && c.grouped.is_none() && num == Num::Half && wrows == 128));
+    debug_assert!(!c.out16 || (c.bits == 4 && c.w2.0 == 0 && c.grouped.is_some() && num == Num::Half && wrows == 128 && ws.is_none()));
     // The grid (checked before anything is launched): token tiles × weight-row tiles, or the other way
     // round for grouped calls, whose blocks of one token tile run consecutively (`tile_slots` in the
     // kernel: measured +3% on the 4K prefill, the down projection 16.2 → 12.9 ms, PERF.md).
@@ -410,6 +421,9 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     let (name, v) = if q8 {
         let i = if bt == 128 { 0 } else { 1 };
         (NAMES_Q8[i], variant_q8(i))
+    } else if c.out16 {
+        let vi = variant_index(bt, num, wrows);
+        (NAMES_O16[vi - 4], variant(vi))
     } else {
         let vi = variant_index(bt, num, wrows);
         (NAMES[form * VARIANTS + vi], variant(vi))

@@ -92,6 +92,20 @@ impl Scalar<'_> {
     }
 }
 
+/// The element type of an activation buffer some ops write or read in either of two widths: f32, or
+/// bf16 carried as its bits (`u16`): the MoE down projection's per-slot outputs and the combine that
+/// reads them ([`gemm::grouped_gemm_with`], [`moe_dispatch::combine_with`]).
+pub trait Act: DeviceRepr + Copy {
+    /// Whether the buffer holds bf16 bits.
+    const BF16: bool;
+}
+impl Act for f32 {
+    const BF16: bool = false;
+}
+impl Act for u16 {
+    const BF16: bool = true;
+}
+
 /// The device address of `s`, which must hold at least `need` elements.
 pub(crate) fn addr<T, S: DevicePtr<T>>(dev: &Device, s: &S, need: usize, what: &str) -> Result<u64> {
     if s.len() < need {

@@ -55,11 +55,18 @@ struct MoeCombineParams {
     n: i32,
     accumulate: i32,
     gate_stride: i32,
+    norm_w: u64,
+    normed: u64,
+    eps: f32,
+    pad_: i32,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for MoeCombineParams {}
 
-pub(crate) const KERNELS: &[&str] = &["moe_plan_rank", "moe_plan_scan", "moe_plan_scatter", "moe_combine_f32", "moe_combine_f32_v4"];
+pub(crate) const KERNELS: &[&str] =
+    &["moe_plan_rank", "moe_plan_scan", "moe_plan_scatter", "moe_combine_f32", "moe_combine_f32_v4", "moe_combine_bf16", "moe_combine_bf16_v4", NORM_KERNELS[0], NORM_KERNELS[1], NORM_KERNELS[2], NORM_KERNELS[3]];
+/// The combine fused with the next RMSNorm: (f32, bf16 y) × (scalar, float4).
+const NORM_KERNELS: [&str; 4] = ["moe_combine_norm_f32", "moe_combine_norm_f32_v4", "moe_combine_norm_bf16", "moe_combine_norm_bf16_v4"];
 
 /// The u32 scratch [`plan`] needs for `t` tokens, `k` experts each, of `e`: one count per expert
 /// for each block of 1024 slots, `ceil(t·k / 1024) · e` (at least `e`).
@@ -133,7 +140,8 @@ where
 
 /// `out[t, :] = Σ_j w[t, j] · y[slot(t, j), :]  (+ sigmoid(gate_logit[t]) · shared[t, :])`.
 ///
-/// - `y` [t·k, h]: the expert outputs in sorted-slot order;
+/// - `y` [t·k, h]: the expert outputs in sorted-slot order, f32 or (with [`combine_with`]) bf16 bits,
+///   each widened to f32 exactly before the same sums;
 /// - `idx` [t, k]: the router's expert ids, which fix the summation order: the k terms of a token
 ///   are added in ascending expert id (ties by j), then the shared term, each product and sum rounded
 ///   in f32 (no FMA), starting from 0, as `lily_cpu::moe::forward` accumulates; the sigmoid is
@@ -175,7 +183,7 @@ where
 /// shared expert's gate logits `gate_stride` floats apart (≥ 1: the last column of a router fused with
 /// the shared gate, rows of E + 1).
 #[allow(clippy::too_many_arguments)]
-pub fn combine_with<Y, I, L, W, S, G, O>(
+pub fn combine_with<E, Y, I, L, W, S, G, O>(
     dev: &Device,
     y: &Y,
     idx: &I,
@@ -190,7 +198,99 @@ pub fn combine_with<Y, I, L, W, S, G, O>(
     accumulate: bool,
 ) -> Result<()>
 where
-    Y: DevicePtr<f32>,
+    E: super::Act,
+    Y: DevicePtr<E>,
+    I: DevicePtr<u32>,
+    L: DevicePtr<u32>,
+    W: DevicePtr<f32>,
+    S: DevicePtr<f32>,
+    G: DevicePtr<f32>,
+    O: DevicePtrMut<f32>,
+{
+    let Some(p) = combine_params(dev, y, idx, slot_of, w, shared, gate_stride, t, k, h, out, accumulate)? else { return Ok(()) };
+    // The vector forms read 4 elements of y at once: 16 (f32) or 8 (bf16) bytes, aligned.
+    let aligned = p.y.is_multiple_of(if E::BF16 { 8 } else { 16 }) && [p.shared, p.out].iter().all(|a| a.is_multiple_of(16));
+    let (name, nv) = match (h.is_multiple_of(4) && aligned, E::BF16) {
+        (true, false) => ("moe_combine_f32_v4", h / 4),
+        (false, false) => ("moe_combine_f32", h),
+        (true, true) => ("moe_combine_bf16_v4", h / 4),
+        (false, true) => ("moe_combine_bf16", h),
+    };
+    let cfg = LaunchConfig {
+        grid_dim: (t as u32, nv.div_ceil(COMBINE_THREADS) as u32, 1),
+        block_dim: (COMBINE_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    launch(dev, name, cfg, &p)
+}
+
+/// [`combine_with`] into the residual stream `x` [t, h] (`x += the sum`), then
+/// `normed = RMSNorm(x) · norm_w` (`norm_w` [h], the next layer's input norm or the final norm, with
+/// `eps`): a prompt chunk's combine and the residual add and norm after it in one kernel, bit for bit
+/// the combine into a buffer followed by [`super::rmsnorm::add_rms_norm`] (the same sums and products,
+/// and the same launch shape for the norm's reduction).
+#[allow(clippy::too_many_arguments)]
+pub fn combine_norm<E, Y, I, L, W, S, G, X, N, O>(
+    dev: &Device,
+    y: &Y,
+    idx: &I,
+    slot_of: Option<&L>,
+    w: &W,
+    shared: Option<(&S, &G)>,
+    gate_stride: usize,
+    t: usize,
+    k: usize,
+    h: usize,
+    x: &mut X,
+    norm_w: &N,
+    eps: f32,
+    normed: &mut O,
+) -> Result<()>
+where
+    E: super::Act,
+    Y: DevicePtr<E>,
+    I: DevicePtr<u32>,
+    L: DevicePtr<u32>,
+    W: DevicePtr<f32>,
+    S: DevicePtr<f32>,
+    G: DevicePtr<f32>,
+    X: DevicePtrMut<f32>,
+    N: DevicePtr<f32>,
+    O: DevicePtrMut<f32>,
+{
+    let norm_w = addr(dev, norm_w, h, "moe combine norm weight")?;
+    let normed = addr_mut(dev, normed, t * h, "moe combine normed")?;
+    let Some(mut p) = combine_params(dev, y, idx, slot_of, w, shared, gate_stride, t, k, h, x, true)? else { return Ok(()) };
+    (p.norm_w, p.normed, p.eps) = (norm_w, normed, eps);
+    let aligned = p.y.is_multiple_of(if E::BF16 { 8 } else { 16 }) && [p.shared, p.out, p.norm_w, p.normed].iter().all(|a| a.is_multiple_of(16));
+    let vec = h.is_multiple_of(4) && aligned;
+    let name = NORM_KERNELS[2 * E::BF16 as usize + vec as usize];
+    // rmsnorm.cu's launch: one block a row, ceil(vectors / 32) warps, at most 32.
+    let per = if vec { h / 4 } else { h };
+    let threads = per.div_ceil(32).clamp(1, 32) as u32 * 32;
+    let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+    launch(dev, name, cfg, &p)
+}
+
+/// The checked parameters of a combine (`None`: nothing to do, t = 0 or h = 0).
+#[allow(clippy::too_many_arguments)]
+fn combine_params<E, Y, I, L, W, S, G, O>(
+    dev: &Device,
+    y: &Y,
+    idx: &I,
+    slot_of: Option<&L>,
+    w: &W,
+    shared: Option<(&S, &G)>,
+    gate_stride: usize,
+    t: usize,
+    k: usize,
+    h: usize,
+    out: &mut O,
+    accumulate: bool,
+) -> Result<Option<MoeCombineParams>>
+where
+    E: super::Act,
+    Y: DevicePtr<E>,
     I: DevicePtr<u32>,
     L: DevicePtr<u32>,
     W: DevicePtr<f32>,
@@ -206,7 +306,7 @@ where
         )));
     }
     if t == 0 || h == 0 {
-        return Ok(());
+        return Ok(None);
     }
     let mut p = MoeCombineParams {
         y: addr(dev, y, n * h, "moe combine y")?,
@@ -228,12 +328,5 @@ where
         p.shared = addr(dev, s, t * h, "moe combine shared")?;
         p.gate_logit = addr(dev, g, (t - 1) * gate_stride + 1, "moe combine gate_logit")?;
     }
-    let aligned = [p.y, p.shared, p.out].iter().all(|a| a.is_multiple_of(16));
-    let (name, nv) = if h.is_multiple_of(4) && aligned { ("moe_combine_f32_v4", h / 4) } else { ("moe_combine_f32", h) };
-    let cfg = LaunchConfig {
-        grid_dim: (t as u32, nv.div_ceil(COMBINE_THREADS) as u32, 1),
-        block_dim: (COMBINE_THREADS as u32, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    launch(dev, name, cfg, &p)
+    Ok(Some(p))
 }
