@@ -37,17 +37,18 @@
 // Grouped: the expert tiles of grouped.cuh; with a gather, slot i reads staged row rows[i] (a row >= x_rows
 // gives a NaN output row).
 //
-// 8-bit codes (the MoE router, 257 rows of 2048 in the 35B model), half numerics, plain form only: a thread
-// holds the same codes 16q .. 16q + 15 of its rows' group as in the 4-bit layout, as 16 bytes (words
-// x, y, z, w: code 16q + 4i + b is byte b of word i), so the staged x (and its permutation) is the 4-bit
-// kernels' own; one PRMT makes bytes (s, s + 4) of a word pair the 16-bit pair of step s.
+// 8-bit codes (the MoE router, 257 rows of 2048 in the 35B model), plain form only: a thread holds the
+// same codes 16q .. 16q + 15 of its rows' group as in the 4-bit layout, as 16 bytes (words x, y, z, w:
+// code 16q + 4i + b is byte b of word i), so the staged x (and its permutation) is the 4-bit kernels'
+// own; one PRMT makes bytes (s, s + 4) of a word pair the 16-bit pair of step s (half: f16 1024 + q;
+// folded: bf16 q - 128 exactly, code_pair8, with b' = b + 128s).
 //
 // Warp-specialised persistent tiles (half numerics, 4-bit, 128 tokens; wg_tile_ws below): a producer
 // warpgroup fills the ring, two consumer warpgroups dequantise and multiply, one block an SM walks the
 // tiles; the same sums as wg_tile's half tiles, bit for bit.
 //
 // Entry points: gemm_wgmma_{plain, swiglu, grouped, grouped_swiglu}_n{64, 128}_{p1, p2, h128, h256}
-// (p: folded with 1 or 2 planes; h: half, 128 or 256 weight rows), gemm_wgmma_plain_n{64, 128}_h128_q8
+// (p: folded with 1 or 2 planes; h: half, 128 or 256 weight rows), gemm_wgmma_plain_n{64, 128}_{h128, p1, p2}_q8
 // (8-bit codes), gemm_wgmma_grouped_n{128, 64}_h128_o16 (bf16 outputs), gemm_wgmma_{form}_ws{128, 256, 4}
 // (warp-specialised: 128 or 256 weight rows on two consumer warpgroups, or 256 on four); dynamic shared
 // memory: see smem_bytes in ops/gemm_wgmma.rs. Launch bounds: n128_p* one
@@ -106,6 +107,18 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t w, int s) {
     uint32_t v = ((w >> (4 * s)) & 0x000F000Fu) | 0x43004300u;
     const uint32_t k136 = 0x43084308u;
     __nv_bfloat162 d = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), *reinterpret_cast<const __nv_bfloat162*>(&k136));
+    return *reinterpret_cast<uint32_t*>(&d);
+}
+
+// Byte s of w0 and byte s of w1 (8-bit codes q, q') minus 128, as an exact bf16 pair (w0's in the low
+// half): the low 7 bits go under the bits of 128.0 (ulp 1: 128 + (q & 127)), from which 256 is
+// subtracted, or 128 where bit 7 is set (bf16 256.0 is 128.0's bits with bit 7 set): q - 128 in [-128,
+// 127], exact in bf16 (at most 8 significant bits), as is the subtraction.
+__device__ __forceinline__ uint32_t code_pair8(uint32_t w0, uint32_t w1, int s) {
+    const uint32_t b = __byte_perm(w0, w1, (uint32_t)s | ((uint32_t)(s + 4) << 8)) & 0x00FF00FFu;
+    const uint32_t v = (b & 0x007F007Fu) | 0x43004300u;
+    const uint32_t sub = (b & 0x00800080u) ^ 0x43804380u;
+    __nv_bfloat162 d = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&v), *reinterpret_cast<const __nv_bfloat162*>(&sub));
     return *reinterpret_cast<uint32_t*>(&d);
 }
 
@@ -327,7 +340,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     static_assert(HALF || (MT == 1 && NS == STAGES && WGS == 2), "the folded numerics take one m64 tile a warpgroup, STAGES deep, two warpgroups");
     static_assert(RPT >= 1 && BT <= NT, "every X row has a loader and every slot a sum thread");
     static_assert(NS >= 3, "the half ring needs a stage in use, one in flight and one filling");
-    static_assert(BITS == 4 || (BITS == 8 && HALF && !SWIGLU), "8-bit codes: the half forms without SwiGLU");
+    static_assert(BITS == 4 || (BITS == 8 && !SWIGLU && !GROUPED), "8-bit codes: the plain form");
     static_assert(!OUT16 || (HALF && GROUPED && !SWIGLU && BITS == 4), "bf16 outputs: the grouped 4-bit half form without SwiGLU");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -556,17 +569,31 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             // This group's scales and biases (f32; zero past the matrix's rows), the centred codes' bias.
             const float s0 = ok0[0] ? bf16_to_f32(__ldg(p.scales + gi0[0] + kt)) : 0.0f;
             const float s1 = ok1[0] ? bf16_to_f32(__ldg(sc1p + gi1[0] + kt)) : 0.0f;
-            const float b0 = ok0[0] ? fmaf(8.0f, s0, bf16_to_f32(__ldg(p.biases + gi0[0] + kt))) : 0.0f;
-            const float b1 = ok1[0] ? fmaf(8.0f, s1, bf16_to_f32(__ldg(bi1p + gi1[0] + kt))) : 0.0f;
-            const uint2 wa = lds64(st + XB + r0[0] * 32 + q * 8);
-            const uint2 wb = lds64(st + XB + (r0[0] + 8) * 32 + q * 8);
+            constexpr float CENTRE = BITS == 8 ? 128.0f : 8.0f;
+            const float b0 = ok0[0] ? fmaf(CENTRE, s0, bf16_to_f32(__ldg(p.biases + gi0[0] + kt))) : 0.0f;
+            const float b1 = ok1[0] ? fmaf(CENTRE, s1, bf16_to_f32(__ldg(bi1p + gi1[0] + kt))) : 0.0f;
             uint32_t a[4][4];
+            if constexpr (BITS == 8) {
+                // The 16 codes as in the half 8-bit path (words x, y: k 2q, 2q+1 of step s; z, w: k 2q+8, 2q+9).
+                const uint4 wa = lds128(st + XB + r0[0] * WROW + q * 16);
+                const uint4 wb = lds128(st + XB + (r0[0] + 8) * WROW + q * 16);
 #pragma unroll
-            for (int s = 0; s < 4; ++s) {
-                a[s][0] = code_pair(wa.x, s);
-                a[s][1] = code_pair(wb.x, s);
-                a[s][2] = code_pair(wa.y, s);
-                a[s][3] = code_pair(wb.y, s);
+                for (int s = 0; s < 4; ++s) {
+                    a[s][0] = code_pair8(wa.x, wa.y, s);
+                    a[s][1] = code_pair8(wb.x, wb.y, s);
+                    a[s][2] = code_pair8(wa.z, wa.w, s);
+                    a[s][3] = code_pair8(wb.z, wb.w, s);
+                }
+            } else {
+                const uint2 wa = lds64(st + XB + r0[0] * 32 + q * 8);
+                const uint2 wb = lds64(st + XB + (r0[0] + 8) * 32 + q * 8);
+#pragma unroll
+                for (int s = 0; s < 4; ++s) {
+                    a[s][0] = code_pair(wa.x, s);
+                    a[s][1] = code_pair(wb.x, s);
+                    a[s][2] = code_pair(wa.y, s);
+                    a[s][3] = code_pair(wb.y, s);
+                }
             }
             const uint64_t dst = d0 + (uint64_t)(((kt % STAGES) * STAGE) >> 4);  // this stage's X descriptor
             wgmma_fence();
@@ -883,6 +910,17 @@ WG_FORM(gemm_wgmma_grouped_swiglu, true, true)
     }
 WG_ENTRY8(gemm_wgmma_plain_n128_h128_q8, 128, 4, false, 2)
 WG_ENTRY8(gemm_wgmma_plain_n64_h128_q8, 64, 4, false, 2)
+// The folded numerics (exact: two bf16 planes of x; bf16x: one) with the codes centred exactly in
+// bf16 (code_pair8), the plain form: the router's own numerics on the tensor cores.
+#define WG_ENTRY8F(name, BT, NUM, MINB)                                                              \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(const WgParams p) {                  \
+        pdl_enter();                                                                                   \
+        wg_tile<BT, 1, NUM, STAGES, 2, false, false, 8>(p);                                            \
+    }
+WG_ENTRY8F(gemm_wgmma_plain_n128_p1_q8, 128, NUM_BF16X, 1)
+WG_ENTRY8F(gemm_wgmma_plain_n128_p2_q8, 128, NUM_EXACT, 1)
+WG_ENTRY8F(gemm_wgmma_plain_n64_p1_q8, 64, NUM_BF16X, 2)
+WG_ENTRY8F(gemm_wgmma_plain_n64_p2_q8, 64, NUM_EXACT, 2)
 
 // bf16 outputs (the MoE down projection's per-slot rows, which the combine reads back): the grouped
 // 4-bit half form on the 128- and 64-token tiles of 128 weight rows (variants n128_h128, n64_h128).

@@ -82,11 +82,11 @@ fn is_q8g64(w: &Matrix) -> bool {
 }
 
 /// Whether `tile` takes weights `w` in precision `p` in a call of the plain form (`plain`) or another
-/// (the wgmma tiles: 4-bit group 64, not Fast, and 8-bit group 64 in the plain form in Half; the
-/// 256-row and the warp-specialised ones 4-bit in Half only). The others must be refused.
+/// (the wgmma tiles: 4-bit group 64, and 8-bit group 64 in the plain form, not Fast; the 256-row and
+/// the warp-specialised ones 4-bit in Half only). The others must be refused.
 fn tile_takes(tile: Tile, w: &Matrix, p: Precision, plain: bool) -> bool {
     match tile {
-        Tile::Wg64 | Tile::Wg128 => (is_q4g64(w) && p != Precision::Fast) || (is_q8g64(w) && plain && p == Precision::Half),
+        Tile::Wg64 | Tile::Wg128 => (is_q4g64(w) || (is_q8g64(w) && plain)) && p != Precision::Fast,
         Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 => is_q4g64(w) && p == Precision::Half,
         _ => true,
     }

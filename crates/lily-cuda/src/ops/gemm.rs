@@ -5,10 +5,10 @@
 //!
 //! Two kernel families: `kernels/gemm.cu` (`mma.sync`, every format) and, for 4-bit group-64 weights
 //! in `Exact`, `Bf16x` and `Half` (the model's format), and for 8-bit group-64 weights (the router) in
-//! the plain form in `Half`, the Hopper wgmma kernels of [`super::gemm_wgmma`] (`Tile::Wg*` and the
-//! warp-specialised `Tile::Ws*`, chosen by `Tile::Auto` — for 8-bit weights only with
-//! `LILY_ROUTER_WGMMA=1` until measured; about 2× faster in the same numerics; `LILY_GEMM=mma` keeps
-//! gemm.cu's for A/B runs, `LILY_GEMM=wg` the two-warpgroup wgmma tiles).
+//! the plain form in the same three, the Hopper wgmma kernels of [`super::gemm_wgmma`] (`Tile::Wg*` and
+//! the warp-specialised `Tile::Ws*`, chosen by `Tile::Auto`; 8-bit weights asked for in `Half` run
+//! `Exact` there unless `LILY_ROUTER_WGMMA=1`, see `router_path`; `LILY_GEMM=mma` keeps gemm.cu's for
+//! A/B runs, `LILY_GEMM=wg` the two-warpgroup wgmma tiles).
 //!
 //! Numerics ([`Precision`], all four forms; products are exact and accumulated in f32 by
 //! `mma.sync m16n8k16 .bf16 -> .f32` or `wgmma m64nNk16 .bf16 -> .f32`):
@@ -92,7 +92,7 @@ pub enum Tile {
     M32,
     /// Hopper wgmma (`gemm_wgmma`): 64 tokens × 128 weight rows per block, two warpgroups. 4-bit
     /// group-64 weights in the `Exact`, `Bf16x` and `Half` precisions, and 8-bit group-64 weights in
-    /// `Half` in the plain form (not SwiGLU, not grouped), only.
+    /// those in the plain form (not SwiGLU, not grouped), only.
     Wg64,
     /// Hopper wgmma: 128 tokens × 128 weight rows per block (the formats of `Wg64`).
     Wg128,
@@ -159,12 +159,26 @@ fn gemm_switch() -> GemmSwitch {
     })
 }
 
-/// Whether `Tile::Auto` takes the 8-bit wgmma kernels (`LILY_ROUTER_WGMMA=1`): opt-in until they have
-/// been measured on the GPU (written 2026-12-04 when no GPU was lent; docs/PERF.md). The explicit
-/// `Tile::Wg64` / `Tile::Wg128` take them regardless (the tests do).
-fn wgmma_q8_auto() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_ROUTER_WGMMA").is_ok_and(|v| v == "1"))
+/// Where `Tile::Auto` runs 8-bit group-64 weights in the plain form (the MoE router), read once from
+/// `LILY_ROUTER_WGMMA`: by default on the wgmma tiles in the folded numerics, a call in `Half` taking
+/// `Exact` there (the codes exact, x as two bf16: the numerics of gemm.cu's kernels, which ran it before;
+/// `Half` moved near-tied experts' picks in the fixtures, PERF.md 2026-12-05); `1` in `Half` on the
+/// wgmma tiles (opt-in); `mma` on gemm.cu's kernels (A/B runs). The explicit `Tile::Wg64` / `Tile::Wg128`
+/// take the wgmma kernels in any numerics but Fast regardless (the tests do).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RouterPath {
+    Folded,
+    Half,
+    Mma,
+}
+
+fn router_path() -> RouterPath {
+    static PATH: std::sync::OnceLock<RouterPath> = std::sync::OnceLock::new();
+    *PATH.get_or_init(|| match std::env::var("LILY_ROUTER_WGMMA").as_deref() {
+        Ok("1") => RouterPath::Half,
+        Ok("mma") => RouterPath::Mma,
+        _ => RouterPath::Folded,
+    })
 }
 
 /// The tile `Tile::Auto` takes where `half_tile` picks `Tile::Wg128` (4-bit weights, at most
@@ -585,15 +599,22 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
         Group::Plain(_) => w.count,
     };
     let g64 = w.group_size() == Some(super::gemm_wgmma::GROUP);
+    // 8-bit codes on Tile::Auto in Half: the folded numerics unless `LILY_ROUTER_WGMMA=1` (router_path).
+    let q8_plain = w.bits() == 8 && g64 && w2.is_none() && !grouped;
+    let precision = if q8_plain && tile == Tile::Auto && precision == Precision::Half && router_path() != RouterPath::Half {
+        Precision::Exact
+    } else {
+        precision
+    };
     let wg_ok = g64
         && match w.bits() {
             4 => precision != Precision::Fast,
-            8 => precision == Precision::Half && w2.is_none() && !grouped,
+            8 => q8_plain && precision != Precision::Fast,
             _ => false,
         };
     if tile.is_wgmma() && !wg_ok {
         return Err(CudaError::Shape(format!(
-            "{what}: the wgmma tiles take 4-bit group-64 weights in Exact, Bf16x or Half, or 8-bit group-64 ones in a plain gemm in Half, not {} in {precision:?}",
+            "{what}: the wgmma tiles take 4-bit group-64 weights in Exact, Bf16x or Half, or 8-bit group-64 ones in a plain gemm in those, not {} in {precision:?}",
             describe(w)
         )));
     }
@@ -608,7 +629,7 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
         )));
     }
     let wg_tiles = rows.div_ceil(if w2.is_some() { super::gemm_wgmma::BW / 2 } else { super::gemm_wgmma::BW });
-    let wg_auto = wg_ok && gemm_switch() != GemmSwitch::Mma && (w.bits() == 4 || wgmma_q8_auto());
+    let wg_auto = wg_ok && gemm_switch() != GemmSwitch::Mma && (w.bits() == 4 || router_path() != RouterPath::Mma);
     let tile = match tile {
         Tile::Auto if wg_auto && precision == Precision::Half => match half_tile(dev, grouped, t, experts, wg_tiles) {
             Tile::Wg128 if w.bits() == 4 && (!grouped || experts <= super::gemm_wgmma::WS_MAX_EXPERTS) => wide_half_tile(grouped, w2.is_some()),

@@ -93,9 +93,16 @@ macro_rules! forms {
     };
 }
 const NAMES: [&str; 4 * VARIANTS] = forms!("plain", "swiglu", "grouped", "grouped_swiglu");
-/// The 8-bit plain half kernels: 128 tokens, then 64 (variants 4 and 5 of the 4-bit forms, one ring
-/// stage shallower).
-const NAMES_Q8: [&str; 2] = ["gemm_wgmma_plain_n128_h128_q8", "gemm_wgmma_plain_n64_h128_q8"];
+/// The 8-bit plain kernels: half at 128 tokens, then 64 (variants 4 and 5 of the 4-bit forms, one ring
+/// stage shallower); then folded (variants 0–3 of the 4-bit forms: bf16x and exact at 128, then 64).
+const NAMES_Q8: [&str; 6] = [
+    "gemm_wgmma_plain_n128_h128_q8",
+    "gemm_wgmma_plain_n64_h128_q8",
+    "gemm_wgmma_plain_n128_p1_q8",
+    "gemm_wgmma_plain_n128_p2_q8",
+    "gemm_wgmma_plain_n64_p1_q8",
+    "gemm_wgmma_plain_n64_p2_q8",
+];
 /// The grouped half kernels writing bf16 outputs: variants 4 (128 tokens) and 5 (64) of the grouped form.
 const NAMES_O16: [&str; 2] = ["gemm_wgmma_grouped_n128_h128_o16", "gemm_wgmma_grouped_n64_h128_o16"];
 /// The warp-specialised persistent tiles (half numerics, 4-bit, 128 tokens): per form (plain, swiglu,
@@ -158,27 +165,36 @@ pub(crate) const WS_MAX_EXPERTS: usize = 768;
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 
-const fn all_kernels() -> [&'static str; 4 * VARIANTS + 18] {
-    let mut out = [""; 4 * VARIANTS + 18];
+const N_ALL: usize = 4 * VARIANTS + 2 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len();
+const fn all_kernels() -> [&'static str; N_ALL] {
+    let mut out = [""; N_ALL];
+    let mut n = 0;
     let mut i = 0;
     while i < 4 * VARIANTS {
-        out[i] = NAMES[i];
-        i += 1;
+        out[n] = NAMES[i];
+        (i, n) = (i + 1, n + 1);
     }
-    out[4 * VARIANTS] = STAGE_KERNEL;
-    out[4 * VARIANTS + 1] = STAGE_HALF_KERNEL;
-    out[4 * VARIANTS + 2] = NAMES_Q8[0];
-    out[4 * VARIANTS + 3] = NAMES_Q8[1];
-    let mut j = 0;
-    while j < 12 {
-        out[4 * VARIANTS + 4 + j] = NAMES_WS[j];
-        j += 1;
+    out[n] = STAGE_KERNEL;
+    out[n + 1] = STAGE_HALF_KERNEL;
+    n += 2;
+    i = 0;
+    while i < NAMES_Q8.len() {
+        out[n] = NAMES_Q8[i];
+        (i, n) = (i + 1, n + 1);
     }
-    out[4 * VARIANTS + 16] = NAMES_O16[0];
-    out[4 * VARIANTS + 17] = NAMES_O16[1];
+    i = 0;
+    while i < NAMES_WS.len() {
+        out[n] = NAMES_WS[i];
+        (i, n) = (i + 1, n + 1);
+    }
+    i = 0;
+    while i < NAMES_O16.len() {
+        out[n] = NAMES_O16[i];
+        (i, n) = (i + 1, n + 1);
+    }
     out
 }
-const ALL: [&str; 4 * VARIANTS + 18] = all_kernels();
+const ALL: [&str; N_ALL] = all_kernels();
 pub(crate) const KERNELS: &[&str] = &ALL;
 
 /// A kernel variant: tokens a block, numerics, ring stages, warpgroups (of 64 weight rows each), bits
@@ -216,9 +232,43 @@ const fn variant(i: usize) -> Variant {
     Variant { bt, num, stages, wgs, bits: 4 }
 }
 
-/// The 8-bit variant `i` (0: 128 tokens, 1: 64), named `NAMES_Q8[i]`.
+/// The 8-bit variant `i`, named `NAMES_Q8[i]`: 0, 1 half (128, 64 tokens; 4 stages); 2–5 the 4-bit
+/// variants 0–3 (folded) with 8-bit codes.
 const fn variant_q8(i: usize) -> Variant {
-    Variant { bt: if i == 0 { 128 } else { 64 }, num: Num::Half, stages: 4, wgs: 2, bits: 8 }
+    match i {
+        0 | 1 => Variant { bt: if i == 0 { 128 } else { 64 }, num: Num::Half, stages: 4, wgs: 2, bits: 8 },
+        _ => {
+            let v = variant(i - 2);
+            Variant { bits: 8, ..v }
+        }
+    }
+}
+
+/// The index in `NAMES_Q8` of the 8-bit variant of `bt` tokens in `num`.
+const fn variant_q8_index(bt: usize, num: Num) -> usize {
+    match num {
+        Num::Half => {
+            if bt == 128 {
+                0
+            } else {
+                1
+            }
+        }
+        Num::Bf16x => {
+            if bt == 128 {
+                2
+            } else {
+                4
+            }
+        }
+        Num::Exact => {
+            if bt == 128 {
+                3
+            } else {
+                5
+            }
+        }
+    }
 }
 
 /// The variant index for `bt` tokens and `rows` weight rows a block (128, or 256 in `Num::Half`).
@@ -291,7 +341,7 @@ pub(crate) struct Call {
     pub cols: usize,
     /// Plain forms: the matrix of the stack.
     pub matrix: usize,
-    /// Bits of a code: 4, or 8 (the plain form in `Num::Half` with 128 weight rows only).
+    /// Bits of a code: 4, or 8 (the plain form with 128 weight rows only).
     pub bits: u32,
     /// Grouped forms: (offsets address, gather address or 0, experts).
     pub grouped: Option<(u64, u64, usize)>,
@@ -345,7 +395,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
     debug_assert!(ws.is_none_or(|k| c.bits == 4 && num == Num::Half && bt == 128 && k.rows() == wrows));
     let q8 = c.bits == 8;
-    debug_assert!(c.bits == 4 || (q8 && c.w2.0 == 0 && c.grouped.is_none() && num == Num::Half && wrows == 128));
+    debug_assert!(c.bits == 4 || (q8 && c.w2.0 == 0 && c.grouped.is_none() && wrows == 128 && ws.is_none()));
     debug_assert!(!c.out16 || (c.bits == 4 && c.w2.0 == 0 && c.grouped.is_some() && num == Num::Half && wrows == 128 && ws.is_none()));
     // The grid (checked before anything is launched): token tiles × weight-row tiles, or the other way
     // round for grouped calls, whose blocks of one token tile run consecutively (`tile_slots` in the
@@ -419,7 +469,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         return launch(dev, NAMES_WS[3 * form + kind.index()], cfg, &p);
     }
     let (name, v) = if q8 {
-        let i = if bt == 128 { 0 } else { 1 };
+        let i = variant_q8_index(bt, num);
         (NAMES_Q8[i], variant_q8(i))
     } else if c.out16 {
         let vi = variant_index(bt, num, wrows);
@@ -460,10 +510,11 @@ mod tests {
             assert!(ws_smem_bytes(kind) + 6400 <= 227 * 1024, "{kind:?} does not fit");
             assert_eq!(WS_KINDS[kind.index()], kind);
         }
-        // The 8-bit kernels: two blocks an SM each.
-        for (i, want) in [99_328, 66_560].into_iter().enumerate() {
-            let blocks = 2;
+        // The 8-bit kernels: the half ones two blocks an SM; the folded ones as their 4-bit variants.
+        for (i, want) in [99_328, 66_560, 103_424, 168_960, 70_656, 103_424].into_iter().enumerate() {
+            let blocks = if i < 2 { 2 } else { [1, 1, 2, 2][i - 2] };
             let v = variant_q8(i);
+            assert_eq!(variant_q8_index(v.bt, v.num), i, "{}", NAMES_Q8[i]);
             assert_eq!(smem_bytes(v), want, "{}", NAMES_Q8[i]);
             assert!(blocks * smem_bytes(v) <= 227 * 1024, "{}: {blocks} blocks do not fit", NAMES_Q8[i]);
         }
