@@ -864,6 +864,270 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     }
 }
 
+// ---- The shared-memory-A tiles (half numerics, 4-bit codes, 256 weight rows × 128 tokens; wg_tile_ss).
+// Three warpgroups, one block an SM walking the tiles in wg_tile_ws's order. Warpgroup 0 loads and
+// transforms: it copies each group's X rows and codes into a ring of NX stages (cp.async, running
+// NX - 1 groups ahead, across tiles), and once a group's codes have landed it dequantises them once
+// into f16 weights in shared memory (a ring of NA slots) in the wgmma K-major, 128-byte-swizzled layout
+// — chunk c = 2s + h of a row holds the pairs s (half_weights4) of its words h, h + 2, h + 4, h + 6, which
+// are the staged X's columns 8c .. 8c + 7 (see the header's permutation), so A and X meet in the same
+// order — then marks the slot ready. Warpgroups 1 and 2 take 128 weight rows each (two m64 tiles, 128
+// accumulators a thread, no weights in registers): per group they wait for the slot, issue 8 MMAs
+// with both operands from shared memory, and once the MMAs of the group before have completed
+// (wgmma_wait<1>) mark that group's X stage and weight slot free. Against the register-A tiles: each
+// weight is dequantised once for 128 tokens by one warpgroup beside the MMAs of the group before, and
+// each X tile serves 256 weight rows (half the X traffic a FLOP of wg_tile_ws<1>). The weights and the
+// sums are wg_tile's (the same f16 weights, the same MMA order over K): bit for bit its outputs.
+template <int NX, int NA, bool SWIGLU, bool GROUPED>
+__device__ __forceinline__ void wg_tile_ss(const WgParams& p) {
+    constexpr int BT = 128, THREADS = 384, BWT = 256;
+    constexpr int XB = BT * 128;           // X bytes a stage: BT rows of 64 f16
+    constexpr int XSTAGE = XB + BWT * 32;  // and the codes: BWT rows of 64 4-bit codes
+    constexpr int ASLOT = BWT * 128;       // the dequantised weights: BWT rows of 64 f16
+    constexpr int ND = BT / 2;             // accumulators a thread an m64 tile
+    constexpr int BW_OUT = SWIGLU ? BWT / 2 : BWT;
+    constexpr int XRPT = BT / 16;          // X rows a loader thread copies (128 threads, 8 chunks a row)
+    constexpr int WLD = BWT * 2 / 128;     // 16-byte code chunks a loader thread copies (2 a row)
+    static_assert(XSTAGE % 1024 == 0 && ASLOT % 1024 == 0 && NA >= 2 && NX >= 3, "1024-byte aligned stages; two slots at least");
+
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    __shared__ __align__(8) uint64_t bars[NX + 2 * NA];  // xfree[NX], ready[NA], afree[NA]
+    __shared__ int tprefix[GROUPED ? 2 * THREADS + 1 : 1];
+    __shared__ float tsc[2][BT];                         // the tile's slots' 2^e (NaN: a gathered row past x), by tile parity
+    const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+    const uint32_t abase = base + NX * XSTAGE;
+    const uint32_t xfree0 = smem_addr(bars), ready0 = xfree0 + 8 * NX, afree0 = ready0 + 8 * NA;
+
+    const int tid = threadIdx.x;
+    const int rows = p.rows, cols = p.cols, nk = cols >> 6;
+    if (tid == 0) {
+        for (int s = 0; s < NX; ++s) mbar_init(xfree0 + 8 * s, 8);  // every consumer warp, its MMAs done
+        for (int s = 0; s < NA; ++s) {
+            mbar_init(ready0 + 8 * s, 128);  // every loader thread, its rows written
+            mbar_init(afree0 + 8 * s, 8);
+        }
+    }
+    int m_tiles;
+    if constexpr (GROUPED) m_tiles = group_tile_prefix<THREADS>(p.offsets, p.t, p.count, BT, tprefix);
+    else m_tiles = (p.t + BT - 1) / BT;
+    __syncthreads();
+    const int row_tiles = (rows + BW_OUT - 1) / BW_OUT;
+    const int n_tiles = m_tiles * row_tiles;
+    auto tile_of = [&](int i, int& matrix, int& m_begin, int& m_end, int& n_tile) {
+        if constexpr (GROUPED) {
+            const int mt = i / row_tiles;
+            n_tile = i - mt * row_tiles;
+            group_tile_at(tprefix, p.offsets, p.t, p.count, BT, mt, matrix, m_begin, m_end);
+        } else {
+            const int mt = i % m_tiles;
+            n_tile = i / m_tiles;
+            matrix = p.matrix;
+            m_begin = mt * BT;
+            m_end = min(m_begin + BT, p.t);
+        }
+    };
+    auto out_row = [&](int n_tile, int r) { return SWIGLU ? n_tile * BW_OUT + (r >> 4) * 8 + (r & 7) : n_tile * BW_OUT + r; };
+    auto is_up = [](int r) { return SWIGLU && ((r >> 3) & 1) != 0; };
+
+    if (tid < 128) {
+        // ---- Loader and transformer. The copy cursor (tile ci, group ckt) runs NX - 1 groups ahead of
+        // the transform (global group index G over this block's tiles).
+        const int xc = tid & 7, wh = tid & 1;
+        const uint32_t xdst = base + (tid >> 3) * 128 + ((xc ^ ((tid >> 3) & 7)) << 4);
+        const uint32_t wdst = base + XB + (tid >> 1) * 32 + wh * 16;
+        int ci = blockIdx.x, ckt = 0, cG = 0;
+        uint32_t xoff[XRPT], wchunk[WLD];
+        uint32_t x_ok = 0, w_ok = 0, w_up = 0;
+        auto copy_tile = [&](int i) {
+            int matrix, m_begin, m_end, n_tile;
+            tile_of(i, matrix, m_begin, m_end, n_tile);
+            x_ok = 0, w_ok = 0, w_up = 0;
+#pragma unroll
+            for (int j = 0; j < XRPT; ++j) {
+                const int slot = m_begin + (tid >> 3) + 16 * j;
+                long long src = 0;
+                bool ok = false;
+                if (slot < m_end) {
+                    src = (GROUPED && p.gather) ? (long long)p.gather[slot] : (long long)slot;
+                    ok = src < p.x_rows;
+                }
+                xoff[j] = (uint32_t)((ok ? src : 0) * cols) + xc * 8;
+                x_ok |= (uint32_t)ok << j;
+            }
+#pragma unroll
+            for (int j = 0; j < WLD; ++j) {
+                const int wr = (tid >> 1) + 64 * j;
+                const int o = out_row(n_tile, wr);
+                const bool ok = o < rows;
+                w_ok |= (uint32_t)ok << j;
+                w_up |= (uint32_t)is_up(wr) << j;
+                wchunk[j] = (uint32_t)(((long long)matrix * rows + (ok ? o : 0)) * (cols / 32)) + wh;
+            }
+        };
+        if (ci < n_tiles) copy_tile(ci);
+        // Copies group cG into stage cG % NX once the consumers have freed it (its group NX before);
+        // one commit group a call, empty past the last tile.
+        auto copy_next = [&]() {
+            if (ci < n_tiles) {
+                const int st = cG % NX;
+                mbar_wait(xfree0 + 8 * st, ((cG / NX) & 1) ^ 1);
+                const uint32_t so = st * XSTAGE;
+#pragma unroll
+                for (int j = 0; j < XRPT; ++j) cp_async16(xdst + so + j * 16 * 128, p.xh + xoff[j] + ckt * GROUP, (x_ok >> j) & 1);
+#pragma unroll
+                for (int j = 0; j < WLD; ++j)
+                    cp_async16(wdst + so + j * 64 * 32, reinterpret_cast<const uint4*>(((w_up >> j) & 1) ? p.w2 : p.w) + wchunk[j] + ckt * 2, (w_ok >> j) & 1);
+                if (++ckt == nk) {
+                    ckt = 0;
+                    ci += gridDim.x;
+                    if (ci < n_tiles) copy_tile(ci);
+                }
+            }
+            cp_async_commit_group();
+            ++cG;
+        };
+#pragma unroll 1
+        for (int j = 0; j < NX - 1; ++j) copy_next();
+
+        int G = 0;
+#pragma unroll 1
+        for (int i = blockIdx.x; i < n_tiles; i += gridDim.x) {
+            int matrix, m_begin, m_end, n_tile;
+            tile_of(i, matrix, m_begin, m_end, n_tile);
+            // This thread dequantises tile rows tid and tid + 128.
+            uint32_t gi[2];
+            const uint16_t* sp[2];
+            const uint16_t* bp[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = tid + 128 * h;
+                const int o = out_row(n_tile, r);
+                gi[h] = (uint32_t)(((long long)matrix * rows + (o < rows ? o : 0)) * nk);  // past the rows: row 0's (not written out)
+                sp[h] = is_up(r) ? p.scales2 : p.scales;
+                bp[h] = is_up(r) ? p.biases2 : p.biases;
+            }
+            uint16_t nxt[2][2];
+            auto fetch = [&](int kt) {
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    nxt[h][0] = __ldg(sp[h] + gi[h] + kt);
+                    nxt[h][1] = __ldg(bp[h] + gi[h] + kt);
+                }
+            };
+            fetch(0);
+#pragma unroll 1
+            for (int kt = 0; kt < nk; ++kt, ++G) {
+                cp_async_wait_group<NX - 2>();  // group G's copies (this thread's) have landed
+                named_barrier_sync(2, 128);      // everyone's; and group G - 1's codes are no longer read
+                const int xs = G % NX, as = G % NA;
+                __half2 hs[2], hb[2];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    hs[h] = __float2half2_rn(bf16_to_f32(nxt[h][0]));
+                    hb[h] = __float2half2_rn(bf16_to_f32(nxt[h][1]));
+                }
+                if (kt + 1 < nk) fetch(kt + 1);
+                mbar_wait(afree0 + 8 * as, ((G / NA) & 1) ^ 1);
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int r = tid + 128 * h;
+                    const uint32_t src = base + xs * XSTAGE + XB + r * 32;
+                    const uint4 c0 = lds128(src), c1 = lds128(src + 16);
+                    const uint32_t wd[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+                    uint32_t pr[8][4];
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) half_weights4(wd[j], hs[h], hb[h], pr[j][0], pr[j][1], pr[j][2], pr[j][3]);
+                    const uint32_t dst = abase + as * ASLOT + r * 128;
+#pragma unroll
+                    for (int c = 0; c < 8; ++c) {
+                        const int st = c >> 1, hh = c & 1;
+                        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(dst + ((c ^ (r & 7)) << 4)), "r"(pr[hh][st]), "r"(pr[hh + 2][st]),
+                                     "r"(pr[hh + 4][st]), "r"(pr[hh + 6][st])
+                                     : "memory");
+                    }
+                }
+                fence_proxy_async();
+                mbar_arrive(ready0 + 8 * as);
+                copy_next();  // group G + NX - 1, into the stage of group G - 1
+            }
+        }
+        asm volatile("cp.async.wait_all;" ::: "memory");
+        return;
+    }
+
+    // ---- Consumers: warpgroup wc (0, 1) takes tile rows 128·wc .. + 128 (m64 tiles 2wc, 2wc + 1).
+    const int ct = tid - 128, lane = tid & 31;
+    const int wc = ct >> 7, warp = (ct >> 5) & 3;
+    const int g = lane >> 2, q = lane & 3;
+    const uint64_t dx0 = wgmma_desc_sw128(base), da0 = wgmma_desc_sw128(abase + wc * 128 * 128);
+    int G = 0, parity = 0;
+#pragma unroll 1
+    for (int i = blockIdx.x; i < n_tiles; i += gridDim.x, parity ^= 1) {
+        int matrix, m_begin, m_end, n_tile;
+        tile_of(i, matrix, m_begin, m_end, n_tile);
+        if (ct < BT) {
+            const int slot = m_begin + ct;
+            float k = 0.0f;
+            if (slot < m_end) {
+                const long long src = (GROUPED && p.gather) ? (long long)p.gather[slot] : (long long)slot;
+                k = src < p.x_rows ? p.xsum[src] : __int_as_float(0x7fc00000);
+            }
+            tsc[parity][ct] = k;
+        }
+        named_barrier_sync(1, 256);
+        int o0[2], o1[2];
+        bool ok0[2], ok1[2];
+#pragma unroll
+        for (int m = 0; m < 2; ++m) {
+            const int r0 = 128 * wc + 64 * m + 16 * warp + g;
+            o0[m] = out_row(n_tile, r0), o1[m] = out_row(n_tile, r0 + 8);
+            ok0[m] = o0[m] < rows, ok1[m] = o1[m] < rows;
+        }
+        float acc[2][ND];
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+#pragma unroll
+            for (int e = 0; e < ND; ++e) acc[m][e] = 0.0f;
+#pragma unroll 1
+        for (int kt = 0; kt < nk; ++kt, ++G) {
+            const int xs = G % NX, as = G % NA;
+            mbar_wait(ready0 + 8 * as, (G / NA) & 1);
+            fence_proxy_async();
+            const uint64_t dx = dx0 + (uint64_t)((xs * XSTAGE) >> 4), da = da0 + (uint64_t)((as * ASLOT) >> 4);
+            wgmma_fence();
+#pragma unroll
+            for (int k = 0; k < 4; ++k)
+#pragma unroll
+                for (int m = 0; m < 2; ++m) wgmma_m64n128k16_ss_f16(acc[m], da + (uint64_t)((m * 64 * 128 + 32 * k) >> 4), dx + (uint64_t)((32 * k) >> 4), 1);
+            wgmma_commit();
+            wgmma_wait<1>();
+            if (kt > 0 && lane == 0) {  // the group before: its MMAs have read their stage and slot
+                mbar_arrive(xfree0 + 8 * ((G - 1) % NX));
+                mbar_arrive(afree0 + 8 * ((G - 1) % NA));
+            }
+        }
+        wgmma_wait<0>();
+        if (lane == 0) {
+            mbar_arrive(xfree0 + 8 * ((G - 1) % NX));
+            mbar_arrive(afree0 + 8 * ((G - 1) % NA));
+        }
+#pragma unroll
+        for (int m = 0; m < 2; ++m) wgmma_pin(acc[m]);
+        store_tile<2, BT, SWIGLU>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return tsc[parity][tok]; },
+                                  [](int) { return false; });
+    }
+}
+
+#define SS_ENTRY(name, SWIGLU, GROUPED)                                                               \
+    extern "C" __global__ void __launch_bounds__(384, 1) name(const WgParams p) {                     \
+        pdl_enter();                                                                                   \
+        wg_tile_ss<5, 2, SWIGLU, GROUPED>(p);                                                          \
+    }
+SS_ENTRY(gemm_wgmma_plain_ss256, false, false)
+SS_ENTRY(gemm_wgmma_swiglu_ss256, true, false)
+SS_ENTRY(gemm_wgmma_grouped_ss256, false, true)
+SS_ENTRY(gemm_wgmma_grouped_swiglu_ss256, true, true)
+
 #define WS_ENTRY(name, MT, NS, SWIGLU, GROUPED, CWG)                                                  \
     extern "C" __global__ void __launch_bounds__(128 * (CWG + 1), 1) name(const WgParams p) {          \
         pdl_enter();                                                                                   \

@@ -1,6 +1,6 @@
 // Hopper warpgroup MMA (wgmma, sm_90a) helpers: the fences and groups that order it, the shared-memory
 // matrix descriptor for a K-major 16-bit tile in the 128-byte swizzle, and the m64nNk16 bf16/f16 -> f32
-// forms with A from registers, and m64n64k16 bf16 with A from shared memory too. Used by gemm_wgmma.cu
+// forms with A from registers, and m64n64k16 bf16 and m64n128k16 f16 with A from shared memory too. Used by gemm_wgmma.cu
 // and attn_prefill.cu.
 //
 // A warpgroup is 4 consecutive warps (128 threads); every wgmma instruction is issued by all of them.
@@ -84,6 +84,14 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t saddr) {
 // wgmma_m64n64k16_rs<F16>(d[32], a, b_desc, accumulate) and wgmma_m64n128k16_rs<F16>(d[64], ...).
 WG_RS_FN(wgmma_m64n64k16_rs, "m64n64k16", 32, WG_D32, WG_R32, "%32, %33, %34, %35", "%36", "%37")
 WG_RS_FN(wgmma_m64n128k16_rs, "m64n128k16", 64, WG_D64, WG_R64, "%64, %65, %66, %67", "%68", "%69")
+
+// D[64 x 128] (+)= A[64 x 16] · B[16 x 128], f16, both operands by descriptor (K-major, as B above).
+__device__ __forceinline__ void wgmma_m64n128k16_ss_f16(float (&d)[64], uint64_t a_desc, uint64_t b_desc, int accumulate) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" WG_R64 "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+                 : WG_D64(d)
+                 : "l"(a_desc), "l"(b_desc), "r"(accumulate));
+}
 
 // D[64 x 64] (+)= A[64 x 16] · B[16 x 64], bf16, both operands by descriptor (K-major, as B above).
 __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a_desc, uint64_t b_desc, int accumulate) {

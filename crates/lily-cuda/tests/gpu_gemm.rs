@@ -70,8 +70,8 @@ const CPU_TOL_HALF: f64 = 1e-3;
 const SPARE: usize = 37;
 
 const PRECISIONS: [Precision; 4] = [Precision::Exact, Precision::Bf16x, Precision::Fast, Precision::Half];
-const TILES: [Tile; 10] =
-    [Tile::Auto, Tile::M64, Tile::M32, Tile::Wg64, Tile::Wg128, Tile::Wg64x256, Tile::Wg128x256, Tile::Ws128, Tile::Ws256, Tile::Ws4];
+const TILES: [Tile; 11] =
+    [Tile::Auto, Tile::M64, Tile::M32, Tile::Wg64, Tile::Wg128, Tile::Wg64x256, Tile::Wg128x256, Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256];
 
 fn is_q4g64(w: &Matrix) -> bool {
     matches!(&w.storage, Storage::Affine { params, .. } if params.bits == 4 && params.group_size == 64)
@@ -87,7 +87,7 @@ fn is_q8g64(w: &Matrix) -> bool {
 fn tile_takes(tile: Tile, w: &Matrix, p: Precision, plain: bool) -> bool {
     match tile {
         Tile::Wg64 | Tile::Wg128 => (is_q4g64(w) || (is_q8g64(w) && plain)) && p != Precision::Fast,
-        Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 => is_q4g64(w) && p == Precision::Half,
+        Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 => is_q4g64(w) && p == Precision::Half,
         _ => true,
     }
 }
@@ -773,7 +773,7 @@ fn half_scales_each_row_into_f16_range() {
         x[r * cols..(r + 1) * cols].iter_mut().for_each(|v| *v *= m);
     }
     let rm = RefMat::new(&w, 0);
-    for tile in [Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws256, Tile::Ws4] {
+    for tile in [Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256] {
         let o = Opts { tile, precision: Precision::Half, ..Default::default() };
         let xd = dev.upload(&x).unwrap();
         let mut y = poisoned(&dev, t * rows);
@@ -815,7 +815,7 @@ fn grouped_gather_past_x_gives_nan_rows_only() {
     let off_d = dev.upload(&offsets_of(&counts)).unwrap();
     let expert = [0usize, 0, 0, 2, 2, 2, 2];
     // Every precision on the Auto tile, and Half on the warp-specialised ones too.
-    let runs = PRECISIONS.iter().map(|&p| (p, Tile::Auto)).chain([(Precision::Half, Tile::Ws128), (Precision::Half, Tile::Ws256), (Precision::Half, Tile::Ws4)]);
+    let runs = PRECISIONS.iter().map(|&p| (p, Tile::Auto)).chain([(Precision::Half, Tile::Ws128), (Precision::Half, Tile::Ws256), (Precision::Half, Tile::Ws4), (Precision::Half, Tile::Ss256)]);
     for (p, tile) in runs {
         let mut y = poisoned(&dev, n * rows);
         util::fill(&dev, &mut y, 0.5).unwrap();
@@ -850,7 +850,7 @@ fn warp_specialised_tiles_walk_many_tiles_like_wg128() {
         run(Tile::Wg128, &mut want);
         let want = dev.download(&want).unwrap();
         let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
-        for tile in [Tile::Ws128, Tile::Ws256, Tile::Ws4] {
+        for tile in [Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256] {
             let mut y = poisoned(&dev, n);
             run(tile, &mut y);
             let got = dev.download(&y).unwrap();

@@ -109,11 +109,15 @@ pub enum Tile {
     /// 128 tokens × 256 weight rows a tile as four consumer warpgroups of 64 rows (half the re-reads
     /// of each X tile a FLOP of `Ws128`).
     Ws4,
+    /// 128 tokens × 256 weight rows a tile, the weights dequantised once into shared memory by the
+    /// loading warpgroup and both MMA operands read from there by two consumer warpgroups of 128 rows
+    /// (no weights in their registers); persistent as `Ws128`.
+    Ss256,
 }
 
 impl Tile {
     fn is_wgmma(self) -> bool {
-        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4)
+        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256)
     }
 
     /// The warp-specialised tile of this one, if it is one.
@@ -122,6 +126,7 @@ impl Tile {
             Tile::Ws128 => Some(super::gemm_wgmma::Ws::R128),
             Tile::Ws256 => Some(super::gemm_wgmma::Ws::R256),
             Tile::Ws4 => Some(super::gemm_wgmma::Ws::Four),
+            Tile::Ss256 => Some(super::gemm_wgmma::Ws::Ss256),
             _ => None,
         }
     }
@@ -131,14 +136,14 @@ impl Tile {
         match self {
             Tile::Wg64 => (64, 128),
             Tile::Wg64x256 => (64, 256),
-            Tile::Wg128x256 | Tile::Ws256 | Tile::Ws4 => (128, 256),
+            Tile::Wg128x256 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 => (128, 256),
             _ => (128, 128),
         }
     }
 }
 
 /// `LILY_GEMM`, read once (A/B runs): `mma` keeps gemm.cu's kernels where `Tile::Auto` would take the
-/// wgmma ones; `wg`, `ws128`, `ws256`, `ws4` put that wgmma tile wherever `Tile::Auto` would take the
+/// wgmma ones; `wg`, `ws128`, `ws256`, `ws4`, `ss256` put that wgmma tile wherever `Tile::Auto` would take the
 /// 128 × 128 half tile (see `wide_half_tile`); anything else, the defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum GemmSwitch {
@@ -155,6 +160,7 @@ fn gemm_switch() -> GemmSwitch {
         Ok("ws128") => GemmSwitch::Wide(Tile::Ws128),
         Ok("ws256") => GemmSwitch::Wide(Tile::Ws256),
         Ok("ws4") => GemmSwitch::Wide(Tile::Ws4),
+        Ok("ss256") => GemmSwitch::Wide(Tile::Ss256),
         _ => GemmSwitch::Default,
     })
 }

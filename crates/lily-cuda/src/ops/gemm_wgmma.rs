@@ -106,20 +106,24 @@ const NAMES_Q8: [&str; 6] = [
 /// The grouped half kernels writing bf16 outputs: variants 4 (128 tokens) and 5 (64) of the grouped form.
 const NAMES_O16: [&str; 2] = ["gemm_wgmma_grouped_n128_h128_o16", "gemm_wgmma_grouped_n64_h128_o16"];
 /// The warp-specialised persistent tiles (half numerics, 4-bit, 128 tokens): per form (plain, swiglu,
-/// grouped, grouped swiglu) [`Ws::R128`], [`Ws::R256`], [`Ws::Four`].
-const NAMES_WS: [&str; 12] = [
+/// grouped, grouped swiglu) [`Ws::R128`], [`Ws::R256`], [`Ws::Four`], [`Ws::Ss256`].
+const NAMES_WS: [&str; 16] = [
     "gemm_wgmma_plain_ws128",
     "gemm_wgmma_plain_ws256",
     "gemm_wgmma_plain_ws4",
+    "gemm_wgmma_plain_ss256",
     "gemm_wgmma_swiglu_ws128",
     "gemm_wgmma_swiglu_ws256",
     "gemm_wgmma_swiglu_ws4",
+    "gemm_wgmma_swiglu_ss256",
     "gemm_wgmma_grouped_ws128",
     "gemm_wgmma_grouped_ws256",
     "gemm_wgmma_grouped_ws4",
+    "gemm_wgmma_grouped_ss256",
     "gemm_wgmma_grouped_swiglu_ws128",
     "gemm_wgmma_grouped_swiglu_ws256",
     "gemm_wgmma_grouped_swiglu_ws4",
+    "gemm_wgmma_grouped_swiglu_ss256",
 ];
 
 /// A warp-specialised tile: a producer warpgroup and consumer warpgroups of 64 weight rows a m64 tile.
@@ -131,6 +135,9 @@ pub(crate) enum Ws {
     R256,
     /// 256 weight rows: four consumer warpgroups of one m64 tile (one register set of weights each).
     Four,
+    /// 256 weight rows with the weights dequantised once into shared memory by the loading warpgroup
+    /// and both MMA operands from shared memory: two consumer warpgroups of two m64 tiles (`wg_tile_ss`).
+    Ss256,
 }
 
 impl Ws {
@@ -140,6 +147,7 @@ impl Ws {
             Ws::R128 => 0,
             Ws::R256 => 1,
             Ws::Four => 2,
+            Ws::Ss256 => 3,
         }
     }
 
@@ -148,9 +156,14 @@ impl Ws {
         if matches!(self, Ws::R128) { 128 } else { 256 }
     }
 
-    /// Stages of its ring (NS of `WS_ENTRY` in the `.cu`).
+    /// Stages of its ring (NS of `WS_ENTRY` in the `.cu`; `Ss256`: the X and code stages, NX of
+    /// `SS_ENTRY`).
     const fn stages(self) -> usize {
-        if matches!(self, Ws::R128) { 10 } else { 8 }
+        match self {
+            Ws::R128 => 10,
+            Ws::Ss256 => 5,
+            _ => 8,
+        }
     }
 
     /// Threads a block: the producer warpgroup and the consumers.
@@ -295,14 +308,17 @@ const fn smem_bytes(v: Variant) -> usize {
 }
 
 /// The warp-specialised tiles in the order of `NAMES_WS` within a form.
-const WS_KINDS: [Ws; 3] = [Ws::R128, Ws::R256, Ws::Four];
+const WS_KINDS: [Ws; 4] = [Ws::R128, Ws::R256, Ws::Four, Ws::Ss256];
+/// `Ss256`'s slots of dequantised weights (NA of `SS_ENTRY`), 256 rows of 128 bytes each.
+const SS_SLOTS: usize = 2;
 
 /// Dynamic shared memory of a warp-specialised tile: its ring (stages of 128 X rows of 128 bytes and
 /// the tile's code rows of 32 bytes, each rounded to 1024 bytes) plus 1024 for aligning it. The
 /// kernel's static shared memory (barriers, the expert prefix, the slots' scales) comes on top: 6.4 KB
 /// at most (the four-consumer tile's expert prefix).
 const fn ws_smem_bytes(kind: Ws) -> usize {
-    kind.stages() * (128 * 128 + kind.rows() * 32).div_ceil(1024) * 1024 + 1024
+    let weights = if matches!(kind, Ws::Ss256) { SS_SLOTS * 256 * 128 } else { 0 };
+    kind.stages() * (128 * 128 + kind.rows() * 32).div_ceil(1024) * 1024 + weights + 1024
 }
 
 pub(crate) fn configure(dev: &Device) -> Result<()> {
@@ -466,7 +482,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         let tiles = m_tiles * row_tiles;
         let blocks = tiles.min(dev.sm_count() as usize).max(1);
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (kind.threads(), 1, 1), shared_mem_bytes: ws_smem_bytes(kind) as u32 };
-        return launch(dev, NAMES_WS[3 * form + kind.index()], cfg, &p);
+        return launch(dev, NAMES_WS[WS_KINDS.len() * form + kind.index()], cfg, &p);
     }
     let (name, v) = if q8 {
         let i = variant_q8_index(bt, num);
@@ -505,7 +521,7 @@ mod tests {
             assert_eq!(variant_index(v.bt, v.num, v.rows()), i, "variant {i} is not the one its shape selects");
         }
         // The warp-specialised tiles: one block an SM, with their static shared memory (6.4 KB at most).
-        for (kind, want) in [(Ws::R128, 205_824), (Ws::R256, 197_632), (Ws::Four, 197_632)] {
+        for (kind, want) in [(Ws::R128, 205_824), (Ws::R256, 197_632), (Ws::Four, 197_632), (Ws::Ss256, 189_440)] {
             assert_eq!(ws_smem_bytes(kind), want, "{kind:?}");
             assert!(ws_smem_bytes(kind) + 6400 <= 227 * 1024, "{kind:?} does not fit");
             assert_eq!(WS_KINDS[kind.index()], kind);
