@@ -38,7 +38,7 @@ use lily_model::weights::{DenseMlpWeights, Mixer, Mlp};
 use lily_model::{Backend, BackendError, DevicePick, GdnDims, LayerKind, Logits, MaskFill, ModelConfig, ModelWeights};
 
 use crate::ops::affine_gemv::{self, Select};
-use crate::ops::{affine_dot, attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, gemm, gemm_wgmma, moe_decode, moe_dispatch, moe_route, rmsnorm, sample, Scalar};
+use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, gemm, gemm_wgmma, moe_decode, moe_dispatch, moe_route, rmsnorm, sample, Scalar};
 use crate::weights::{DeviceMatrix, Uploader};
 use crate::{CudaError, Device, Result};
 
@@ -1050,10 +1050,7 @@ fn moe(
     then_norm: Option<(&CudaSlice<f32>, f32)>,
 ) -> Result<()> {
     let (h, e, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
-    // The shared expert's gate logits by a row dot of their own (the default), or as row E of the
-    // router's GEMM (`LILY_GATE_ROW=router`), where that one row costs a third row tile.
-    let gate_dot = gate_row_dot() && !matches!(shared, Shared::None);
-    let router_plus = router_plus.filter(|_| !matches!(shared, Shared::None) && !gate_dot);
+    let router_plus = router_plus.filter(|_| !matches!(shared, Shared::None));
     let stride = if router_plus.is_some() { e + 1 } else { e };
     let rw = router_plus.unwrap_or(router);
     mark_linear(dev, "moe.router", rw, t)?;
@@ -1071,11 +1068,7 @@ fn moe(
     if let Some((sg, su, _, m, gate)) = shared_mlp {
         mark_swiglu(dev, "moe.shared", sg, 1, t)?;
         gemm::swiglu_gemm_with(dev, sg, su, m, &a.normed, t, &mut a.shared_act, reuse_x())?; // [T, Is]
-        if gate_dot {
-            // Not a GEMM: the staging above stays for the grouped gate/up.
-            mark_linear(dev, "moe.shared", gate, t)?;
-            affine_dot::row_dot(dev, gate, 0, &a.normed, t, &mut a.shared_gate, 1)?; // [T]
-        } else if router_plus.is_none() {
+        if router_plus.is_none() {
             mark_linear(dev, "moe.shared", gate, t)?;
             gemm::gemm_with(dev, gate, 0, &a.normed, t, &mut a.shared_gate, reuse_x())?; // [T, 1]
         }
@@ -1257,14 +1250,6 @@ fn prefill_opts() -> gemm::Opts {
         _ => gemm::Precision::Half,
     });
     gemm::Opts { precision, ..Default::default() }
-}
-
-/// Whether a prompt chunk's shared-expert gate logits come from a row dot of their own
-/// (`ops::affine_dot`, the default) rather than row E of the router's GEMM (`LILY_GATE_ROW=router`;
-/// A/B runs; read once).
-fn gate_row_dot() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_GATE_ROW").map(|v| v != "router").unwrap_or(true))
 }
 
 /// Whether a prompt chunk's MoE combine also does the residual add and the next RMSNorm (one kernel

@@ -528,40 +528,6 @@ fn gemv_tensor_cores_every_split() {
     println!("gemv tensor cores: worst relative error {worst:.2e} (tolerance {TC_TOL:.0e})");
 }
 
-/// `affine_dot::row_dot` (the prefill's shared-expert gate logits): one row of a 4/8-bit affine matrix
-/// (groups 32, 64, 128) or a dense bf16 one against t token rows, against f64 of the dequantised row
-/// within GEMV_TOL of the largest output; y written at its stride only (NaN elsewhere); bad shapes refused.
-#[test]
-fn row_dot_matches_reference() {
-    let Some(dev) = device() else { return };
-    let mut rng = Rng::new(77);
-    let mut worst = 0.0f64;
-    for (bits, gs, rows, cols, row, t, stride) in
-        [(8, 64, 3, 2048, 2, 1000, 1), (4, 64, 1, 2048, 0, 37, 3), (4, 32, 2, 512, 1, 9, 1), (8, 128, 1, 1024, 0, 513, 2), (16, 0, 2, 256, 1, 20, 1)]
-    {
-        let w = if bits == 16 { dense_matrix(&mut rng, 1, rows, cols) } else { affine_matrix(&mut rng, 1, rows, cols, bits, gs, "bf16") };
-        let dw = upload_matrix(&dev, &w).unwrap();
-        let x: Vec<f32> = (0..t * cols).map(|_| rng.f32()).collect();
-        let xd = dev.upload(&x).unwrap();
-        let mut y = poisoned(&dev, t * stride);
-        lily_cuda::ops::affine_dot::row_dot(&dev, &dw, row, &xd, t, &mut y, stride).unwrap();
-        let got = dev.download(&y).unwrap();
-        let wr = ref_row(&w, 0, row);
-        let want: Vec<f64> = (0..t).map(|i| wr.iter().zip(&x[i * cols..(i + 1) * cols]).map(|(a, b)| a * *b as f64).sum()).collect();
-        let picked: Vec<f32> = (0..t).map(|i| got[i * stride]).collect();
-        let what = format!("row dot q{bits} g{gs} row {row} of [{rows}x{cols}] t={t} stride {stride}");
-        worst = worst.max(check(&picked, &want, GEMV_TOL, &what));
-        assert!((0..t * stride).filter(|i| i % stride != 0).all(|i| got[i].is_nan()), "{what}: wrote between the strides");
-    }
-    println!("row dot: worst {worst:.2e} of the largest output");
-    let w = upload_matrix(&dev, &affine_matrix(&mut rng, 1, 2, 256, 4, 64, "bf16")).unwrap();
-    let x = dev.upload(&vec![1.0f32; 4 * 256]).unwrap();
-    let mut y = poisoned(&dev, 4);
-    assert!(lily_cuda::ops::affine_dot::row_dot(&dev, &w, 2, &x, 4, &mut y, 1).is_err()); // no such row
-    assert!(lily_cuda::ops::affine_dot::row_dot(&dev, &w, 0, &x, 5, &mut y, 1).is_err()); // x too short
-    assert!(lily_cuda::ops::affine_dot::row_dot(&dev, &w, 0, &x, 4, &mut y, 2).is_err()); // y too short
-}
-
 #[test]
 fn gemv_rejects_bad_lengths() {
     let Some(dev) = device() else { return };

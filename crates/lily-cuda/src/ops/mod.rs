@@ -9,7 +9,6 @@ use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKern
 
 use crate::{CudaError, Device, Result};
 
-pub mod affine_dot;
 pub mod affine_gemv;
 pub mod affine_gemv_tc;
 pub mod attention;
@@ -30,7 +29,6 @@ pub mod util;
 
 /// Every kernel the ops use, by module (file stem): resolved once when the device opens.
 pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
-    ("affine_dot", affine_dot::KERNELS),
     ("affine_gemv", affine_gemv::KERNELS),
     ("affine_gemv_tc", affine_gemv_tc::KERNELS),
     ("attention", attention::KERNELS),
