@@ -3,7 +3,8 @@
 //! (`offsets`), the token of each sorted slot (`rows`) and the sorted slot of each (token, j)
 //! (`slot_of`); [`combine`] sums the expert outputs back per token with the routing weights, plus the
 //! sigmoid-gated shared expert, in the order and rounding of `lily_cpu::moe::forward` (bit-identical
-//! to it given the same expert outputs).
+//! to it given the same expert outputs, which [`combine_with`] also takes in bf16); [`combine_norm`]
+//! adds that into the residual stream and applies the next RMSNorm in the same kernel.
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
