@@ -628,6 +628,54 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
                                [&](int tok) { return bad[tok] != 0; });
 }
 
+// The copies of one tile into a persistent tile's ring (128 loading threads, 128 X rows of 8 chunks,
+// 2·WLD·64 code rows of 2 chunks): thread tid copies X rows tid / 8 + 16j (chunk tid % 8; a slot past
+// the tile or a gathered row past x zero-filled) and code rows tid / 2 + 64j (chunk tid % 2; rows past
+// the matrix zero-filled; SwiGLU: the up rows from w2).
+template <int XRPT, int WLD>
+struct RingTile {
+    uint32_t xoff[XRPT], wchunk[WLD];
+    uint32_t x_ok, w_ok, w_up;
+
+    template <bool SWIGLU, bool GROUPED, int BW_OUT>
+    __device__ __forceinline__ void set(const WgParams& p, int tid, int matrix, int m_begin, int m_end, int n_tile) {
+        const int xc = tid & 7, wh = tid & 1;
+        uint32_t xm = 0;
+#pragma unroll
+        for (int j = 0; j < XRPT; ++j) {
+            const int slot = m_begin + (tid >> 3) + 16 * j;
+            long long src = 0;
+            bool ok = false;
+            if (slot < m_end) {
+                src = (GROUPED && p.gather) ? (long long)p.gather[slot] : (long long)slot;
+                ok = src < p.x_rows;
+            }
+            xoff[j] = (uint32_t)((ok ? src : 0) * p.cols) + xc * 8;
+            xm |= (uint32_t)ok << j;
+        }
+        uint32_t wm = 0, um = 0;
+#pragma unroll
+        for (int j = 0; j < WLD; ++j) {
+            const int wr = (tid >> 1) + 64 * j;
+            const int o = SWIGLU ? n_tile * BW_OUT + (wr >> 4) * 8 + (wr & 7) : n_tile * BW_OUT + wr;
+            const bool ok = o < p.rows;
+            wm |= (uint32_t)ok << j;
+            um |= (uint32_t)(SWIGLU && ((wr >> 3) & 1)) << j;
+            wchunk[j] = (uint32_t)(((long long)matrix * p.rows + (ok ? o : 0)) * (p.cols / 32)) + wh;
+        }
+        x_ok = xm, w_ok = wm, w_up = um;
+    }
+
+    // Group kt's copies, into the stage whose X and code parts this thread writes at xdst and wdst.
+    __device__ __forceinline__ void copy(const WgParams& p, uint32_t xdst, uint32_t wdst, int kt) const {
+#pragma unroll
+        for (int j = 0; j < XRPT; ++j) cp_async16(xdst + j * 16 * 128, p.xh + xoff[j] + kt * GROUP, (x_ok >> j) & 1);
+#pragma unroll
+        for (int j = 0; j < WLD; ++j)
+            cp_async16(wdst + j * 64 * 32, reinterpret_cast<const uint4*>(((w_up >> j) & 1) ? p.w2 : p.w) + wchunk[j] + kt * 2, (w_ok >> j) & 1);
+    }
+};
+
 // ---- The warp-specialised, persistent tiles (half numerics, 4-bit codes, BT = 128 tokens).
 // 1 + CWG warpgroups a block, one block an SM, each block walking tiles blockIdx.x, + gridDim.x, ...:
 // the first (the producer, its registers given back) fills a ring of NS stages (X and codes, the layout
@@ -712,40 +760,13 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
         for (int i = blockIdx.x; i < n_tiles; i += gridDim.x) {
             int matrix, m_begin, m_end, n_tile;
             tile_of(i, matrix, m_begin, m_end, n_tile);
-            uint32_t xoff[XRPT];
-            uint32_t x_ok = 0;
-#pragma unroll
-            for (int j = 0; j < XRPT; ++j) {
-                const int slot = m_begin + (tid >> 3) + 16 * j;
-                long long src = 0;
-                bool ok = false;
-                if (slot < m_end) {
-                    src = (GROUPED && p.gather) ? (long long)p.gather[slot] : (long long)slot;
-                    ok = src < p.x_rows;
-                }
-                xoff[j] = (uint32_t)((ok ? src : 0) * cols) + xc * 8;
-                x_ok |= (uint32_t)ok << j;
-            }
-            uint32_t wchunk[WLD];
-            uint32_t w_ok = 0, w_up = 0;
-#pragma unroll
-            for (int j = 0; j < WLD; ++j) {
-                const int wr = (tid >> 1) + 64 * j;
-                const int o = out_row(n_tile, wr);
-                const bool ok = o < rows;
-                w_ok |= (uint32_t)ok << j;
-                w_up |= (uint32_t)(SWIGLU && ((wr >> 3) & 1)) << j;
-                wchunk[j] = (uint32_t)(((long long)matrix * rows + (ok ? o : 0)) * (cols / 32)) + wh;
-            }
+            RingTile<XRPT, WLD> rt;
+            rt.template set<SWIGLU, GROUPED, BW_OUT>(p, tid, matrix, m_begin, m_end, n_tile);
 #pragma unroll 1
             for (int kt = 0; kt < nk; ++kt) {
                 mbar_wait(empty0 + 8 * s, ph ^ 1);
                 const uint32_t so = s * STAGE;
-#pragma unroll
-                for (int j = 0; j < XRPT; ++j) cp_async16(xdst + so + j * 16 * 128, p.xh + xoff[j] + kt * GROUP, (x_ok >> j) & 1);
-#pragma unroll
-                for (int j = 0; j < WLD; ++j)
-                    cp_async16(wdst + so + j * 64 * 32, reinterpret_cast<const uint4*>(((w_up >> j) & 1) ? p.w2 : p.w) + wchunk[j] + kt * 2, (w_ok >> j) & 1);
+                rt.copy(p, xdst + so, wdst + so, kt);
                 mbar_arrive_on_copies(full0 + 8 * s);
                 if (++s == NS) {
                     s = 0;
@@ -936,33 +957,11 @@ __device__ __forceinline__ void wg_tile_ss(const WgParams& p) {
         const uint32_t xdst = base + (tid >> 3) * 128 + ((xc ^ ((tid >> 3) & 7)) << 4);
         const uint32_t wdst = base + XB + (tid >> 1) * 32 + wh * 16;
         int ci = blockIdx.x, ckt = 0, cG = 0;
-        uint32_t xoff[XRPT], wchunk[WLD];
-        uint32_t x_ok = 0, w_ok = 0, w_up = 0;
+        RingTile<XRPT, WLD> rt;
         auto copy_tile = [&](int i) {
             int matrix, m_begin, m_end, n_tile;
             tile_of(i, matrix, m_begin, m_end, n_tile);
-            x_ok = 0, w_ok = 0, w_up = 0;
-#pragma unroll
-            for (int j = 0; j < XRPT; ++j) {
-                const int slot = m_begin + (tid >> 3) + 16 * j;
-                long long src = 0;
-                bool ok = false;
-                if (slot < m_end) {
-                    src = (GROUPED && p.gather) ? (long long)p.gather[slot] : (long long)slot;
-                    ok = src < p.x_rows;
-                }
-                xoff[j] = (uint32_t)((ok ? src : 0) * cols) + xc * 8;
-                x_ok |= (uint32_t)ok << j;
-            }
-#pragma unroll
-            for (int j = 0; j < WLD; ++j) {
-                const int wr = (tid >> 1) + 64 * j;
-                const int o = out_row(n_tile, wr);
-                const bool ok = o < rows;
-                w_ok |= (uint32_t)ok << j;
-                w_up |= (uint32_t)is_up(wr) << j;
-                wchunk[j] = (uint32_t)(((long long)matrix * rows + (ok ? o : 0)) * (cols / 32)) + wh;
-            }
+            rt.template set<SWIGLU, GROUPED, BW_OUT>(p, tid, matrix, m_begin, m_end, n_tile);
         };
         if (ci < n_tiles) copy_tile(ci);
         // Copies group cG into stage cG % NX once the consumers have freed it (its group NX before);
@@ -972,11 +971,7 @@ __device__ __forceinline__ void wg_tile_ss(const WgParams& p) {
                 const int st = cG % NX;
                 mbar_wait(xfree0 + 8 * st, ((cG / NX) & 1) ^ 1);
                 const uint32_t so = st * XSTAGE;
-#pragma unroll
-                for (int j = 0; j < XRPT; ++j) cp_async16(xdst + so + j * 16 * 128, p.xh + xoff[j] + ckt * GROUP, (x_ok >> j) & 1);
-#pragma unroll
-                for (int j = 0; j < WLD; ++j)
-                    cp_async16(wdst + so + j * 64 * 32, reinterpret_cast<const uint4*>(((w_up >> j) & 1) ? p.w2 : p.w) + wchunk[j] + ckt * 2, (w_ok >> j) & 1);
+                rt.copy(p, xdst + so, wdst + so, ckt);
                 if (++ckt == nk) {
                     ckt = 0;
                     ci += gridDim.x;

@@ -246,19 +246,12 @@ struct CVec<4> {
 
 constexpr int COMBINE_THREADS = 128;
 
-// Grid (t, ceil(h / V / COMBINE_THREADS)): block (tok, c) writes vector columns c*128 .. c*128+127 of token tok.
-// Under PDL the order of the terms, their weights and the residual's old value are read before the
-// wait (each written two or more launches back: complete once this kernel may start); y, shared and
-// the gate logit after it (the shared expert's gate may be the launch just before).
-template <int V, bool YB16>
-__device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
-    using T = typename CVec<V>::T;
-    __shared__ uint32_t key[MAX_K];
-    __shared__ uint32_t ord_slot[MAX_K];
-    __shared__ float ord_w[MAX_K];
-    const int tok = blockIdx.x, k = p.k;
+// The k terms of token tok in the summation order (ascending expert id, ties by j): their slots and
+// routing weights into ord_slot and ord_w (shared memory; the block's threads 0 .. k - 1 write them, a
+// barrier follows). Read through L2 (ld.global.cg), as everywhere a kernel may start under PDL.
+__device__ __forceinline__ void combine_order(const MoeCombineParams& p, int tok, uint32_t* key, uint32_t* ord_slot, float* ord_w) {
+    const int k = p.k;
     const long long base = (long long)tok * k;
-    // Activations through L2 (ld.global.cg), as everywhere a kernel may start under PDL.
     if (threadIdx.x < k) key[threadIdx.x] = __ldcg(p.idx + base + threadIdx.x);
     __syncthreads();
     if (threadIdx.x < k) {
@@ -270,6 +263,37 @@ __device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
         ord_w[rank] = __ldcg(p.w + base + j);
     }
     __syncthreads();
+}
+
+// Vector c of token tok's sum: the k terms in order (a slot past n contributes NaN), then the shared
+// expert's gated term.
+template <int V, bool YB16>
+__device__ __forceinline__ typename CVec<V>::T combine_sum(const MoeCombineParams& p, const uint32_t* ord_slot, const float* ord_w, float gate,
+                                                           int tok, int c, int nv) {
+    using T = typename CVec<V>::T;
+    T acc = CVec<V>::zero();
+    for (int r = 0; r < p.k; r++) {
+        const uint32_t s = ord_slot[r];
+        const long long at = (long long)s * nv + c;
+        const T v = s >= (uint32_t)p.n ? CVec<V>::nan() : YB16 ? CVec<V>::load_bf16(p.y, at) : reinterpret_cast<const T*>(p.y)[at];
+        acc = CVec<V>::madd(acc, ord_w[r], v);
+    }
+    if (p.shared) acc = CVec<V>::madd(acc, gate, reinterpret_cast<const T*>(p.shared)[(long long)tok * nv + c]);
+    return acc;
+}
+
+// Grid (t, ceil(h / V / COMBINE_THREADS)): block (tok, c) writes vector columns c*128 .. c*128+127 of token tok.
+// Under PDL the order of the terms, their weights and the residual's old value are read before the
+// wait (each written two or more launches back: complete once this kernel may start); y, shared and
+// the gate logit after it (the shared expert's gate may be the launch just before).
+template <int V, bool YB16>
+__device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
+    using T = typename CVec<V>::T;
+    __shared__ uint32_t key[MAX_K];
+    __shared__ uint32_t ord_slot[MAX_K];
+    __shared__ float ord_w[MAX_K];
+    const int tok = blockIdx.x;
+    combine_order(p, tok, key, ord_slot, ord_w);
 
     const int nv = p.h / V;
     const int c = blockIdx.y * COMBINE_THREADS + threadIdx.x;
@@ -280,14 +304,7 @@ __device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
     pdl_launch_dependents();
     if (c >= nv) return;
     const float gate = p.shared ? cpu_sigmoid(__ldcg(p.gate_logit + (long long)tok * p.gate_stride)) : 0.0f;
-    T acc = CVec<V>::zero();
-    for (int r = 0; r < k; r++) {
-        const uint32_t s = ord_slot[r];
-        const long long at = (long long)s * nv + c;
-        const T v = s >= (uint32_t)p.n ? CVec<V>::nan() : YB16 ? CVec<V>::load_bf16(p.y, at) : reinterpret_cast<const T*>(p.y)[at];
-        acc = CVec<V>::madd(acc, ord_w[r], v);
-    }
-    if (p.shared) acc = CVec<V>::madd(acc, gate, reinterpret_cast<const T*>(p.shared)[(long long)tok * nv + c]);
+    T acc = combine_sum<V, YB16>(p, ord_slot, ord_w, gate, tok, c, nv);
     // x + 1*sum: the residual add, rounded once.
     if (p.accumulate) acc = CVec<V>::madd(x_old, 1.0f, acc);
     *o = acc;
@@ -300,19 +317,8 @@ __device__ __forceinline__ void moe_combine_norm(const MoeCombineParams& p) {
     __shared__ uint32_t key[MAX_K];
     __shared__ uint32_t ord_slot[MAX_K];
     __shared__ float ord_w[MAX_K];
-    const int tok = blockIdx.x, k = p.k;
-    const long long base = (long long)tok * k;
-    if (threadIdx.x < k) key[threadIdx.x] = __ldcg(p.idx + base + threadIdx.x);
-    __syncthreads();
-    if (threadIdx.x < k) {
-        const int j = threadIdx.x;
-        const uint32_t kj = key[j];
-        int rank = 0;
-        for (int q = 0; q < k; q++) rank += (key[q] < kj || (key[q] == kj && q < j)) ? 1 : 0;
-        ord_slot[rank] = p.slot_of ? __ldcg(p.slot_of + base + j) : (uint32_t)(base + j);
-        ord_w[rank] = __ldcg(p.w + base + j);
-    }
-    __syncthreads();
+    const int tok = blockIdx.x;
+    combine_order(p, tok, key, ord_slot, ord_w);
     const int nv = p.h / V;
     T* o = reinterpret_cast<T*>(p.out) + (long long)tok * nv;
     pdl_wait();
@@ -320,14 +326,7 @@ __device__ __forceinline__ void moe_combine_norm(const MoeCombineParams& p) {
     const float gate = p.shared ? cpu_sigmoid(__ldcg(p.gate_logit + (long long)tok * p.gate_stride)) : 0.0f;
     float ss = 0.0f;
     for (int c = threadIdx.x; c < nv; c += blockDim.x) {
-        T acc = CVec<V>::zero();
-        for (int r = 0; r < k; r++) {
-            const uint32_t s = ord_slot[r];
-            const long long at = (long long)s * nv + c;
-            const T v = s >= (uint32_t)p.n ? CVec<V>::nan() : YB16 ? CVec<V>::load_bf16(p.y, at) : reinterpret_cast<const T*>(p.y)[at];
-            acc = CVec<V>::madd(acc, ord_w[r], v);
-        }
-        if (p.shared) acc = CVec<V>::madd(acc, gate, reinterpret_cast<const T*>(p.shared)[(long long)tok * nv + c]);
+        const T acc = combine_sum<V, YB16>(p, ord_slot, ord_w, gate, tok, c, nv);
         const T h = CVec<V>::madd(__ldcg(o + c), 1.0f, acc);  // x + the MoE output, rounded once
         o[c] = h;
         ss += RmsVec<V>::sq(h);
