@@ -224,6 +224,12 @@ __device__ __forceinline__ void store_tile(const float (&acc)[MT][BT / 2], void*
     }
 }
 
+// A compile-time flag passed to a generic lambda (decltype(f)::value).
+template <bool B>
+struct Flag {
+    static constexpr bool value = B;
+};
+
 // The half tiles' main loop: step(kt, a) for the groups kt < nk, the weights of consecutive groups in
 // alternate register sets (a group's are written while the MMAs of the one before still read theirs).
 template <int MT, typename Step>
@@ -667,9 +673,12 @@ struct RingTile {
     }
 
     // Group kt's copies, into the stage whose X and code parts this thread writes at xdst and wdst.
-    __device__ __forceinline__ void copy(const WgParams& p, uint32_t xdst, uint32_t wdst, int kt) const {
+    // With all = false only the first half of the X rows (a 256-token tile of at most 128 slots: its
+    // second half's MMAs do not run).
+    __device__ __forceinline__ void copy(const WgParams& p, uint32_t xdst, uint32_t wdst, int kt, bool all = true) const {
 #pragma unroll
-        for (int j = 0; j < XRPT; ++j) cp_async16(xdst + j * 16 * 128, p.xh + xoff[j] + kt * GROUP, (x_ok >> j) & 1);
+        for (int j = 0; j < XRPT; ++j)
+            if (j < XRPT / 2 || all) cp_async16(xdst + j * 16 * 128, p.xh + xoff[j] + kt * GROUP, (x_ok >> j) & 1);
 #pragma unroll
         for (int j = 0; j < WLD; ++j)
             cp_async16(wdst + j * 64 * 32, reinterpret_cast<const uint4*>(((w_up >> j) & 1) ? p.w2 : p.w) + wchunk[j] + kt * 2, (w_ok >> j) & 1);
@@ -687,16 +696,23 @@ struct RingTile {
 // the last one out. Grouped: token tiles as find_group_tile's, from a prefix over experts computed once
 // a block (group_tile_prefix); a tile index is (token tile, row tile) with row tiles fastest (grouped) or
 // token tiles fastest (plain), the launch orders of wg_tile.
+//
+// TH = 2: tiles of 256 tokens as two halves of 128 (MT = 1, two consumer warpgroups): each weight a
+// consumer dequantises feeds two MMAs, one a half, so the dequantisation and its issue slots a FLOP
+// halve; the second half's copies and MMAs run only where the tile has more than 128 slots (a grouped
+// tile ends at its expert's last slot), so an expert of up to 256 slots is one tile, its weights
+// dequantised once. OUT16: the outputs in bf16 (store_tile's), the grouped form without SwiGLU.
 
-template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2>
+template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2, int TH = 1, bool OUT16 = false>
 __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
-    constexpr int BT = 128;
+    constexpr int BH = 128;                      // tokens a half (an MMA's N)
+    constexpr int BT = BH * TH;                  // tokens a tile
     constexpr int THREADS = 128 * (CWG + 1);     // the producer warpgroup and CWG consumer warpgroups
     constexpr int BWT = 64 * CWG * MT;           // weight rows a tile
     constexpr int XB = BT * 128;                 // X bytes a stage: BT rows of 64 f16
     constexpr int WB = BWT * 32;                 // codes a stage: BWT rows of 64 4-bit codes
     constexpr int STAGE = (XB + WB + 1023) / 1024 * 1024;
-    constexpr int ND = BT / 2;                   // accumulators a thread an m64 tile
+    constexpr int ND = BH / 2;                   // accumulators a thread an m64 tile of one half
     constexpr int BW_OUT = SWIGLU ? BWT / 2 : BWT;
     constexpr int XRPT = BT / 16;                // X rows a producer thread loads (128 threads, 8 chunks a row)
     constexpr int WLD = BWT * 2 / 128;           // 16-byte code chunks a producer thread loads (2 a row)
@@ -707,8 +723,11 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     // before the next is dequantised (the other warpgroups' MMAs keep the tensor cores busy
     // meanwhile); two keep two sets in flight.
     constexpr bool SINGLE = CWG > 2;
-    constexpr int PRODUCER_REGS = CWG > 2 ? 32 : 40, CONSUMER_REGS = CWG > 2 ? 112 : 232;
+    // The 256-token tile's producer holds twice the X rows' offsets: 56 = 168 − 2 · (224 − 168).
+    constexpr int PRODUCER_REGS = CWG > 2 ? 32 : (TH == 2 ? 56 : 40), CONSUMER_REGS = CWG > 2 ? 112 : (TH == 2 ? 224 : 232);
     static_assert(CWG == 2 || (CWG == 4 && MT == 1), "two consumer warpgroups, or four of one m64 tile each");
+    static_assert(TH == 1 || (TH == 2 && MT == 1 && CWG == 2), "256-token tiles: two consumer warpgroups of one m64 tile");
+    static_assert(!OUT16 || (GROUPED && !SWIGLU), "bf16 outputs: the grouped form without SwiGLU");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[2 * NS];   // full[s], then empty[s]
@@ -762,11 +781,12 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
             tile_of(i, matrix, m_begin, m_end, n_tile);
             RingTile<XRPT, WLD> rt;
             rt.template set<SWIGLU, GROUPED, BW_OUT>(p, tid, matrix, m_begin, m_end, n_tile);
+            const bool two = TH == 2 && m_end - m_begin > BH;
 #pragma unroll 1
             for (int kt = 0; kt < nk; ++kt) {
                 mbar_wait(empty0 + 8 * s, ph ^ 1);
                 const uint32_t so = s * STAGE;
-                rt.copy(p, xdst + so, wdst + so, kt);
+                rt.copy(p, xdst + so, wdst + so, kt, TH == 1 || two);
                 mbar_arrive_on_copies(full0 + 8 * s);
                 if (++s == NS) {
                     s = 0;
@@ -807,6 +827,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
             tsc[parity][ct] = k;
         }
         named_barrier_sync(1, 128 * CWG);
+        const bool two = TH == 2 && m_end - m_begin > BH;  // the second half's MMAs run
 
         int r0[MT], o0[MT], o1[MT];
         bool ok0[MT], ok1[MT];
@@ -820,11 +841,13 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
             gi0[m] = (uint32_t)(((long long)matrix * rows + (ok0[m] ? o0[m] : 0)) * groups);
             gi1[m] = (uint32_t)(((long long)matrix * rows + (ok1[m] ? o1[m] : 0)) * groups);
         }
-        float acc[MT][ND];
+        float acc[TH][MT][ND];  // [half][m64 tile][fragment]
 #pragma unroll
-        for (int m = 0; m < MT; ++m)
+        for (int h = 0; h < TH; ++h)
 #pragma unroll
-            for (int e = 0; e < ND; ++e) acc[m][e] = 0.0f;
+            for (int m = 0; m < MT; ++m)
+#pragma unroll
+                for (int e = 0; e < ND; ++e) acc[h][m][e] = 0.0f;
         uint16_t nxt[MT][4];
         auto fetch = [&](int kt) {
 #pragma unroll
@@ -837,7 +860,9 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
         };
         fetch(0);
         int prev = -1;
-        auto step = [&](int kt, uint32_t (&a)[MT][4][4]) {
+        // BOTH: the second half's MMAs too (a compile-time flag, so that no branch sits between a
+        // group's MMAs: ptxas fences each MMA of a conditional sequence).
+        auto step = [&](int kt, uint32_t (&a)[MT][4][4], auto both) {
             mbar_wait(full0 + 8 * s, ph);
             fence_proxy_async();
             const uint32_t so = s * STAGE;
@@ -850,9 +875,12 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
             const uint64_t dst = d0 + (uint64_t)(so >> 4);
             wgmma_fence();
 #pragma unroll
-            for (int k = 0; k < 4; ++k)
+            for (int k = 0; k < 4; ++k) {
 #pragma unroll
-                for (int m = 0; m < MT; ++m) wgmma_m64n128k16_rs<true>(acc[m], a[m][k], dst + (uint64_t)((32 * k) >> 4), 1);
+                for (int m = 0; m < MT; ++m) wgmma_m64n128k16_rs<true>(acc[0][m], a[m][k], dst + (uint64_t)((32 * k) >> 4), 1);
+                // The second half's X rows start BH rows (BH · 128 bytes, whole swizzle atoms) on.
+                if constexpr (decltype(both)::value) wgmma_m64n128k16_rs<true>(acc[TH - 1][0], a[0][k], dst + (uint64_t)((BH * 128 + 32 * k) >> 4), 1);
+            }
             wgmma_commit();
             if constexpr (SINGLE) {
                 wgmma_wait<0>();
@@ -868,20 +896,33 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
                 ph ^= 1;
             }
         };
+        auto step1 = [&](int kt, uint32_t (&a)[MT][4][4]) { step(kt, a, Flag<false>{}); };
         if constexpr (SINGLE) {
             uint32_t a0[MT][4][4];
 #pragma unroll 1
-            for (int kt = 0; kt < nk; ++kt) step(kt, a0);
+            for (int kt = 0; kt < nk; ++kt) step1(kt, a0);
         } else {
-            steps_in_two_sets<MT>(nk, step);
+            if constexpr (TH == 2) {
+                auto step2 = [&](int kt, uint32_t (&a)[MT][4][4]) { step(kt, a, Flag<true>{}); };
+                if (two) steps_in_two_sets<MT>(nk, step2);
+                else steps_in_two_sets<MT>(nk, step1);
+            } else {
+                steps_in_two_sets<MT>(nk, step1);
+            }
             wgmma_wait<0>();
             if (lane == 0) mbar_arrive(empty0 + 8 * prev);
         }
 #pragma unroll
-        for (int m = 0; m < MT; ++m) wgmma_pin(acc[m]);
+        for (int h = 0; h < TH; ++h)
+#pragma unroll
+            for (int m = 0; m < MT; ++m) wgmma_pin(acc[h][m]);
 
-        store_tile<MT, BT, SWIGLU>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return tsc[parity][tok]; },
-                                   [](int) { return false; });
+#pragma unroll
+        for (int h = 0; h < TH; ++h) {
+            if (h > 0 && !two) break;
+            store_tile<MT, BH, SWIGLU, OUT16>(acc[h], p.y, rows, m_begin + BH * h, m_end, q, o0, o1, ok0, ok1,
+                                              [&](int tok) { return tsc[parity][BH * h + tok]; }, [](int) { return false; });
+        }
     }
 }
 
@@ -1123,20 +1164,25 @@ SS_ENTRY(gemm_wgmma_swiglu_ss256, true, false)
 SS_ENTRY(gemm_wgmma_grouped_ss256, false, true)
 SS_ENTRY(gemm_wgmma_grouped_swiglu_ss256, true, true)
 
-#define WS_ENTRY(name, MT, NS, SWIGLU, GROUPED, CWG)                                                  \
+#define WS_ENTRY_T(name, MT, NS, SWIGLU, GROUPED, CWG, TH, OUT16)                                     \
     extern "C" __global__ void __launch_bounds__(128 * (CWG + 1), 1) name(const WgParams p) {          \
         pdl_enter();                                                                                   \
-        wg_tile_ws<MT, NS, SWIGLU, GROUPED, CWG>(p);                                                   \
+        wg_tile_ws<MT, NS, SWIGLU, GROUPED, CWG, TH, OUT16>(p);                                        \
     }
-// _ws4: 256 weight rows as four consumer warpgroups of 64 (half the X traffic a FLOP of _ws128).
+#define WS_ENTRY(name, MT, NS, SWIGLU, GROUPED, CWG) WS_ENTRY_T(name, MT, NS, SWIGLU, GROUPED, CWG, 1, false)
+// _ws4: 256 weight rows as four consumer warpgroups of 64 (half the X traffic a FLOP of _ws128);
+// _ws128t256: 128 weight rows × 256 tokens (stages of 36 KB: 6 fit).
 #define WS_FORM(prefix, SWIGLU, GROUPED)                      \
     WS_ENTRY(prefix##_ws128, 1, 10, SWIGLU, GROUPED, 2)       \
     WS_ENTRY(prefix##_ws256, 2, 8, SWIGLU, GROUPED, 2)        \
-    WS_ENTRY(prefix##_ws4, 1, 8, SWIGLU, GROUPED, 4)
+    WS_ENTRY(prefix##_ws4, 1, 8, SWIGLU, GROUPED, 4)          \
+    WS_ENTRY_T(prefix##_ws128t256, 1, 6, SWIGLU, GROUPED, 2, 2, false)
 WS_FORM(gemm_wgmma_plain, false, false)
 WS_FORM(gemm_wgmma_swiglu, true, false)
 WS_FORM(gemm_wgmma_grouped, false, true)
 WS_FORM(gemm_wgmma_grouped_swiglu, true, true)
+// bf16 outputs (the MoE down projection) on the 256-token tile.
+WS_ENTRY_T(gemm_wgmma_grouped_ws128t256_o16, 1, 6, false, true, 2, 2, true)
 
 #define WG_ENTRY_W(name, BT, MT, NUM, NS, WGS, SWIGLU, GROUPED, MINB)                                 \
     extern "C" __global__ void __launch_bounds__(128 * WGS, MINB) name(const WgParams p) {               \

@@ -70,8 +70,20 @@ const CPU_TOL_HALF: f64 = 1e-3;
 const SPARE: usize = 37;
 
 const PRECISIONS: [Precision; 4] = [Precision::Exact, Precision::Bf16x, Precision::Fast, Precision::Half];
-const TILES: [Tile; 11] =
-    [Tile::Auto, Tile::M64, Tile::M32, Tile::Wg64, Tile::Wg128, Tile::Wg64x256, Tile::Wg128x256, Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256];
+const TILES: [Tile; 12] = [
+    Tile::Auto,
+    Tile::M64,
+    Tile::M32,
+    Tile::Wg64,
+    Tile::Wg128,
+    Tile::Wg64x256,
+    Tile::Wg128x256,
+    Tile::Ws128,
+    Tile::Ws256,
+    Tile::Ws4,
+    Tile::Ss256,
+    Tile::Ws128T256,
+];
 
 fn is_q4g64(w: &Matrix) -> bool {
     matches!(&w.storage, Storage::Affine { params, .. } if params.bits == 4 && params.group_size == 64)
@@ -87,7 +99,7 @@ fn is_q8g64(w: &Matrix) -> bool {
 fn tile_takes(tile: Tile, w: &Matrix, p: Precision, plain: bool) -> bool {
     match tile {
         Tile::Wg64 | Tile::Wg128 => (is_q4g64(w) || (is_q8g64(w) && plain)) && p != Precision::Fast,
-        Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 => is_q4g64(w) && p == Precision::Half,
+        Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 | Tile::Ws128T256 => is_q4g64(w) && p == Precision::Half,
         _ => true,
     }
 }
@@ -773,7 +785,7 @@ fn half_scales_each_row_into_f16_range() {
         x[r * cols..(r + 1) * cols].iter_mut().for_each(|v| *v *= m);
     }
     let rm = RefMat::new(&w, 0);
-    for tile in [Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256] {
+    for tile in [Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256] {
         let o = Opts { tile, precision: Precision::Half, ..Default::default() };
         let xd = dev.upload(&x).unwrap();
         let mut y = poisoned(&dev, t * rows);
@@ -815,7 +827,9 @@ fn grouped_gather_past_x_gives_nan_rows_only() {
     let off_d = dev.upload(&offsets_of(&counts)).unwrap();
     let expert = [0usize, 0, 0, 2, 2, 2, 2];
     // Every precision on the Auto tile, and Half on the warp-specialised ones too.
-    let runs = PRECISIONS.iter().map(|&p| (p, Tile::Auto)).chain([(Precision::Half, Tile::Ws128), (Precision::Half, Tile::Ws256), (Precision::Half, Tile::Ws4), (Precision::Half, Tile::Ss256)]);
+    let runs = PRECISIONS.iter().map(|&p| (p, Tile::Auto)).chain(
+        [Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256].map(|tile| (Precision::Half, tile)),
+    );
     for (p, tile) in runs {
         let mut y = poisoned(&dev, n * rows);
         util::fill(&dev, &mut y, 0.5).unwrap();
@@ -850,7 +864,7 @@ fn warp_specialised_tiles_walk_many_tiles_like_wg128() {
         run(Tile::Wg128, &mut want);
         let want = dev.download(&want).unwrap();
         let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
-        for tile in [Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256] {
+        for tile in [Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256] {
             let mut y = poisoned(&dev, n);
             run(tile, &mut y);
             let got = dev.download(&y).unwrap();
@@ -888,6 +902,21 @@ fn warp_specialised_tiles_walk_many_tiles_like_wg128() {
         &mut |tile, y| gemm::grouped_swiglu_gemm_with(&dev, &g, &u, &off, Some(&src), &xd, n, y, half(tile)).unwrap(),
         n * rows,
     );
+    // Experts of 0 to 700 slots (one to three 256-slot tiles; tails of 1, 127, 128, 129 and 188 slots),
+    // without a gather: Ws128T256's second half on and off within one launch.
+    let counts = [0usize, 1, 130, 700, 256, 257, 128, 383, 90, 0, 512, 40];
+    let e = counts.len();
+    let n: usize = counts.iter().sum();
+    let off = dev.upload(&offsets_of(&counts)).unwrap();
+    let (rows, cols) = (256, 512);
+    let (g, u) = (upload_matrix(&dev, &matrix(&mut rng, f, e, rows, cols)).unwrap(), upload_matrix(&dev, &matrix(&mut rng, f, e, rows, cols)).unwrap());
+    let (xd, _, _) = inputs(&dev, &mut rng, n, cols, 0);
+    compare_ws("grouped [12x256x512] n=2497", &mut |tile, y| gemm::grouped_gemm_with(&dev, &g, &off, None, &xd, n, y, half(tile)).unwrap(), n * rows);
+    compare_ws(
+        "grouped swiglu [12x256x512] n=2497",
+        &mut |tile, y| gemm::grouped_swiglu_gemm_with(&dev, &g, &u, &off, None, &xd, n, y, half(tile)).unwrap(),
+        n * rows,
+    );
 }
 
 /// The grouped form's bf16 outputs (`grouped_gemm_with` into a u16 buffer: the MoE down projection's
@@ -914,12 +943,13 @@ fn grouped_bf16_outputs_are_the_f32_outputs_rounded() {
         let src = dev.upload(&src).unwrap();
         let (xd, _, _) = inputs(&dev, &mut rng, x_rows, cols, 0);
         let rows_arg = gather.then_some(&src);
-        for tile in [Tile::Auto, Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws4] {
-            // The f32 outputs of the tile that runs: a forced wide tile runs the 128-row one.
+        for tile in [Tile::Auto, Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws4, Tile::Ws128T256] {
+            // The f32 outputs of the tile that runs: a forced wide tile runs the 128-row one (not
+            // Ws128T256, which takes bf16 outputs itself; Auto takes it where experts average 96 slots).
             let f32_tile = match tile {
                 Tile::Wg128x256 | Tile::Ws128 | Tile::Ws4 => Tile::Wg128,
                 Tile::Auto if n / e < 96 => Tile::Wg64,
-                Tile::Auto => Tile::Wg128,
+                Tile::Auto => Tile::Ws128T256,
                 t => t,
             };
             let mut y = poisoned(&dev, n * rows);

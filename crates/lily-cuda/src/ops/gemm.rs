@@ -113,11 +113,18 @@ pub enum Tile {
     /// loading warpgroup and both MMA operands read from there by two consumer warpgroups of 128 rows
     /// (no weights in their registers); persistent as `Ws128`.
     Ss256,
+    /// As `Ws128` with 256 tokens × 128 weight rows a tile: each weight a consumer dequantises feeds
+    /// the MMAs of two 128-token halves (the second only where the tile holds more than 128 slots, so
+    /// a grouped expert of up to 256 slots is one tile). Also takes the grouped bf16 outputs.
+    Ws128T256,
 }
 
 impl Tile {
     fn is_wgmma(self) -> bool {
-        matches!(self, Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256)
+        matches!(
+            self,
+            Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 | Tile::Ws128T256
+        )
     }
 
     /// The warp-specialised tile of this one, if it is one.
@@ -127,6 +134,7 @@ impl Tile {
             Tile::Ws256 => Some(super::gemm_wgmma::Ws::R256),
             Tile::Ws4 => Some(super::gemm_wgmma::Ws::Four),
             Tile::Ss256 => Some(super::gemm_wgmma::Ws::Ss256),
+            Tile::Ws128T256 => Some(super::gemm_wgmma::Ws::T256),
             _ => None,
         }
     }
@@ -137,19 +145,24 @@ impl Tile {
             Tile::Wg64 => (64, 128),
             Tile::Wg64x256 => (64, 256),
             Tile::Wg128x256 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 => (128, 256),
+            Tile::Ws128T256 => (256, 128),
             _ => (128, 128),
         }
     }
 }
 
 /// `LILY_GEMM`, read once (A/B runs): `mma` keeps gemm.cu's kernels where `Tile::Auto` would take the
-/// wgmma ones; `wg`, `ws128`, `ws256`, `ws4`, `ss256` put that wgmma tile wherever `Tile::Auto` would take the
-/// 128 × 128 half tile (see `wide_half_tile`); anything else, the defaults.
+/// wgmma ones; `wg`, `ws128`, `ws256`, `ws4`, `ss256`, `t256` put that wgmma tile wherever `Tile::Auto`
+/// would take the 128 × 128 half tile (see `wide_half_tile`); `t128` the choice before the 256-token
+/// tiles (`Ws128`, the down projection `Wg128`); `t256wg` the defaults with the down projection on
+/// `Wg128`; anything else, the defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum GemmSwitch {
     Default,
     Mma,
     Wide(Tile),
+    Tokens128,
+    DownWg,
 }
 
 fn gemm_switch() -> GemmSwitch {
@@ -161,6 +174,9 @@ fn gemm_switch() -> GemmSwitch {
         Ok("ws256") => GemmSwitch::Wide(Tile::Ws256),
         Ok("ws4") => GemmSwitch::Wide(Tile::Ws4),
         Ok("ss256") => GemmSwitch::Wide(Tile::Ss256),
+        Ok("t256") => GemmSwitch::Wide(Tile::Ws128T256),
+        Ok("t128") => GemmSwitch::Tokens128,
+        Ok("t256wg") => GemmSwitch::DownWg,
         _ => GemmSwitch::Default,
     })
 }
@@ -188,15 +204,20 @@ fn router_path() -> RouterPath {
 }
 
 /// The tile `Tile::Auto` takes where `half_tile` picks `Tile::Wg128` (4-bit weights, at most
-/// `WS_MAX_EXPERTS` experts): by default the warp-specialised `Ws128`, except in the grouped GEMMs
-/// without SwiGLU (the MoE down projection, K = 512: 3.5% slower there on an H100, where the plain
-/// GEMMs gained 5–11% and the grouped SwiGLU 4.5%; PERF.md 2026-12-06, fifteenth session).
-/// `LILY_GEMM=wg` keeps `Wg128` everywhere, `ws128` / `ws256` / `ws4` take that tile everywhere (A/B
-/// runs; `ws4` built after the last GPU call of the fifteenth session, not yet measured).
-fn wide_half_tile(grouped: bool, swiglu: bool) -> Tile {
+/// `WS_MAX_EXPERTS` experts): by default the 256-token warp-specialised tile (`Ws128T256`) wherever
+/// its tiles still give every SM one (grouped: `half_tile` has already asked for ~96 slots an expert),
+/// else `Ws128` (PERF.md 2026-12-06, nineteenth session). Before it (`LILY_GEMM=t128`): `Ws128`, except
+/// in the grouped GEMMs without SwiGLU (the MoE down projection, K = 512: 3.5% slower there on an H100
+/// than `Wg128`, where the plain GEMMs gained 5–11% and the grouped SwiGLU 4.5%; fifteenth session).
+/// `LILY_GEMM=wg` keeps `Wg128` everywhere, `ws128` / `ws256` / `ws4` / `ss256` / `t256` take that tile
+/// everywhere (A/B runs).
+fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, wg_tiles: usize) -> Tile {
+    let fills = grouped || t.div_ceil(256) * wg_tiles >= dev.sm_count() as usize;
     match gemm_switch() {
         GemmSwitch::Wide(tile) => tile,
-        _ if grouped && !swiglu => Tile::Wg128,
+        GemmSwitch::Tokens128 | GemmSwitch::DownWg if grouped && !swiglu => Tile::Wg128,
+        GemmSwitch::Tokens128 => Tile::Ws128,
+        _ if fills => Tile::Ws128T256,
         _ => Tile::Ws128,
     }
 }
@@ -638,7 +659,9 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
     let wg_auto = wg_ok && gemm_switch() != GemmSwitch::Mma && (w.bits() == 4 || router_path() != RouterPath::Mma);
     let tile = match tile {
         Tile::Auto if wg_auto && precision == Precision::Half => match half_tile(dev, grouped, t, experts, wg_tiles) {
-            Tile::Wg128 if w.bits() == 4 && (!grouped || experts <= super::gemm_wgmma::WS_MAX_EXPERTS) => wide_half_tile(grouped, w2.is_some()),
+            Tile::Wg128 if w.bits() == 4 && (!grouped || experts <= super::gemm_wgmma::WS_MAX_EXPERTS) => {
+                wide_half_tile(dev, grouped, w2.is_some(), t, wg_tiles)
+            }
             other => other,
         },
         Tile::Auto if wg_auto => {
@@ -674,7 +697,8 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
         other => other,
     };
     // bf16 outputs: the grouped 4-bit Half wgmma form without SwiGLU, on its tiles of 128 weight rows
-    // (a forced 256-row or warp-specialised tile gives way to the 128-row one of its token width).
+    // and `Ws128T256` (another forced 256-row or warp-specialised tile gives way to the 128-row one of
+    // its token width).
     let tile = if E::BF16 {
         if !(grouped && w2.is_none() && precision == Precision::Half && w.bits() == 4 && g64 && tile.is_wgmma()) {
             return Err(CudaError::Shape(format!(
@@ -682,7 +706,11 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
                 describe(w)
             )));
         }
-        if tile.wgmma_shape().0 == 64 { Tile::Wg64 } else { Tile::Wg128 }
+        match tile {
+            Tile::Ws128T256 => tile,
+            _ if tile.wgmma_shape().0 == 64 => Tile::Wg64,
+            _ => Tile::Wg128,
+        }
     } else {
         tile
     };

@@ -105,26 +105,32 @@ const NAMES_Q8: [&str; 6] = [
 ];
 /// The grouped half kernels writing bf16 outputs: variants 4 (128 tokens) and 5 (64) of the grouped form.
 const NAMES_O16: [&str; 2] = ["gemm_wgmma_grouped_n128_h128_o16", "gemm_wgmma_grouped_n64_h128_o16"];
-/// The warp-specialised persistent tiles (half numerics, 4-bit, 128 tokens): per form (plain, swiglu,
-/// grouped, grouped swiglu) [`Ws::R128`], [`Ws::R256`], [`Ws::Four`], [`Ws::Ss256`].
-const NAMES_WS: [&str; 16] = [
+/// The warp-specialised persistent tiles (half numerics, 4-bit): per form (plain, swiglu, grouped,
+/// grouped swiglu) [`Ws::R128`], [`Ws::R256`], [`Ws::Four`], [`Ws::Ss256`], [`Ws::T256`].
+const NAMES_WS: [&str; 20] = [
     "gemm_wgmma_plain_ws128",
     "gemm_wgmma_plain_ws256",
     "gemm_wgmma_plain_ws4",
     "gemm_wgmma_plain_ss256",
+    "gemm_wgmma_plain_ws128t256",
     "gemm_wgmma_swiglu_ws128",
     "gemm_wgmma_swiglu_ws256",
     "gemm_wgmma_swiglu_ws4",
     "gemm_wgmma_swiglu_ss256",
+    "gemm_wgmma_swiglu_ws128t256",
     "gemm_wgmma_grouped_ws128",
     "gemm_wgmma_grouped_ws256",
     "gemm_wgmma_grouped_ws4",
     "gemm_wgmma_grouped_ss256",
+    "gemm_wgmma_grouped_ws128t256",
     "gemm_wgmma_grouped_swiglu_ws128",
     "gemm_wgmma_grouped_swiglu_ws256",
     "gemm_wgmma_grouped_swiglu_ws4",
     "gemm_wgmma_grouped_swiglu_ss256",
+    "gemm_wgmma_grouped_swiglu_ws128t256",
 ];
+/// [`Ws::T256`]'s grouped form writing bf16 outputs (the MoE down projection's slots).
+const NAME_WS_O16: &str = "gemm_wgmma_grouped_ws128t256_o16";
 
 /// A warp-specialised tile: a producer warpgroup and consumer warpgroups of 64 weight rows a m64 tile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,6 +144,10 @@ pub(crate) enum Ws {
     /// 256 weight rows with the weights dequantised once into shared memory by the loading warpgroup
     /// and both MMA operands from shared memory: two consumer warpgroups of two m64 tiles (`wg_tile_ss`).
     Ss256,
+    /// 128 weight rows × 256 tokens: two consumer warpgroups of one m64 tile, each weight they
+    /// dequantise feeding the MMAs of both 128-token halves (the second only where the tile has more
+    /// than 128 slots).
+    T256,
 }
 
 impl Ws {
@@ -148,12 +158,18 @@ impl Ws {
             Ws::R256 => 1,
             Ws::Four => 2,
             Ws::Ss256 => 3,
+            Ws::T256 => 4,
         }
     }
 
     /// Weight rows a tile.
     pub(crate) const fn rows(self) -> usize {
-        if matches!(self, Ws::R128) { 128 } else { 256 }
+        if matches!(self, Ws::R128 | Ws::T256) { 128 } else { 256 }
+    }
+
+    /// Tokens (slots) a tile.
+    pub(crate) const fn tokens(self) -> usize {
+        if matches!(self, Ws::T256) { 256 } else { 128 }
     }
 
     /// Stages of its ring (NS of `WS_ENTRY` in the `.cu`; `Ss256`: the X and code stages, NX of
@@ -162,6 +178,7 @@ impl Ws {
         match self {
             Ws::R128 => 10,
             Ws::Ss256 => 5,
+            Ws::T256 => 6,
             _ => 8,
         }
     }
@@ -178,7 +195,7 @@ pub(crate) const WS_MAX_EXPERTS: usize = 768;
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 
-const N_ALL: usize = 4 * VARIANTS + 2 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len();
+const N_ALL: usize = 4 * VARIANTS + 2 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + 1;
 const fn all_kernels() -> [&'static str; N_ALL] {
     let mut out = [""; N_ALL];
     let mut n = 0;
@@ -205,6 +222,7 @@ const fn all_kernels() -> [&'static str; N_ALL] {
         out[n] = NAMES_O16[i];
         (i, n) = (i + 1, n + 1);
     }
+    out[n] = NAME_WS_O16;
     out
 }
 const ALL: [&str; N_ALL] = all_kernels();
@@ -308,17 +326,17 @@ const fn smem_bytes(v: Variant) -> usize {
 }
 
 /// The warp-specialised tiles in the order of `NAMES_WS` within a form.
-const WS_KINDS: [Ws; 4] = [Ws::R128, Ws::R256, Ws::Four, Ws::Ss256];
+const WS_KINDS: [Ws; 5] = [Ws::R128, Ws::R256, Ws::Four, Ws::Ss256, Ws::T256];
 /// `Ss256`'s slots of dequantised weights (NA of `SS_ENTRY`), 256 rows of 128 bytes each.
 const SS_SLOTS: usize = 2;
 
-/// Dynamic shared memory of a warp-specialised tile: its ring (stages of 128 X rows of 128 bytes and
-/// the tile's code rows of 32 bytes, each rounded to 1024 bytes) plus 1024 for aligning it. The
+/// Dynamic shared memory of a warp-specialised tile: its ring (stages of the tile's X rows of 128
+/// bytes and its code rows of 32 bytes, each rounded to 1024 bytes) plus 1024 for aligning it. The
 /// kernel's static shared memory (barriers, the expert prefix, the slots' scales) comes on top: 6.4 KB
 /// at most (the four-consumer tile's expert prefix).
 const fn ws_smem_bytes(kind: Ws) -> usize {
     let weights = if matches!(kind, Ws::Ss256) { SS_SLOTS * 256 * 128 } else { 0 };
-    kind.stages() * (128 * 128 + kind.rows() * 32).div_ceil(1024) * 1024 + weights + 1024
+    kind.stages() * (kind.tokens() * 128 + kind.rows() * 32).div_ceil(1024) * 1024 + weights + 1024
 }
 
 pub(crate) fn configure(dev: &Device) -> Result<()> {
@@ -326,6 +344,7 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
         let kind = WS_KINDS[i % WS_KINDS.len()];
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(kind) as i32)?;
     }
+    dev.function(NAME_WS_O16)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(Ws::T256) as i32)?;
     for (i, name) in NAMES.iter().enumerate() {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(i)) as i32)?;
@@ -409,10 +428,10 @@ pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
 /// the buffer still holds that staging (same x, shape and numerics), it is not staged again.
 pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws: Option<Ws>, reuse_x: bool) -> Result<()> {
     debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
-    debug_assert!(ws.is_none_or(|k| c.bits == 4 && num == Num::Half && bt == 128 && k.rows() == wrows));
+    debug_assert!(ws.is_none_or(|k| c.bits == 4 && num == Num::Half && bt == k.tokens() && k.rows() == wrows));
     let q8 = c.bits == 8;
     debug_assert!(c.bits == 4 || (q8 && c.w2.0 == 0 && c.grouped.is_none() && wrows == 128 && ws.is_none()));
-    debug_assert!(!c.out16 || (c.bits == 4 && c.w2.0 == 0 && c.grouped.is_some() && num == Num::Half && wrows == 128 && ws.is_none()));
+    debug_assert!(!c.out16 || (c.bits == 4 && c.w2.0 == 0 && c.grouped.is_some() && num == Num::Half && wrows == 128 && ws.is_none_or(|k| k == Ws::T256)));
     // The grid (checked before anything is launched): token tiles × weight-row tiles, or the other way
     // round for grouped calls, whose blocks of one token tile run consecutively (`tile_slots` in the
     // kernel: measured +3% on the 4K prefill, the down projection 16.2 → 12.9 ms, PERF.md).
@@ -482,7 +501,8 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         let tiles = m_tiles * row_tiles;
         let blocks = tiles.min(dev.sm_count() as usize).max(1);
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (kind.threads(), 1, 1), shared_mem_bytes: ws_smem_bytes(kind) as u32 };
-        return launch(dev, NAMES_WS[WS_KINDS.len() * form + kind.index()], cfg, &p);
+        let name = if c.out16 { NAME_WS_O16 } else { NAMES_WS[WS_KINDS.len() * form + kind.index()] };
+        return launch(dev, name, cfg, &p);
     }
     let (name, v) = if q8 {
         let i = variant_q8_index(bt, num);
@@ -521,7 +541,7 @@ mod tests {
             assert_eq!(variant_index(v.bt, v.num, v.rows()), i, "variant {i} is not the one its shape selects");
         }
         // The warp-specialised tiles: one block an SM, with their static shared memory (6.4 KB at most).
-        for (kind, want) in [(Ws::R128, 205_824), (Ws::R256, 197_632), (Ws::Four, 197_632), (Ws::Ss256, 189_440)] {
+        for (kind, want) in [(Ws::R128, 205_824), (Ws::R256, 197_632), (Ws::Four, 197_632), (Ws::Ss256, 189_440), (Ws::T256, 222_208)] {
             assert_eq!(ws_smem_bytes(kind), want, "{kind:?}");
             assert!(ws_smem_bytes(kind) + 6400 <= 227 * 1024, "{kind:?} does not fit");
             assert_eq!(WS_KINDS[kind.index()], kind);
