@@ -153,9 +153,8 @@ impl Tile {
 
 /// `LILY_GEMM`, read once (A/B runs): `mma` keeps gemm.cu's kernels where `Tile::Auto` would take the
 /// wgmma ones; `wg`, `ws128`, `ws256`, `ws4`, `ss256`, `t256` put that wgmma tile wherever `Tile::Auto`
-/// would take the 128 × 128 half tile (see `wide_half_tile`); `t128` the choice before the 256-token
-/// tiles (`Ws128`, the down projection `Wg128`); `t256wg` the defaults with the down projection on
-/// `Wg128`; anything else, the defaults.
+/// would take the 128 × 128 half tile; `t128` and `t256wg` the defaults with 128- or 256-token tiles
+/// in every plain and grouped SwiGLU GEMM (see `wide_half_tile`); anything else, the defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum GemmSwitch {
     Default,
@@ -204,20 +203,26 @@ fn router_path() -> RouterPath {
 }
 
 /// The tile `Tile::Auto` takes where `half_tile` picks `Tile::Wg128` (4-bit weights, at most
-/// `WS_MAX_EXPERTS` experts): by default the 256-token warp-specialised tile (`Ws128T256`) wherever
-/// its tiles still give every SM one (grouped: `half_tile` has already asked for ~96 slots an expert),
-/// else `Ws128` (PERF.md 2026-12-06, nineteenth session). Before it (`LILY_GEMM=t128`): `Ws128`, except
-/// in the grouped GEMMs without SwiGLU (the MoE down projection, K = 512: 3.5% slower there on an H100
-/// than `Wg128`, where the plain GEMMs gained 5–11% and the grouped SwiGLU 4.5%; fifteenth session).
-/// `LILY_GEMM=wg` keeps `Wg128` everywhere, `ws128` / `ws256` / `ws4` / `ss256` / `t256` take that tile
-/// everywhere (A/B runs).
-fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, wg_tiles: usize) -> Tile {
-    let fills = grouped || t.div_ceil(256) * wg_tiles >= dev.sm_count() as usize;
+/// `WS_MAX_EXPERTS` experts), measured (H100, PERF.md 2026-12-06 nineteenth session, and fifteenth):
+/// - the plain GEMMs: the 256-token `Ws128T256` where its tiles still give every SM one (4–5% faster
+///   than `Ws128` on the 4K projections), else `Ws128`;
+/// - the grouped SwiGLU (the MoE gate/up): `Ws128T256` where experts average 192 slots or more (an
+///   8K chunk: one tile an expert instead of two or three; the 32K prefill +3%), else `Ws128` (at ~128
+///   slots an expert `Ws128T256` is 6% slower: its ring holds 6 groups where `Ws128`'s holds 10);
+/// - the grouped GEMMs without SwiGLU (the MoE down projection, K = 512): `Wg128` (`Ws128` 3.5%
+///   slower, fifteenth session; `Ws128T256` 6% slower at a 4K chunk, even at 32K).
+///
+/// `LILY_GEMM=t128` takes `Ws128` where this takes `Ws128T256`; `t256wg` the 256-token tile for every
+/// plain and grouped SwiGLU GEMM; `wg` keeps `Wg128` everywhere, `ws128` / `ws256` / `ws4` / `ss256` /
+/// `t256` take that tile everywhere (A/B runs).
+fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, experts: usize, wg_tiles: usize) -> Tile {
+    let t256 = if grouped { swiglu && t / experts.max(1) >= 192 } else { t.div_ceil(256) * wg_tiles >= dev.sm_count() as usize };
     match gemm_switch() {
         GemmSwitch::Wide(tile) => tile,
-        GemmSwitch::Tokens128 | GemmSwitch::DownWg if grouped && !swiglu => Tile::Wg128,
+        _ if grouped && !swiglu => Tile::Wg128,
         GemmSwitch::Tokens128 => Tile::Ws128,
-        _ if fills => Tile::Ws128T256,
+        GemmSwitch::DownWg => Tile::Ws128T256,
+        _ if t256 => Tile::Ws128T256,
         _ => Tile::Ws128,
     }
 }
@@ -660,7 +665,7 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
     let tile = match tile {
         Tile::Auto if wg_auto && precision == Precision::Half => match half_tile(dev, grouped, t, experts, wg_tiles) {
             Tile::Wg128 if w.bits() == 4 && (!grouped || experts <= super::gemm_wgmma::WS_MAX_EXPERTS) => {
-                wide_half_tile(dev, grouped, w2.is_some(), t, wg_tiles)
+                wide_half_tile(dev, grouped, w2.is_some(), t, experts, wg_tiles)
             }
             other => other,
         },
