@@ -679,6 +679,10 @@ struct RingTile {
 #pragma unroll
         for (int j = 0; j < XRPT; ++j)
             if (j < XRPT / 2 || all) cp_async16(xdst + j * 16 * 128, p.xh + xoff[j] + kt * GROUP, (x_ok >> j) & 1);
+        copy_codes(p, wdst, kt);
+    }
+    // Group kt's codes only (the X rows come another way: the cluster pairs' TMA).
+    __device__ __forceinline__ void copy_codes(const WgParams& p, uint32_t wdst, int kt) const {
 #pragma unroll
         for (int j = 0; j < WLD; ++j)
             cp_async16(wdst + j * 64 * 32, reinterpret_cast<const uint4*>(((w_up >> j) & 1) ? p.w2 : p.w) + wchunk[j] + kt * 2, (w_ok >> j) & 1);
@@ -702,9 +706,19 @@ struct RingTile {
 // halve; the second half's copies and MMAs run only where the tile has more than 128 slots (a grouped
 // tile ends at its expert's last slot), so an expert of up to 256 slots is one tile, its weights
 // dequantised once. OUT16: the outputs in bf16 (store_tile's), the grouped form without SwiGLU.
+//
+// CL = 2 (TH = 2, the plain forms): cluster pairs. The two blocks of a cluster take the same token
+// tile and adjacent row tiles (2j, 2j + 1; the row tiles must be even), so each stage's 256 X rows are
+// the same for both: block r's producer copies rows 128r .. 128r + 127 with one TMA copy (the staged
+// plane's descriptor `xmap`, 128-byte swizzle: the cp.async layout) multicast into both blocks, and its
+// own codes by cp.async. Each X tile leaves L2 once for two row tiles: half the L2 traffic a FLOP of
+// CL = 1, whose tiles are bound by re-reading X (PERF.md 2026-12-06, fifteenth session). A stage is
+// full once its codes (128 arrivals) and both halves' bytes (one expect_tx) have landed, and free once
+// the consumers of both blocks have released it (each consumer warp arrives on both blocks' empty
+// barriers), so neither producer overwrites what the other block still reads.
 
-template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2, int TH = 1, bool OUT16 = false>
-__device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
+template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2, int TH = 1, bool OUT16 = false, int CL = 1>
+__device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xmap = nullptr) {
     constexpr int BH = 128;                      // tokens a half (an MMA's N)
     constexpr int BT = BH * TH;                  // tokens a tile
     constexpr int THREADS = 128 * (CWG + 1);     // the producer warpgroup and CWG consumer warpgroups
@@ -728,6 +742,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     static_assert(CWG == 2 || (CWG == 4 && MT == 1), "two consumer warpgroups, or four of one m64 tile each");
     static_assert(TH == 1 || (TH == 2 && MT == 1 && CWG == 2), "256-token tiles: two consumer warpgroups of one m64 tile");
     static_assert(!OUT16 || (GROUPED && !SWIGLU), "bf16 outputs: the grouped form without SwiGLU");
+    static_assert(CL == 1 || (CL == 2 && TH == 2 && !GROUPED), "cluster pairs: the plain 256-token tiles");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[2 * NS];   // full[s], then empty[s]
@@ -740,16 +755,24 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     const int rows = p.rows, cols = p.cols, nk = cols >> 6;
     if (tid == 0) {
         for (int s = 0; s < NS; ++s) {
-            mbar_init(full0 + 8 * s, 128);  // every producer thread, once its copies have landed
-            mbar_init(empty0 + 8 * s, 4 * CWG);  // every consumer warp, once its MMAs have read the stage
+            // Every producer thread, once its copies have landed (and with CL = 2 the expect_tx).
+            mbar_init(full0 + 8 * s, CL == 2 ? 129 : 128);
+            mbar_init(empty0 + 8 * s, 4 * CWG * CL);  // every consumer warp (of both blocks), once its MMAs have read the stage
         }
+        if constexpr (CL == 2) mbar_init_fence_cluster();
     }
     int m_tiles;
     if constexpr (GROUPED) m_tiles = group_tile_prefix<THREADS>(p.offsets, p.t, p.count, BT, tprefix);
     else m_tiles = (p.t + BT - 1) / BT;
     __syncthreads();
+    uint32_t rank = 0;  // the block's rank in its cluster pair
+    if constexpr (CL == 2) {
+        asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+        cluster_arrive();  // both blocks' barriers initialised before either copies or arrives into the other
+        cluster_wait();
+    }
     const int row_tiles = (rows + BW_OUT - 1) / BW_OUT;
-    const int n_tiles = m_tiles * row_tiles;
+    const int n_tiles = m_tiles * (row_tiles / CL);  // CL = 2: tile pairs (the wrapper asks for even row tiles)
 
     // Tile i: (matrix, slots [m_begin, m_end), row tile).
     auto tile_of = [&](int i, int& matrix, int& m_begin, int& m_end, int& n_tile) {
@@ -759,7 +782,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
             group_tile_at(tprefix, p.offsets, p.t, p.count, BT, mt, matrix, m_begin, m_end);
         } else {
             const int mt = i % m_tiles;
-            n_tile = i / m_tiles;
+            n_tile = CL == 2 ? (i / m_tiles) * 2 + (int)rank : i / m_tiles;
             matrix = p.matrix;
             m_begin = mt * BT;
             m_end = min(m_begin + BT, p.t);
@@ -776,7 +799,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
         const uint32_t wdst = base + XB + (tid >> 1) * 32 + wh * 16;
         int s = 0;
         uint32_t ph = 0;
-        for (int i = blockIdx.x; i < n_tiles; i += gridDim.x) {
+        for (int i = blockIdx.x / CL; i < n_tiles; i += gridDim.x / CL) {
             int matrix, m_begin, m_end, n_tile;
             tile_of(i, matrix, m_begin, m_end, n_tile);
             RingTile<XRPT, WLD> rt;
@@ -786,7 +809,16 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
             for (int kt = 0; kt < nk; ++kt) {
                 mbar_wait(empty0 + 8 * s, ph ^ 1);
                 const uint32_t so = s * STAGE;
-                rt.copy(p, xdst + so, wdst + so, kt, TH == 1 || two);
+                if constexpr (CL == 2) {
+                    // This block's half of the X rows into both blocks (both halves' bytes expected here).
+                    if (tid == 0) {
+                        mbar_arrive_expect_tx(full0 + 8 * s, 2 * BH * 128);
+                        tma_load_2d_multicast(base + so + rank * (BH * 128), xmap, kt * GROUP, m_begin + (int)rank * BH, full0 + 8 * s, 0x3);
+                    }
+                    rt.copy_codes(p, wdst + so, kt);
+                } else {
+                    rt.copy(p, xdst + so, wdst + so, kt, TH == 1 || two);
+                }
                 mbar_arrive_on_copies(full0 + 8 * s);
                 if (++s == NS) {
                     s = 0;
@@ -795,6 +827,10 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
             }
         }
         asm volatile("cp.async.wait_all;" ::: "memory");
+        if constexpr (CL == 2) {
+            cluster_arrive();  // no block leaves while the other may still copy or arrive into it
+            cluster_wait();
+        }
         return;
     }
 
@@ -810,8 +846,17 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
     int s = 0;
     uint32_t ph = 0;
     int parity = 0;
+    // A consumer warp has read stage st (CL = 2: in both blocks' empty barriers).
+    auto release = [&](int st) {
+        if constexpr (CL == 2) {
+            mbar_arrive_cluster(empty0 + 8 * st, 0);
+            mbar_arrive_cluster(empty0 + 8 * st, 1);
+        } else {
+            mbar_arrive(empty0 + 8 * st);
+        }
+    };
 #pragma unroll 1
-    for (int i = blockIdx.x; i < n_tiles; i += gridDim.x, parity ^= 1) {
+    for (int i = blockIdx.x / CL; i < n_tiles; i += gridDim.x / CL, parity ^= 1) {
         int matrix, m_begin, m_end, n_tile;
         tile_of(i, matrix, m_begin, m_end, n_tile);
         // The slots' scales (2^e of the staged row; NaN for a gathered row past x), by the first
@@ -884,11 +929,11 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
             wgmma_commit();
             if constexpr (SINGLE) {
                 wgmma_wait<0>();
-                if (lane == 0) mbar_arrive(empty0 + 8 * s);  // this stage has been read
+                if (lane == 0) release(s);  // this stage has been read
             } else {
                 wgmma_wait<1>();
                 // The stage before this one has been read by this warp's MMAs.
-                if (prev >= 0 && lane == 0) mbar_arrive(empty0 + 8 * prev);
+                if (prev >= 0 && lane == 0) release(prev);
                 prev = s;
             }
             if (++s == NS) {
@@ -910,7 +955,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
                 steps_in_two_sets<MT>(nk, step1);
             }
             wgmma_wait<0>();
-            if (lane == 0) mbar_arrive(empty0 + 8 * prev);
+            if (lane == 0) release(prev);
         }
 #pragma unroll
         for (int h = 0; h < TH; ++h)
@@ -923,6 +968,10 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p) {
             store_tile<MT, BH, SWIGLU, OUT16>(acc[h], p.y, rows, m_begin + BH * h, m_end, q, o0, o1, ok0, ok1,
                                               [&](int tok) { return tsc[parity][BH * h + tok]; }, [](int) { return false; });
         }
+    }
+    if constexpr (CL == 2) {
+        cluster_arrive();
+        cluster_wait();
     }
 }
 
@@ -1183,6 +1232,21 @@ WS_FORM(gemm_wgmma_grouped, false, true)
 WS_FORM(gemm_wgmma_grouped_swiglu, true, true)
 // bf16 outputs (the MoE down projection) on the 256-token tile.
 WS_ENTRY_T(gemm_wgmma_grouped_ws128t256_o16, 1, 6, false, true, 2, 2, true)
+
+// The cluster pairs of 256-token tiles (plain forms): the staged plane's TMA descriptor beside the
+// parameters, in one __grid_constant__ parameter (a descriptor must sit in parameter, constant or global
+// memory, 64-byte aligned).
+struct WgTmaParams {
+    TmaDesc xmap;  // the staged x plane: [x_rows, cols] f16, boxes of 64 columns × 128 rows, 128-byte swizzle
+    WgParams p;
+};
+#define MC_ENTRY(name, SWIGLU)                                                                        \
+    extern "C" __global__ void __launch_bounds__(384, 1) name(const __grid_constant__ WgTmaParams q) { \
+        pdl_enter();                                                                                   \
+        wg_tile_ws<1, 6, SWIGLU, false, 2, 2, false, 2>(q.p, &q.xmap);                                 \
+    }
+MC_ENTRY(gemm_wgmma_plain_mc256, false)
+MC_ENTRY(gemm_wgmma_swiglu_mc256, true)
 
 #define WG_ENTRY_W(name, BT, MT, NUM, NS, WGS, SWIGLU, GROUPED, MINB)                                 \
     extern "C" __global__ void __launch_bounds__(128 * WGS, MINB) name(const WgParams p) {               \

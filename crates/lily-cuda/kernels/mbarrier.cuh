@@ -1,4 +1,5 @@
-// Shared-memory barriers (mbarrier, sm_80+; the parity waits sm_90) for pipelines whose producer and
+// Shared-memory barriers (mbarrier, sm_80+; the parity waits, the transaction counts, the cluster
+// arrivals and the TMA copies that complete on them sm_90) for pipelines whose producer and
 // consumer threads are different warps: a barrier completes a phase when its expected count of arrivals
 // has come in, and a thread waits for the phase of a given parity to complete. Used by gemm_wgmma.cu's
 // warp-specialised tiles (a ring of stages, each with a "full" barrier the producer's copies complete and
@@ -27,6 +28,39 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 // for it: the barrier's expected count includes these arrivals).
 __device__ __forceinline__ void mbar_arrive_on_copies(uint32_t bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// One arrival that also expects `bytes` more of asynchronous (bulk / tensor) copies to complete on the
+// barrier this phase.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+// One arrival on the barrier at the same shared-memory place `bar` of cluster block `rank` (release at
+// cluster scope: this thread's earlier reads of that block's shared memory are done).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
+    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+
+// Makes barrier initialisations visible to the cluster's other blocks (a cluster barrier follows).
+__device__ __forceinline__ void mbar_init_fence_cluster() { asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory"); }
+
+// A tensor-memory-access (TMA) descriptor (CUtensorMap's layout: 128 bytes, 64-byte aligned), encoded on
+// the host and passed in a __grid_constant__ kernel parameter.
+struct alignas(64) TmaDesc {
+    unsigned long long opaque[16];
+};
+
+// A 2-D tile of the tensor `desc` at (inner coordinate c0, outer c1) into shared memory at `dst` of
+// every cluster block in `mask`, each block's barrier at `bar` (the same shared-memory places in each)
+// counting its bytes as they land (TMA multicast; rows or columns past the tensor are zeros).
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const TmaDesc* desc, int c0, int c1, uint32_t bar, uint16_t mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(dst),
+        "l"(desc), "r"(c0), "r"(c1), "r"(bar), "h"(mask)
+        : "memory");
 }
 
 // Whether the phase of parity `parity` has completed (acquire), after a bounded wait in hardware.

@@ -70,7 +70,7 @@ const CPU_TOL_HALF: f64 = 1e-3;
 const SPARE: usize = 37;
 
 const PRECISIONS: [Precision; 4] = [Precision::Exact, Precision::Bf16x, Precision::Fast, Precision::Half];
-const TILES: [Tile; 12] = [
+const TILES: [Tile; 13] = [
     Tile::Auto,
     Tile::M64,
     Tile::M32,
@@ -83,6 +83,7 @@ const TILES: [Tile; 12] = [
     Tile::Ws4,
     Tile::Ss256,
     Tile::Ws128T256,
+    Tile::Mc256,
 ];
 
 fn is_q4g64(w: &Matrix) -> bool {
@@ -95,9 +96,11 @@ fn is_q8g64(w: &Matrix) -> bool {
 
 /// Whether `tile` takes weights `w` in precision `p` in a call of the plain form (`plain`) or another
 /// (the wgmma tiles: 4-bit group 64, and 8-bit group 64 in the plain form, not Fast; the 256-row and
-/// the warp-specialised ones 4-bit in Half only). The others must be refused.
-fn tile_takes(tile: Tile, w: &Matrix, p: Precision, plain: bool) -> bool {
+/// the warp-specialised ones 4-bit in Half only; the cluster pairs only where `pairs`: a plain or
+/// SwiGLU call of an even count of row tiles). The others must be refused.
+fn tile_takes(tile: Tile, w: &Matrix, p: Precision, plain: bool, pairs: bool) -> bool {
     match tile {
+        Tile::Mc256 => is_q4g64(w) && p == Precision::Half && pairs,
         Tile::Wg64 | Tile::Wg128 => (is_q4g64(w) || (is_q8g64(w) && plain)) && p != Precision::Fast,
         Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 | Tile::Ws128T256 => is_q4g64(w) && p == Precision::Half,
         _ => true,
@@ -411,7 +414,7 @@ fn plain_case(dev: &Device, w: &Matrix, m: usize, xd: &CudaSlice<f32>, refs: &Re
         for tile in TILES {
             let mut y = poisoned(dev, t * w.rows + SPARE);
             let r = gemm::gemm_with(dev, &dw, m, xd, t, &mut y, Opts { tile, precision: p, ..Default::default() });
-            if !tile_takes(tile, w, p, true) {
+            if !tile_takes(tile, w, p, true, w.rows.div_ceil(128).is_multiple_of(2)) {
                 assert!(r.is_err(), "{what}: {tile:?} took {p:?}");
                 continue;
             }
@@ -582,7 +585,7 @@ fn swiglu_gemm_matches_reference() {
                     let mut y = poisoned(&dev, t * rows + SPARE);
                     let what = format!("swiglu_gemm {f} [{count}x{rows}x{cols}] m={m} t={t} {p:?} {tile:?}");
                     let r = gemm::swiglu_gemm_with(&dev, &dg, &du, m, &xd, t, &mut y, Opts { tile, precision: p, ..Default::default() });
-                    if !tile_takes(tile, &g, p, false) {
+                    if !tile_takes(tile, &g, p, false, rows.div_ceil(64).is_multiple_of(2)) {
                         assert!(r.is_err(), "{what}: refused tile taken");
                         continue;
                     }
@@ -695,7 +698,7 @@ fn grouped_case(
                 Some(du) => gemm::grouped_swiglu_gemm_with(dev, &dg, du, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }),
                 None => gemm::grouped_gemm_with(dev, &dg, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }),
             };
-            if !tile_takes(tile, &g, p, false) {
+            if !tile_takes(tile, &g, p, false, false) {
                 assert!(r.is_err(), "grouped {f}: {tile:?} took {p:?}");
                 continue;
             }
@@ -785,7 +788,7 @@ fn half_scales_each_row_into_f16_range() {
         x[r * cols..(r + 1) * cols].iter_mut().for_each(|v| *v *= m);
     }
     let rm = RefMat::new(&w, 0);
-    for tile in [Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256] {
+    for tile in [Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256, Tile::Mc256] {
         let o = Opts { tile, precision: Precision::Half, ..Default::default() };
         let xd = dev.upload(&x).unwrap();
         let mut y = poisoned(&dev, t * rows);
@@ -859,12 +862,17 @@ fn warp_specialised_tiles_walk_many_tiles_like_wg128() {
     let mut rng = Rng::new(208);
     let f = Fmt { bits: 4, gs: 64 };
     let half = |tile| Opts { tile, precision: Precision::Half, ..Default::default() };
+    // The cluster pairs (Mc256) take the plain and SwiGLU forms only.
     let compare_ws = |what: &str, run: &mut dyn FnMut(Tile, &mut CudaSlice<f32>), n: usize| {
         let mut want = poisoned(&dev, n);
         run(Tile::Wg128, &mut want);
         let want = dev.download(&want).unwrap();
         let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
-        for tile in [Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256] {
+        let pairs = !what.starts_with("grouped");
+        for tile in [Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256, Tile::Mc256] {
+            if tile == Tile::Mc256 && !pairs {
+                continue;
+            }
             let mut y = poisoned(&dev, n);
             run(tile, &mut y);
             let got = dev.download(&y).unwrap();

@@ -117,13 +117,26 @@ pub enum Tile {
     /// the MMAs of two 128-token halves (the second only where the tile holds more than 128 slots, so
     /// a grouped expert of up to 256 slots is one tile). Also takes the grouped bf16 outputs.
     Ws128T256,
+    /// `Ws128T256` in cluster pairs, the plain and SwiGLU forms only (not grouped), with an even count of
+    /// 128-row tiles (SwiGLU: of 64 outputs): the two blocks of a pair take adjacent row tiles of one
+    /// token tile and copy each X tile once for both (TMA multicast).
+    Mc256,
 }
 
 impl Tile {
     fn is_wgmma(self) -> bool {
         matches!(
             self,
-            Tile::Wg64 | Tile::Wg128 | Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 | Tile::Ws128T256
+            Tile::Wg64
+                | Tile::Wg128
+                | Tile::Wg64x256
+                | Tile::Wg128x256
+                | Tile::Ws128
+                | Tile::Ws256
+                | Tile::Ws4
+                | Tile::Ss256
+                | Tile::Ws128T256
+                | Tile::Mc256
         )
     }
 
@@ -135,6 +148,7 @@ impl Tile {
             Tile::Ws4 => Some(super::gemm_wgmma::Ws::Four),
             Tile::Ss256 => Some(super::gemm_wgmma::Ws::Ss256),
             Tile::Ws128T256 => Some(super::gemm_wgmma::Ws::T256),
+            Tile::Mc256 => Some(super::gemm_wgmma::Ws::Mc256),
             _ => None,
         }
     }
@@ -145,7 +159,7 @@ impl Tile {
             Tile::Wg64 => (64, 128),
             Tile::Wg64x256 => (64, 256),
             Tile::Wg128x256 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 => (128, 256),
-            Tile::Ws128T256 => (256, 128),
+            Tile::Ws128T256 | Tile::Mc256 => (256, 128),
             _ => (128, 128),
         }
     }
@@ -153,15 +167,15 @@ impl Tile {
 
 /// `LILY_GEMM`, read once (A/B runs): `mma` keeps gemm.cu's kernels where `Tile::Auto` would take the
 /// wgmma ones; `wg`, `ws128`, `ws256`, `ws4`, `ss256`, `t256` put that wgmma tile wherever `Tile::Auto`
-/// would take the 128 × 128 half tile; `t128` and `t256wg` the defaults with 128- or 256-token tiles
-/// in every plain and grouped SwiGLU GEMM (see `wide_half_tile`); anything else, the defaults.
+/// would take the 128 × 128 half tile; `t128` the choice before the 256-token tiles, `nomc` the
+/// defaults without the cluster pairs (see `wide_half_tile`); anything else, the defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum GemmSwitch {
     Default,
     Mma,
     Wide(Tile),
     Tokens128,
-    DownWg,
+    NoPairs,
 }
 
 fn gemm_switch() -> GemmSwitch {
@@ -175,7 +189,7 @@ fn gemm_switch() -> GemmSwitch {
         Ok("ss256") => GemmSwitch::Wide(Tile::Ss256),
         Ok("t256") => GemmSwitch::Wide(Tile::Ws128T256),
         Ok("t128") => GemmSwitch::Tokens128,
-        Ok("t256wg") => GemmSwitch::DownWg,
+        Ok("nomc") => GemmSwitch::NoPairs,
         _ => GemmSwitch::Default,
     })
 }
@@ -204,24 +218,27 @@ fn router_path() -> RouterPath {
 
 /// The tile `Tile::Auto` takes where `half_tile` picks `Tile::Wg128` (4-bit weights, at most
 /// `WS_MAX_EXPERTS` experts), measured (H100, PERF.md 2026-12-06 nineteenth session, and fifteenth):
-/// - the plain GEMMs: the 256-token `Ws128T256` where its tiles still give every SM one (4–5% faster
-///   than `Ws128` on the 4K projections), else `Ws128`;
+/// - the plain GEMMs: the 256-token tiles where they still give every SM one (`Ws128T256` 4–5% faster
+///   than `Ws128` on the 4K projections), in cluster pairs (`Mc256`) where the row tiles pair up,
+///   else `Ws128`;
 /// - the grouped SwiGLU (the MoE gate/up): `Ws128T256` where experts average 192 slots or more (an
 ///   8K chunk: one tile an expert instead of two or three; the 32K prefill +3%), else `Ws128` (at ~128
 ///   slots an expert `Ws128T256` is 6% slower: its ring holds 6 groups where `Ws128`'s holds 10);
 /// - the grouped GEMMs without SwiGLU (the MoE down projection, K = 512): `Wg128` (`Ws128` 3.5%
 ///   slower, fifteenth session; `Ws128T256` 6% slower at a 4K chunk, even at 32K).
 ///
-/// `LILY_GEMM=t128` takes `Ws128` where this takes `Ws128T256`; `t256wg` the 256-token tile for every
-/// plain and grouped SwiGLU GEMM; `wg` keeps `Wg128` everywhere, `ws128` / `ws256` / `ws4` / `ss256` /
-/// `t256` take that tile everywhere (A/B runs).
+/// `LILY_GEMM=t128` takes `Ws128` where this takes a 256-token tile; `nomc` `Ws128T256` where this
+/// takes `Mc256`; `wg` keeps `Wg128` everywhere, `ws128` / `ws256` / `ws4` / `ss256` / `t256` take
+/// that tile everywhere (A/B runs).
 fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, experts: usize, wg_tiles: usize) -> Tile {
     let t256 = if grouped { swiglu && t / experts.max(1) >= 192 } else { t.div_ceil(256) * wg_tiles >= dev.sm_count() as usize };
+    let pairs = !grouped && wg_tiles.is_multiple_of(2);
     match gemm_switch() {
         GemmSwitch::Wide(tile) => tile,
         _ if grouped && !swiglu => Tile::Wg128,
         GemmSwitch::Tokens128 => Tile::Ws128,
-        GemmSwitch::DownWg => Tile::Ws128T256,
+        GemmSwitch::NoPairs if t256 => Tile::Ws128T256,
+        _ if t256 && pairs => Tile::Mc256,
         _ if t256 => Tile::Ws128T256,
         _ => Tile::Ws128,
     }

@@ -9,7 +9,7 @@
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig};
 
-use super::launch;
+use super::{launch, launch_cluster};
 use crate::{CudaError, Device, Result};
 
 /// Must match `struct WgStageParams` in `kernels/gemm_wgmma.cu`.
@@ -52,6 +52,50 @@ struct WgParams {
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for WgParams {}
+
+/// Must match `struct WgTmaParams` in `kernels/gemm_wgmma.cu`: the staged plane's TMA descriptor
+/// (CUtensorMap: 128 bytes, 64-byte aligned), then the parameters.
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug)]
+struct WgTmaParams {
+    xmap: [u64; 16],
+    p: WgParams,
+}
+// SAFETY: plain old data with the kernel's layout.
+unsafe impl DeviceRepr for WgTmaParams {}
+
+/// The TMA descriptor of a staged x plane (f16 [x_rows, cols] at device address `plane`): boxes of 64
+/// columns (one group, 128 bytes) × 128 rows with the 128-byte swizzle, the layout the cp.async copies
+/// write; rows past x_rows read as zeros.
+fn x_map(plane: u64, x_rows: usize, cols: usize) -> Result<[u64; 16]> {
+    use cudarc::driver::sys;
+    let dims = [cols as u64, x_rows as u64];
+    let strides = [(cols * 2) as u64];
+    let boxes = [GROUP as u32, 128];
+    let steps = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::uninit();
+    // SAFETY: every pointer is to a live array of the rank the call names (2; strides rank − 1); the
+    // plane is a device allocation of x_rows × cols f16 that outlives the launch using the descriptor.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+            2,
+            plane as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            steps.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()?;
+    // SAFETY: initialised by the successful call above.
+    Ok(unsafe { map.assume_init() }.opaque)
+}
 
 const THREADS: usize = 256;
 /// Weight rows a block (SwiGLU: 64 outputs of gate and up).
@@ -131,6 +175,8 @@ const NAMES_WS: [&str; 20] = [
 ];
 /// [`Ws::T256`]'s grouped form writing bf16 outputs (the MoE down projection's slots).
 const NAME_WS_O16: &str = "gemm_wgmma_grouped_ws128t256_o16";
+/// [`Ws::Mc256`]'s plain and SwiGLU forms (cluster pairs sharing each X tile by TMA multicast).
+const NAMES_MC: [&str; 2] = ["gemm_wgmma_plain_mc256", "gemm_wgmma_swiglu_mc256"];
 
 /// A warp-specialised tile: a producer warpgroup and consumer warpgroups of 64 weight rows a m64 tile.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -148,6 +194,10 @@ pub(crate) enum Ws {
     /// dequantise feeding the MMAs of both 128-token halves (the second only where the tile has more
     /// than 128 slots).
     T256,
+    /// `T256` in cluster pairs (the plain and SwiGLU forms, an even count of row tiles): the two blocks
+    /// of a pair take adjacent row tiles of one token tile, and each X tile is copied once for both by
+    /// TMA multicast (half the L2 traffic a FLOP).
+    Mc256,
 }
 
 impl Ws {
@@ -158,18 +208,18 @@ impl Ws {
             Ws::R256 => 1,
             Ws::Four => 2,
             Ws::Ss256 => 3,
-            Ws::T256 => 4,
+            Ws::T256 | Ws::Mc256 => 4,
         }
     }
 
     /// Weight rows a tile.
     pub(crate) const fn rows(self) -> usize {
-        if matches!(self, Ws::R128 | Ws::T256) { 128 } else { 256 }
+        if matches!(self, Ws::R128 | Ws::T256 | Ws::Mc256) { 128 } else { 256 }
     }
 
     /// Tokens (slots) a tile.
     pub(crate) const fn tokens(self) -> usize {
-        if matches!(self, Ws::T256) { 256 } else { 128 }
+        if matches!(self, Ws::T256 | Ws::Mc256) { 256 } else { 128 }
     }
 
     /// Stages of its ring (NS of `WS_ENTRY` in the `.cu`; `Ss256`: the X and code stages, NX of
@@ -178,7 +228,7 @@ impl Ws {
         match self {
             Ws::R128 => 10,
             Ws::Ss256 => 5,
-            Ws::T256 => 6,
+            Ws::T256 | Ws::Mc256 => 6,
             _ => 8,
         }
     }
@@ -195,7 +245,7 @@ pub(crate) const WS_MAX_EXPERTS: usize = 768;
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 
-const N_ALL: usize = 4 * VARIANTS + 2 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + 1;
+const N_ALL: usize = 4 * VARIANTS + 2 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + 1 + NAMES_MC.len();
 const fn all_kernels() -> [&'static str; N_ALL] {
     let mut out = [""; N_ALL];
     let mut n = 0;
@@ -223,6 +273,8 @@ const fn all_kernels() -> [&'static str; N_ALL] {
         (i, n) = (i + 1, n + 1);
     }
     out[n] = NAME_WS_O16;
+    out[n + 1] = NAMES_MC[0];
+    out[n + 2] = NAMES_MC[1];
     out
 }
 const ALL: [&str; N_ALL] = all_kernels();
@@ -344,7 +396,9 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
         let kind = WS_KINDS[i % WS_KINDS.len()];
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(kind) as i32)?;
     }
-    dev.function(NAME_WS_O16)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(Ws::T256) as i32)?;
+    for name in [NAME_WS_O16, NAMES_MC[0], NAMES_MC[1]] {
+        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(Ws::T256) as i32)?;
+    }
     for (i, name) in NAMES.iter().enumerate() {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(i)) as i32)?;
@@ -443,6 +497,12 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     if grid.1 > 65535 {
         return Err(CudaError::Shape(format!("wgmma gemm: {} tiles along the grid's y", grid.1)));
     }
+    if ws == Some(Ws::Mc256) && (c.grouped.is_some() || c.out16 || !row_tiles.is_multiple_of(2)) {
+        return Err(CudaError::Shape(format!(
+            "wgmma gemm: the cluster-pair tiles take the plain and SwiGLU forms with an even count of row tiles, not {row_tiles} (grouped: {})",
+            c.grouped.is_some()
+        )));
+    }
     debug_assert!(ws.is_none() || experts <= WS_MAX_EXPERTS, "gemm::run refuses the warp-specialised tiles past WS_MAX_EXPERTS");
     let groups = c.cols / GROUP;
     let planes = num.planes();
@@ -496,6 +556,18 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         matrix: c.matrix as i32,
         pad_: 0,
     };
+    if ws == Some(Ws::Mc256) {
+        // Cluster pairs: pairs of adjacent row tiles of a token tile, one pair a cluster of two SMs.
+        let pairs = m_tiles * row_tiles / 2;
+        let clusters = pairs.min(dev.sm_count() as usize / 2).max(1);
+        let cfg = LaunchConfig {
+            grid_dim: (2 * clusters as u32, 1, 1),
+            block_dim: (Ws::Mc256.threads(), 1, 1),
+            shared_mem_bytes: ws_smem_bytes(Ws::Mc256) as u32,
+        };
+        let q = WgTmaParams { xmap: x_map(hi, c.x_rows, c.cols)?, p };
+        return launch_cluster(dev, NAMES_MC[form], cfg, 2, &q);
+    }
     if let Some(kind) = ws {
         // Persistent: one block an SM (at most one a tile), each walking the tiles.
         let tiles = m_tiles * row_tiles;
