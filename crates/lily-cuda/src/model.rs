@@ -1093,32 +1093,69 @@ fn moe(
     let out16 = moe_out_bf16() && gemm::bf16_out_ok(&ex.down, routed);
     let y_bytes = if out16 { 2 } else { 4 } as u64;
     mark_grouped_out(dev, "moe.down", &ex.down, 1, used, t * k, y_bytes)?;
-    if out16 {
-        // SAFETY: every bit pattern is a u16; a.expert_out holds t·k·H f32, twice the bytes needed.
-        let mut y16 = unsafe { a.expert_out.transmute_mut::<u16>(t * k * h) }.ok_or_else(|| CudaError::Shape("moe: expert outputs buffer too small".into()))?;
-        gemm::grouped_gemm_with(dev, &ex.down, &a.offsets, None, &a.act, t * k, &mut y16, routed)?; // [T·k, H] bf16
-    } else {
-        gemm::grouped_gemm_with(dev, &ex.down, &a.offsets, None, &a.act, t * k, &mut a.expert_out, routed)?; // [T·k, H]
-    }
-    // The gate logits: column E of a.router's rows, or a.shared_gate.
-    let (gate_logits, gate_stride) = if router_plus.is_some() { (a.router.slice(e..), e + 1) } else { (a.shared_gate.slice(0..), 1) };
-    let shared_terms = shared_mlp.map(|_| (&a.shared_out, &gate_logits));
-    // Bytes: y, shared, out (f32), and with the norm x read and normed written too.
-    let extra = if then_norm.is_some() { 8 } else { 0 };
-    dev.mark("moe.combine", (y_bytes * (t * k) as u64 + (8 + extra) * t as u64) * h as u64, 2 * (t * (k + 1) * h) as u64)?;
-    // SAFETY: as above; the GEMM just wrote these t·k·H bf16.
-    let y16 = match out16 {
-        true => Some(unsafe { a.expert_out.transmute::<u16>(t * k * h) }.ok_or_else(|| CudaError::Shape("moe: expert outputs buffer too small".into()))?),
-        false => None,
+    let Activations { expert_out, offsets, act, router: logits, shared_gate, shared_out, idx, slot_of, route_w, x, normed, mlp, .. } = a;
+    // The gate logits: column E of the router's rows, or the shared gate's.
+    let (gate_logits, gate_stride) = if router_plus.is_some() { (logits.slice(e..), e + 1) } else { (shared_gate.slice(0..), 1) };
+    let combine = Combine {
+        idx,
+        slot_of,
+        route_w,
+        shared: shared_mlp.map(|_| (&*shared_out, &gate_logits)),
+        gate_stride,
+        into: match then_norm {
+            Some((w, eps)) => CombineInto::Norm { x, w, eps, normed },
+            None => CombineInto::Mlp(mlp),
+        },
     };
-    let (idx, slot_of, route_w) = (&a.idx, Some(&a.slot_of), &a.route_w);
-    match (then_norm, y16) {
-        (Some((nw, eps)), Some(y)) => moe_dispatch::combine_norm(dev, &y, idx, slot_of, route_w, shared_terms, gate_stride, t, k, h, &mut a.x, nw, eps, &mut a.normed),
-        (Some((nw, eps)), None) => {
-            moe_dispatch::combine_norm(dev, &a.expert_out, idx, slot_of, route_w, shared_terms, gate_stride, t, k, h, &mut a.x, nw, eps, &mut a.normed)
-        }
-        (None, Some(y)) => moe_dispatch::combine_with(dev, &y, idx, slot_of, route_w, shared_terms, gate_stride, t, k, h, &mut a.mlp, false),
-        (None, None) => moe_dispatch::combine_with(dev, &a.expert_out, idx, slot_of, route_w, shared_terms, gate_stride, t, k, h, &mut a.mlp, false),
+    if out16 {
+        // SAFETY: every bit pattern is a u16; expert_out holds t·k·H f32, twice the bytes needed.
+        let mut y16 = unsafe { expert_out.transmute_mut::<u16>(t * k * h) }.ok_or_else(|| CudaError::Shape("moe: expert outputs buffer too small".into()))?;
+        down_and_combine(dev, &ex.down, offsets, act, &mut y16, routed, t, k, h, combine)
+    } else {
+        down_and_combine(dev, &ex.down, offsets, act, expert_out, routed, t, k, h, combine)
+    }
+}
+
+/// The combine's inputs besides the slots' outputs, and where its sums go.
+struct Combine<'a, G: DevicePtr<f32>> {
+    idx: &'a CudaSlice<u32>,         // [T, k] the tokens' experts
+    slot_of: &'a CudaSlice<u32>,     // [T·k] each (token, j)'s slot in expert order
+    route_w: &'a CudaSlice<f32>,     // [T, k]
+    shared: Option<(&'a CudaSlice<f32>, &'a G)>, // the shared expert's rows [T, H] and gate logits
+    gate_stride: usize,
+    into: CombineInto<'a>,
+}
+
+enum CombineInto<'a> {
+    /// The MoE's output rows [T, H] (a.mlp).
+    Mlp(&'a mut CudaSlice<f32>),
+    /// Added into the residual stream x [T, H], which the next RMSNorm (weight w) writes into `normed`.
+    Norm { x: &'a mut CudaSlice<f32>, w: &'a CudaSlice<f32>, eps: f32, normed: &'a mut CudaSlice<f32> },
+}
+
+/// The routed experts' down projection of `act` [T·k, I] into the slots' rows y [T·k, H] (f32, or bf16
+/// bits), then the combine of each token's k rows with its routing weights and the shared expert.
+#[allow(clippy::too_many_arguments)]
+fn down_and_combine<E: crate::ops::Act, Y: DevicePtr<E> + DevicePtrMut<E>, G: DevicePtr<f32>>(
+    dev: &Device,
+    down: &DeviceMatrix,
+    offsets: &CudaSlice<u32>,
+    act: &CudaSlice<f32>,
+    y: &mut Y,
+    routed: gemm::Opts,
+    t: usize,
+    k: usize,
+    h: usize,
+    c: Combine<'_, G>,
+) -> Result<()> {
+    gemm::grouped_gemm_with(dev, down, offsets, None, act, t * k, y, routed)?; // [T·k, H]
+    let (y_bytes, extra) = (if E::BF16 { 2 } else { 4 }, if matches!(c.into, CombineInto::Norm { .. }) { 8 } else { 0 });
+    // Bytes: y, shared, out (f32), and with the norm x read and normed written too.
+    dev.mark("moe.combine", (y_bytes * (t * k) as u64 + (8 + extra) * t as u64) * h as u64, 2 * (t * (k + 1) * h) as u64)?;
+    let (idx, slot_of, w) = (c.idx, Some(c.slot_of), c.route_w);
+    match c.into {
+        CombineInto::Norm { x, w: nw, eps, normed } => moe_dispatch::combine_norm(dev, &*y, idx, slot_of, w, c.shared, c.gate_stride, t, k, h, x, nw, eps, normed),
+        CombineInto::Mlp(out) => moe_dispatch::combine_with(dev, &*y, idx, slot_of, w, c.shared, c.gate_stride, t, k, h, out, false),
     }
 }
 
