@@ -501,7 +501,13 @@ pub fn bf16_out_ok(w: &DeviceMatrix, o: Opts) -> bool {
         Tile::Auto => gemm_switch() != GemmSwitch::Mma,
         t => t.is_wgmma(),
     };
-    o.precision == Precision::Half && w.bits() == 4 && w.group_size() == Some(super::gemm_wgmma::GROUP) && wgmma_tile
+    bf16_out_takes(w, o.precision, wgmma_tile)
+}
+
+/// The bf16 outputs' rule, for [`bf16_out_ok`] and `run` alike: 4-bit group-64 weights in `Half` on a
+/// wgmma tile (of a grouped call without SwiGLU, which only `grouped_gemm_with` makes).
+fn bf16_out_takes(w: &DeviceMatrix, precision: Precision, wgmma_tile: bool) -> bool {
+    precision == Precision::Half && w.bits() == 4 && w.group_size() == Some(super::gemm_wgmma::GROUP) && wgmma_tile
 }
 
 /// Which rows of X and which matrix each output row uses.
@@ -722,7 +728,7 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
     // and `Ws128T256` (another forced 256-row or warp-specialised tile gives way to the 128-row one of
     // its token width).
     let tile = if E::BF16 {
-        if !(grouped && w2.is_none() && precision == Precision::Half && w.bits() == 4 && g64 && tile.is_wgmma()) {
+        if !(grouped && w2.is_none() && bf16_out_takes(w, precision, tile.is_wgmma())) {
             return Err(CudaError::Shape(format!(
                 "{what}: bf16 outputs take the grouped form on the wgmma tiles in Half with 4-bit group-64 weights, not {} in {precision:?} on {tile:?}",
                 describe(w)
