@@ -230,6 +230,14 @@ struct Flag {
     static constexpr bool value = B;
 };
 
+// D[64 × N] += A · B for N = 32, 64 or 128 (f16, A from registers).
+template <int N>
+__device__ __forceinline__ void wgmma_rs_n(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b_desc) {
+    if constexpr (N == 32) wgmma_m64n32k16_rs<true>(d, a, b_desc, 1);
+    else if constexpr (N == 64) wgmma_m64n64k16_rs<true>(d, a, b_desc, 1);
+    else wgmma_m64n128k16_rs<true>(d, a, b_desc, 1);
+}
+
 // The half tiles' main loop: step(kt, a) for the groups kt < nk, the weights of consecutive groups in
 // alternate register sets (a group's are written while the MMAs of the one before still read theirs).
 template <int MT, typename Step>
@@ -673,12 +681,12 @@ struct RingTile {
     }
 
     // Group kt's copies, into the stage whose X and code parts this thread writes at xdst and wdst.
-    // With all = false only the first half of the X rows (a 256-token tile of at most 128 slots: its
-    // second half's MMAs do not run).
+    // With all = false only the first 128 X rows (a two-part tile of at most 128 slots: its second
+    // part's MMAs do not run).
     __device__ __forceinline__ void copy(const WgParams& p, uint32_t xdst, uint32_t wdst, int kt, bool all = true) const {
 #pragma unroll
         for (int j = 0; j < XRPT; ++j)
-            if (j < XRPT / 2 || all) cp_async16(xdst + j * 16 * 128, p.xh + xoff[j] + kt * GROUP, (x_ok >> j) & 1);
+            if (j < 8 || all) cp_async16(xdst + j * 16 * 128, p.xh + xoff[j] + kt * GROUP, (x_ok >> j) & 1);
         copy_codes(p, wdst, kt);
     }
     // Group kt's codes only (the X rows come another way: the cluster pairs' TMA).
@@ -701,13 +709,14 @@ struct RingTile {
 // a block (group_tile_prefix); a tile index is (token tile, row tile) with row tiles fastest (grouped) or
 // token tiles fastest (plain), the launch orders of wg_tile.
 //
-// TH = 2: tiles of 256 tokens as two halves of 128 (MT = 1, two consumer warpgroups): each weight a
-// consumer dequantises feeds two MMAs, one a half, so the dequantisation and its issue slots a FLOP
-// halve; the second half's copies and MMAs run only where the tile has more than 128 slots (a grouped
-// tile ends at its expert's last slot), so an expert of up to 256 slots is one tile, its weights
-// dequantised once. OUT16: the outputs in bf16 (store_tile's), the grouped form without SwiGLU.
+// N2 > 0: tiles of 128 + N2 tokens, a first part of 128 and a second of N2 (32, 64 or 128; MT = 1, two
+// consumer warpgroups): each weight a consumer dequantises feeds the MMAs of both parts, so an expert
+// of up to 128 + N2 slots is one tile, its weights dequantised once (with N2 = 128 the dequantisation
+// and its issue slots a FLOP also halve); the second part's copies and MMAs run only where the tile
+// has more than 128 slots (a grouped tile ends at its expert's last slot). OUT16: the outputs in bf16
+// (store_tile's), the grouped form without SwiGLU.
 //
-// CL = 2 (TH = 2, the plain forms): cluster pairs. The two blocks of a cluster take the same token
+// CL = 2 (N2 = 128, the plain forms): cluster pairs. The two blocks of a cluster take the same token
 // tile and adjacent row tiles (2j, 2j + 1; the row tiles must be even), so each stage's 256 X rows are
 // the same for both: block r's producer copies rows 128r .. 128r + 127 with one TMA copy (the staged
 // plane's descriptor `xmap`, 128-byte swizzle: the cp.async layout) multicast into both blocks, and its
@@ -717,10 +726,10 @@ struct RingTile {
 // the consumers of both blocks have released it (each consumer warp arrives on both blocks' empty
 // barriers), so neither producer overwrites what the other block still reads.
 
-template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2, int TH = 1, bool OUT16 = false, int CL = 1>
+template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2, int N2 = 0, bool OUT16 = false, int CL = 1>
 __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xmap = nullptr) {
-    constexpr int BH = 128;                      // tokens a half (an MMA's N)
-    constexpr int BT = BH * TH;                  // tokens a tile
+    constexpr int BH = 128;                      // tokens of the first part (an MMA's N)
+    constexpr int BT = BH + N2;                  // tokens a tile
     constexpr int THREADS = 128 * (CWG + 1);     // the producer warpgroup and CWG consumer warpgroups
     constexpr int BWT = 64 * CWG * MT;           // weight rows a tile
     constexpr int XB = BT * 128;                 // X bytes a stage: BT rows of 64 f16
@@ -737,12 +746,12 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
     // before the next is dequantised (the other warpgroups' MMAs keep the tensor cores busy
     // meanwhile); two keep two sets in flight.
     constexpr bool SINGLE = CWG > 2;
-    // The 256-token tile's producer holds twice the X rows' offsets: 56 = 168 − 2 · (224 − 168).
-    constexpr int PRODUCER_REGS = CWG > 2 ? 32 : (TH == 2 ? 56 : 40), CONSUMER_REGS = CWG > 2 ? 112 : (TH == 2 ? 224 : 232);
+    // The two-part tiles' producer holds more X rows' offsets: 56 = 168 − 2 · (224 − 168).
+    constexpr int PRODUCER_REGS = CWG > 2 ? 32 : (N2 > 0 ? 56 : 40), CONSUMER_REGS = CWG > 2 ? 112 : (N2 > 0 ? 224 : 232);
     static_assert(CWG == 2 || (CWG == 4 && MT == 1), "two consumer warpgroups, or four of one m64 tile each");
-    static_assert(TH == 1 || (TH == 2 && MT == 1 && CWG == 2), "256-token tiles: two consumer warpgroups of one m64 tile");
+    static_assert(N2 == 0 || ((N2 == 32 || N2 == 64 || N2 == 128) && MT == 1 && CWG == 2), "two-part tiles: two consumer warpgroups of one m64 tile");
     static_assert(!OUT16 || (GROUPED && !SWIGLU), "bf16 outputs: the grouped form without SwiGLU");
-    static_assert(CL == 1 || (CL == 2 && TH == 2 && !GROUPED), "cluster pairs: the plain 256-token tiles");
+    static_assert(CL == 1 || (CL == 2 && N2 == 128 && !GROUPED), "cluster pairs: the plain 256-token tiles"); 
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[2 * NS];   // full[s], then empty[s]
@@ -804,7 +813,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
             tile_of(i, matrix, m_begin, m_end, n_tile);
             RingTile<XRPT, WLD> rt;
             rt.template set<SWIGLU, GROUPED, BW_OUT>(p, tid, matrix, m_begin, m_end, n_tile);
-            const bool two = TH == 2 && m_end - m_begin > BH;
+            const bool two = N2 > 0 && m_end - m_begin > BH;
 #pragma unroll 1
             for (int kt = 0; kt < nk; ++kt) {
                 mbar_wait(empty0 + 8 * s, ph ^ 1);
@@ -817,7 +826,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
                     }
                     rt.copy_codes(p, wdst + so, kt);
                 } else {
-                    rt.copy(p, xdst + so, wdst + so, kt, TH == 1 || two);
+                    rt.copy(p, xdst + so, wdst + so, kt, N2 == 0 || two);
                 }
                 mbar_arrive_on_copies(full0 + 8 * s);
                 if (++s == NS) {
@@ -872,7 +881,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
             tsc[parity][ct] = k;
         }
         named_barrier_sync(1, 128 * CWG);
-        const bool two = TH == 2 && m_end - m_begin > BH;  // the second half's MMAs run
+        const bool two = N2 > 0 && m_end - m_begin > BH;  // the second part's MMAs run
 
         int r0[MT], o0[MT], o1[MT];
         bool ok0[MT], ok1[MT];
@@ -886,13 +895,14 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
             gi0[m] = (uint32_t)(((long long)matrix * rows + (ok0[m] ? o0[m] : 0)) * groups);
             gi1[m] = (uint32_t)(((long long)matrix * rows + (ok1[m] ? o1[m] : 0)) * groups);
         }
-        float acc[TH][MT][ND];  // [half][m64 tile][fragment]
+        float acc[MT][ND];                       // the first part [m64 tile][fragment]
+        float acc2[1][N2 > 0 ? N2 / 2 : 1];      // the second part's
 #pragma unroll
-        for (int h = 0; h < TH; ++h)
+        for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int m = 0; m < MT; ++m)
+            for (int e = 0; e < ND; ++e) acc[m][e] = 0.0f;
 #pragma unroll
-                for (int e = 0; e < ND; ++e) acc[h][m][e] = 0.0f;
+        for (int e = 0; e < (N2 > 0 ? N2 / 2 : 1); ++e) acc2[0][e] = 0.0f;
         uint16_t nxt[MT][4];
         auto fetch = [&](int kt) {
 #pragma unroll
@@ -905,7 +915,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
         };
         fetch(0);
         int prev = -1;
-        // BOTH: the second half's MMAs too (a compile-time flag, so that no branch sits between a
+        // BOTH: the second part's MMAs too (a compile-time flag, so that no branch sits between a
         // group's MMAs: ptxas fences each MMA of a conditional sequence).
         auto step = [&](int kt, uint32_t (&a)[MT][4][4], auto both) {
             mbar_wait(full0 + 8 * s, ph);
@@ -922,9 +932,10 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
 #pragma unroll
-                for (int m = 0; m < MT; ++m) wgmma_m64n128k16_rs<true>(acc[0][m], a[m][k], dst + (uint64_t)((32 * k) >> 4), 1);
-                // The second half's X rows start BH rows (BH · 128 bytes, whole swizzle atoms) on.
-                if constexpr (decltype(both)::value) wgmma_m64n128k16_rs<true>(acc[TH - 1][0], a[0][k], dst + (uint64_t)((BH * 128 + 32 * k) >> 4), 1);
+                for (int m = 0; m < MT; ++m) wgmma_m64n128k16_rs<true>(acc[m], a[m][k], dst + (uint64_t)((32 * k) >> 4), 1);
+                // The second part's X rows start BH rows (BH · 128 bytes, whole swizzle atoms) on.
+                // (N2 made value-dependent on `both`, so that the call is instantiated only where it runs.)
+                if constexpr (decltype(both)::value) wgmma_rs_n<decltype(both)::value * N2>(acc2[0], a[0][k], dst + (uint64_t)((BH * 128 + 32 * k) >> 4));
             }
             wgmma_commit();
             if constexpr (SINGLE) {
@@ -947,7 +958,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
 #pragma unroll 1
             for (int kt = 0; kt < nk; ++kt) step1(kt, a0);
         } else {
-            if constexpr (TH == 2) {
+            if constexpr (N2 > 0) {
                 auto step2 = [&](int kt, uint32_t (&a)[MT][4][4]) { step(kt, a, Flag<true>{}); };
                 if (two) steps_in_two_sets<MT>(nk, step2);
                 else steps_in_two_sets<MT>(nk, step1);
@@ -958,15 +969,15 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
             if (lane == 0) release(prev);
         }
 #pragma unroll
-        for (int h = 0; h < TH; ++h)
-#pragma unroll
-            for (int m = 0; m < MT; ++m) wgmma_pin(acc[h][m]);
+        for (int m = 0; m < MT; ++m) wgmma_pin(acc[m]);
+        wgmma_pin(acc2[0]);
 
-#pragma unroll
-        for (int h = 0; h < TH; ++h) {
-            if (h > 0 && !two) break;
-            store_tile<MT, BH, SWIGLU, OUT16>(acc[h], p.y, rows, m_begin + BH * h, m_end, q, o0, o1, ok0, ok1,
-                                              [&](int tok) { return tsc[parity][BH * h + tok]; }, [](int) { return false; });
+        store_tile<MT, BH, SWIGLU, OUT16>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return tsc[parity][tok]; },
+                                          [](int) { return false; });
+        if constexpr (N2 > 0) {
+            if (two)
+                store_tile<1, N2, SWIGLU, OUT16>(acc2, p.y, rows, m_begin + BH, m_end, q, o0, o1, ok0, ok1,
+                                                 [&](int tok) { return tsc[parity][BH + tok]; }, [](int) { return false; });
         }
     }
     if constexpr (CL == 2) {
@@ -1213,25 +1224,27 @@ SS_ENTRY(gemm_wgmma_swiglu_ss256, true, false)
 SS_ENTRY(gemm_wgmma_grouped_ss256, false, true)
 SS_ENTRY(gemm_wgmma_grouped_swiglu_ss256, true, true)
 
-#define WS_ENTRY_T(name, MT, NS, SWIGLU, GROUPED, CWG, TH, OUT16)                                     \
+#define WS_ENTRY_T(name, MT, NS, SWIGLU, GROUPED, CWG, N2, OUT16)                                     \
     extern "C" __global__ void __launch_bounds__(128 * (CWG + 1), 1) name(const WgParams p) {          \
         pdl_enter();                                                                                   \
-        wg_tile_ws<MT, NS, SWIGLU, GROUPED, CWG, TH, OUT16>(p);                                        \
+        wg_tile_ws<MT, NS, SWIGLU, GROUPED, CWG, N2, OUT16>(p);                                        \
     }
-#define WS_ENTRY(name, MT, NS, SWIGLU, GROUPED, CWG) WS_ENTRY_T(name, MT, NS, SWIGLU, GROUPED, CWG, 1, false)
+#define WS_ENTRY(name, MT, NS, SWIGLU, GROUPED, CWG) WS_ENTRY_T(name, MT, NS, SWIGLU, GROUPED, CWG, 0, false)
 // _ws4: 256 weight rows as four consumer warpgroups of 64 (half the X traffic a FLOP of _ws128);
-// _ws128t256: 128 weight rows × 256 tokens (stages of 36 KB: 6 fit).
+// _ws128t256: 128 weight rows × 256 tokens (stages of 36 KB: 6 fit); _ws128t160: × 160 tokens (24 KB: 9).
 #define WS_FORM(prefix, SWIGLU, GROUPED)                      \
     WS_ENTRY(prefix##_ws128, 1, 10, SWIGLU, GROUPED, 2)       \
     WS_ENTRY(prefix##_ws256, 2, 8, SWIGLU, GROUPED, 2)        \
     WS_ENTRY(prefix##_ws4, 1, 8, SWIGLU, GROUPED, 4)          \
-    WS_ENTRY_T(prefix##_ws128t256, 1, 6, SWIGLU, GROUPED, 2, 2, false)
+    WS_ENTRY_T(prefix##_ws128t256, 1, 6, SWIGLU, GROUPED, 2, 128, false) \
+    WS_ENTRY_T(prefix##_ws128t160, 1, 9, SWIGLU, GROUPED, 2, 32, false)
 WS_FORM(gemm_wgmma_plain, false, false)
 WS_FORM(gemm_wgmma_swiglu, true, false)
 WS_FORM(gemm_wgmma_grouped, false, true)
 WS_FORM(gemm_wgmma_grouped_swiglu, true, true)
 // bf16 outputs (the MoE down projection) on the 256-token tile.
-WS_ENTRY_T(gemm_wgmma_grouped_ws128t256_o16, 1, 6, false, true, 2, 2, true)
+WS_ENTRY_T(gemm_wgmma_grouped_ws128t256_o16, 1, 6, false, true, 2, 128, true)
+WS_ENTRY_T(gemm_wgmma_grouped_ws128t160_o16, 1, 9, false, true, 2, 32, true)
 
 // The cluster pairs of 256-token tiles (plain forms): the staged plane's TMA descriptor beside the
 // parameters, in one __grid_constant__ parameter (a descriptor must sit in parameter, constant or global
@@ -1243,7 +1256,7 @@ struct WgTmaParams {
 #define MC_ENTRY(name, SWIGLU)                                                                        \
     extern "C" __global__ void __launch_bounds__(384, 1) name(const __grid_constant__ WgTmaParams q) { \
         pdl_enter();                                                                                   \
-        wg_tile_ws<1, 6, SWIGLU, false, 2, 2, false, 2>(q.p, &q.xmap);                                 \
+        wg_tile_ws<1, 6, SWIGLU, false, 2, 128, false, 2>(q.p, &q.xmap);                               \
     }
 MC_ENTRY(gemm_wgmma_plain_mc256, false)
 MC_ENTRY(gemm_wgmma_swiglu_mc256, true)

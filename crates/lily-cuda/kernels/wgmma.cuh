@@ -43,7 +43,10 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t saddr) {
     return (uint64_t)((saddr & 0x3FFFFu) >> 4) | ((uint64_t)(16 >> 4) << 16) | ((uint64_t)(1024 >> 4) << 32) | (1ull << 62);
 }
 
-// The accumulator operands and their placeholders, 32 and 64 registers.
+// The accumulator operands and their placeholders, 16, 32 and 64 registers.
+#define WG_D16(d)                                                                                                   \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define WG_D32(d)                                                                                                   \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),     \
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),      \
@@ -55,6 +58,7 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t saddr) {
         "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]),     \
         "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),     \
         "+f"(d[63])
+#define WG_R16 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
 #define WG_R32                                                                                                     \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                                       \
     "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
@@ -81,7 +85,9 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t saddr) {
             WG_RS_STMT(shape, "bf16", dlist, rlist, A, DESC, ACC);                                             \
     }
 
-// wgmma_m64n64k16_rs<F16>(d[32], a, b_desc, accumulate) and wgmma_m64n128k16_rs<F16>(d[64], ...).
+// wgmma_m64n32k16_rs<F16>(d[16], a, b_desc, accumulate), wgmma_m64n64k16_rs<F16>(d[32], ...) and
+// wgmma_m64n128k16_rs<F16>(d[64], ...).
+WG_RS_FN(wgmma_m64n32k16_rs, "m64n32k16", 16, WG_D16, WG_R16, "%16, %17, %18, %19", "%20", "%21")
 WG_RS_FN(wgmma_m64n64k16_rs, "m64n64k16", 32, WG_D32, WG_R32, "%32, %33, %34, %35", "%36", "%37")
 WG_RS_FN(wgmma_m64n128k16_rs, "m64n128k16", 64, WG_D64, WG_R64, "%64, %65, %66, %67", "%68", "%69")
 

@@ -70,7 +70,7 @@ const CPU_TOL_HALF: f64 = 1e-3;
 const SPARE: usize = 37;
 
 const PRECISIONS: [Precision; 4] = [Precision::Exact, Precision::Bf16x, Precision::Fast, Precision::Half];
-const TILES: [Tile; 13] = [
+const TILES: [Tile; 14] = [
     Tile::Auto,
     Tile::M64,
     Tile::M32,
@@ -83,6 +83,7 @@ const TILES: [Tile; 13] = [
     Tile::Ws4,
     Tile::Ss256,
     Tile::Ws128T256,
+    Tile::Ws128T160,
     Tile::Mc256,
 ];
 
@@ -102,7 +103,9 @@ fn tile_takes(tile: Tile, w: &Matrix, p: Precision, plain: bool, pairs: bool) ->
     match tile {
         Tile::Mc256 => is_q4g64(w) && p == Precision::Half && pairs,
         Tile::Wg64 | Tile::Wg128 => (is_q4g64(w) || (is_q8g64(w) && plain)) && p != Precision::Fast,
-        Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 | Tile::Ws128T256 => is_q4g64(w) && p == Precision::Half,
+        Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 | Tile::Ws128T256 | Tile::Ws128T160 => {
+            is_q4g64(w) && p == Precision::Half
+        }
         _ => true,
     }
 }
@@ -788,7 +791,7 @@ fn half_scales_each_row_into_f16_range() {
         x[r * cols..(r + 1) * cols].iter_mut().for_each(|v| *v *= m);
     }
     let rm = RefMat::new(&w, 0);
-    for tile in [Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256, Tile::Mc256] {
+    for tile in [Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256, Tile::Ws128T160, Tile::Mc256] {
         let o = Opts { tile, precision: Precision::Half, ..Default::default() };
         let xd = dev.upload(&x).unwrap();
         let mut y = poisoned(&dev, t * rows);
@@ -831,7 +834,7 @@ fn grouped_gather_past_x_gives_nan_rows_only() {
     let expert = [0usize, 0, 0, 2, 2, 2, 2];
     // Every precision on the Auto tile, and Half on the warp-specialised ones too.
     let runs = PRECISIONS.iter().map(|&p| (p, Tile::Auto)).chain(
-        [Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256].map(|tile| (Precision::Half, tile)),
+        [Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256, Tile::Ws128T160].map(|tile| (Precision::Half, tile)),
     );
     for (p, tile) in runs {
         let mut y = poisoned(&dev, n * rows);
@@ -869,7 +872,7 @@ fn warp_specialised_tiles_walk_many_tiles_like_wg128() {
         let want = dev.download(&want).unwrap();
         let want64: Vec<f64> = want.iter().map(|&v| v as f64).collect();
         let pairs = !what.starts_with("grouped");
-        for tile in [Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256, Tile::Mc256] {
+        for tile in [Tile::Ws128, Tile::Ws256, Tile::Ws4, Tile::Ss256, Tile::Ws128T256, Tile::Ws128T160, Tile::Mc256] {
             if tile == Tile::Mc256 && !pairs {
                 continue;
             }
@@ -951,9 +954,9 @@ fn grouped_bf16_outputs_are_the_f32_outputs_rounded() {
         let src = dev.upload(&src).unwrap();
         let (xd, _, _) = inputs(&dev, &mut rng, x_rows, cols, 0);
         let rows_arg = gather.then_some(&src);
-        for tile in [Tile::Auto, Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws4, Tile::Ws128T256] {
-            // The f32 outputs of the tile that runs: a forced wide tile runs the 128-row one (not
-            // Ws128T256, which takes bf16 outputs itself).
+        for tile in [Tile::Auto, Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws4, Tile::Ws128T256, Tile::Ws128T160] {
+            // The f32 outputs of the tile that runs: a forced wide tile runs the 128-row one (not the
+            // two-part tiles, which take bf16 outputs themselves).
             let f32_tile = match tile {
                 Tile::Wg128x256 | Tile::Ws128 | Tile::Ws4 => Tile::Wg128,
                 Tile::Auto if n / e < 96 => Tile::Wg64,

@@ -117,6 +117,9 @@ pub enum Tile {
     /// the MMAs of two 128-token halves (the second only where the tile holds more than 128 slots, so
     /// a grouped expert of up to 256 slots is one tile). Also takes the grouped bf16 outputs.
     Ws128T256,
+    /// As `Ws128T256` with a second part of 32 tokens: 160 tokens × 128 weight rows a tile (a grouped
+    /// expert of up to 160 slots one tile; a ring of 9 groups). Also takes the grouped bf16 outputs.
+    Ws128T160,
     /// `Ws128T256` in cluster pairs, the plain and SwiGLU forms only (not grouped), with an even count of
     /// 128-row tiles (SwiGLU: of 64 outputs): the two blocks of a pair take adjacent row tiles of one
     /// token tile and copy each X tile once for both (TMA multicast).
@@ -136,6 +139,7 @@ impl Tile {
                 | Tile::Ws4
                 | Tile::Ss256
                 | Tile::Ws128T256
+                | Tile::Ws128T160
                 | Tile::Mc256
         )
     }
@@ -149,6 +153,7 @@ impl Tile {
             Tile::Ss256 => Some(super::gemm_wgmma::Ws::Ss256),
             Tile::Ws128T256 => Some(super::gemm_wgmma::Ws::T256),
             Tile::Mc256 => Some(super::gemm_wgmma::Ws::Mc256),
+            Tile::Ws128T160 => Some(super::gemm_wgmma::Ws::T160),
             _ => None,
         }
     }
@@ -160,6 +165,7 @@ impl Tile {
             Tile::Wg64x256 => (64, 256),
             Tile::Wg128x256 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 => (128, 256),
             Tile::Ws128T256 | Tile::Mc256 => (256, 128),
+            Tile::Ws128T160 => (160, 128),
             _ => (128, 128),
         }
     }
@@ -168,7 +174,8 @@ impl Tile {
 /// `LILY_GEMM`, read once (A/B runs): `mma` keeps gemm.cu's kernels where `Tile::Auto` would take the
 /// wgmma ones; `wg`, `ws128`, `ws256`, `ws4`, `ss256`, `t256` put that wgmma tile wherever `Tile::Auto`
 /// would take the 128 × 128 half tile; `t128` the choice before the 256-token tiles, `nomc` the
-/// defaults without the cluster pairs (see `wide_half_tile`); anything else, the defaults.
+/// defaults without the cluster pairs, `no160` without the 160-token tiles (see `wide_half_tile`);
+/// anything else, the defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum GemmSwitch {
     Default,
@@ -176,6 +183,7 @@ enum GemmSwitch {
     Wide(Tile),
     Tokens128,
     NoPairs,
+    No160,
 }
 
 fn gemm_switch() -> GemmSwitch {
@@ -188,6 +196,8 @@ fn gemm_switch() -> GemmSwitch {
         Ok("ws4") => GemmSwitch::Wide(Tile::Ws4),
         Ok("ss256") => GemmSwitch::Wide(Tile::Ss256),
         Ok("t256") => GemmSwitch::Wide(Tile::Ws128T256),
+        Ok("t160") => GemmSwitch::Wide(Tile::Ws128T160),
+        Ok("no160") => GemmSwitch::No160,
         Ok("t128") => GemmSwitch::Tokens128,
         Ok("nomc") => GemmSwitch::NoPairs,
         _ => GemmSwitch::Default,
@@ -222,14 +232,16 @@ fn router_path() -> RouterPath {
 ///   than `Ws128` on the 4K projections), in cluster pairs (`Mc256`) where the row tiles pair up,
 ///   else `Ws128`;
 /// - the grouped SwiGLU (the MoE gate/up): `Ws128T256` where experts average 192 slots or more (an
-///   8K chunk: one tile an expert instead of two or three; the 32K prefill +3%), else `Ws128` (at ~128
-///   slots an expert `Ws128T256` is 6% slower: its ring holds 6 groups where `Ws128`'s holds 10);
+///   8K chunk: one tile an expert instead of two or three; the 32K prefill +3%), else `Ws128T160` (at
+///   ~128 slots an expert `Ws128T256` is 6% slower than `Ws128`: its ring holds 6 groups where
+///   `Ws128`'s holds 10; the 160-token tile holds 9 and takes an expert's tail past 128 slots, which
+///   otherwise costs a tile of its own);
 /// - the grouped GEMMs without SwiGLU (the MoE down projection, K = 512): `Wg128` (`Ws128` 3.5%
 ///   slower, fifteenth session; `Ws128T256` 6% slower at a 4K chunk, even at 32K).
 ///
-/// `LILY_GEMM=t128` takes `Ws128` where this takes a 256-token tile; `nomc` `Ws128T256` where this
-/// takes `Mc256`; `wg` keeps `Wg128` everywhere, `ws128` / `ws256` / `ws4` / `ss256` / `t256` take
-/// that tile everywhere (A/B runs).
+/// `LILY_GEMM=t128` takes `Ws128` where this takes a two-part tile; `nomc` `Ws128T256` where this
+/// takes `Mc256`; `no160` `Ws128` where this takes `Ws128T160`; `wg` keeps `Wg128` everywhere, `ws128`
+/// / `ws256` / `ws4` / `ss256` / `t256` / `t160` take that tile everywhere (A/B runs).
 fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, experts: usize, wg_tiles: usize) -> Tile {
     let t256 = if grouped { swiglu && t / experts.max(1) >= 192 } else { t.div_ceil(256) * wg_tiles >= dev.sm_count() as usize };
     let pairs = !grouped && wg_tiles.is_multiple_of(2);
@@ -240,6 +252,8 @@ fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, experts: 
         GemmSwitch::NoPairs if t256 => Tile::Ws128T256,
         _ if t256 && pairs => Tile::Mc256,
         _ if t256 => Tile::Ws128T256,
+        GemmSwitch::No160 => Tile::Ws128,
+        _ if grouped => Tile::Ws128T160,
         _ => Tile::Ws128,
     }
 }
@@ -735,7 +749,7 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
             )));
         }
         match tile {
-            Tile::Ws128T256 => tile,
+            Tile::Ws128T256 | Tile::Ws128T160 => tile,
             _ if tile.wgmma_shape().0 == 64 => Tile::Wg64,
             _ => Tile::Wg128,
         }

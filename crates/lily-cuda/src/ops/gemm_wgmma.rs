@@ -150,31 +150,35 @@ const NAMES_Q8: [&str; 6] = [
 /// The grouped half kernels writing bf16 outputs: variants 4 (128 tokens) and 5 (64) of the grouped form.
 const NAMES_O16: [&str; 2] = ["gemm_wgmma_grouped_n128_h128_o16", "gemm_wgmma_grouped_n64_h128_o16"];
 /// The warp-specialised persistent tiles (half numerics, 4-bit): per form (plain, swiglu, grouped,
-/// grouped swiglu) [`Ws::R128`], [`Ws::R256`], [`Ws::Four`], [`Ws::Ss256`], [`Ws::T256`].
-const NAMES_WS: [&str; 20] = [
+/// grouped swiglu) [`Ws::R128`], [`Ws::R256`], [`Ws::Four`], [`Ws::Ss256`], [`Ws::T256`], [`Ws::T160`].
+const NAMES_WS: [&str; 24] = [
     "gemm_wgmma_plain_ws128",
     "gemm_wgmma_plain_ws256",
     "gemm_wgmma_plain_ws4",
     "gemm_wgmma_plain_ss256",
     "gemm_wgmma_plain_ws128t256",
+    "gemm_wgmma_plain_ws128t160",
     "gemm_wgmma_swiglu_ws128",
     "gemm_wgmma_swiglu_ws256",
     "gemm_wgmma_swiglu_ws4",
     "gemm_wgmma_swiglu_ss256",
     "gemm_wgmma_swiglu_ws128t256",
+    "gemm_wgmma_swiglu_ws128t160",
     "gemm_wgmma_grouped_ws128",
     "gemm_wgmma_grouped_ws256",
     "gemm_wgmma_grouped_ws4",
     "gemm_wgmma_grouped_ss256",
     "gemm_wgmma_grouped_ws128t256",
+    "gemm_wgmma_grouped_ws128t160",
     "gemm_wgmma_grouped_swiglu_ws128",
     "gemm_wgmma_grouped_swiglu_ws256",
     "gemm_wgmma_grouped_swiglu_ws4",
     "gemm_wgmma_grouped_swiglu_ss256",
     "gemm_wgmma_grouped_swiglu_ws128t256",
+    "gemm_wgmma_grouped_swiglu_ws128t160",
 ];
-/// [`Ws::T256`]'s grouped form writing bf16 outputs (the MoE down projection's slots).
-const NAME_WS_O16: &str = "gemm_wgmma_grouped_ws128t256_o16";
+/// [`Ws::T256`]'s and [`Ws::T160`]'s grouped forms writing bf16 outputs (the MoE down projection's slots).
+const NAMES_WS_O16: [&str; 2] = ["gemm_wgmma_grouped_ws128t256_o16", "gemm_wgmma_grouped_ws128t160_o16"];
 /// [`Ws::Mc256`]'s plain and SwiGLU forms (cluster pairs sharing each X tile by TMA multicast).
 const NAMES_MC: [&str; 2] = ["gemm_wgmma_plain_mc256", "gemm_wgmma_swiglu_mc256"];
 
@@ -194,6 +198,9 @@ pub(crate) enum Ws {
     /// dequantise feeding the MMAs of both 128-token halves (the second only where the tile has more
     /// than 128 slots).
     T256,
+    /// 128 weight rows × 160 tokens: `T256` with a second part of 32 tokens (an expert of up to 160
+    /// slots one tile; stages of 24 KB, so the ring holds 9 groups).
+    T160,
     /// `T256` in cluster pairs (the plain and SwiGLU forms, an even count of row tiles): the two blocks
     /// of a pair take adjacent row tiles of one token tile, and each X tile is copied once for both by
     /// TMA multicast (half the L2 traffic a FLOP).
@@ -209,17 +216,22 @@ impl Ws {
             Ws::Four => 2,
             Ws::Ss256 => 3,
             Ws::T256 | Ws::Mc256 => 4,
+            Ws::T160 => 5,
         }
     }
 
     /// Weight rows a tile.
     pub(crate) const fn rows(self) -> usize {
-        if matches!(self, Ws::R128 | Ws::T256 | Ws::Mc256) { 128 } else { 256 }
+        if matches!(self, Ws::R128 | Ws::T256 | Ws::T160 | Ws::Mc256) { 128 } else { 256 }
     }
 
     /// Tokens (slots) a tile.
     pub(crate) const fn tokens(self) -> usize {
-        if matches!(self, Ws::T256 | Ws::Mc256) { 256 } else { 128 }
+        match self {
+            Ws::T256 | Ws::Mc256 => 256,
+            Ws::T160 => 160,
+            _ => 128,
+        }
     }
 
     /// Stages of its ring (NS of `WS_ENTRY` in the `.cu`; `Ss256`: the X and code stages, NX of
@@ -229,6 +241,7 @@ impl Ws {
             Ws::R128 => 10,
             Ws::Ss256 => 5,
             Ws::T256 | Ws::Mc256 => 6,
+            Ws::T160 => 9,
             _ => 8,
         }
     }
@@ -245,7 +258,7 @@ pub(crate) const WS_MAX_EXPERTS: usize = 768;
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 
-const N_ALL: usize = 4 * VARIANTS + 2 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + 1 + NAMES_MC.len();
+const N_ALL: usize = 4 * VARIANTS + 2 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + NAMES_WS_O16.len() + NAMES_MC.len();
 const fn all_kernels() -> [&'static str; N_ALL] {
     let mut out = [""; N_ALL];
     let mut n = 0;
@@ -272,9 +285,8 @@ const fn all_kernels() -> [&'static str; N_ALL] {
         out[n] = NAMES_O16[i];
         (i, n) = (i + 1, n + 1);
     }
-    out[n] = NAME_WS_O16;
-    out[n + 1] = NAMES_MC[0];
-    out[n + 2] = NAMES_MC[1];
+    (out[n], out[n + 1]) = (NAMES_WS_O16[0], NAMES_WS_O16[1]);
+    (out[n + 2], out[n + 3]) = (NAMES_MC[0], NAMES_MC[1]);
     out
 }
 const ALL: [&str; N_ALL] = all_kernels();
@@ -378,7 +390,7 @@ const fn smem_bytes(v: Variant) -> usize {
 }
 
 /// The warp-specialised tiles in the order of `NAMES_WS` within a form.
-const WS_KINDS: [Ws; 5] = [Ws::R128, Ws::R256, Ws::Four, Ws::Ss256, Ws::T256];
+const WS_KINDS: [Ws; 6] = [Ws::R128, Ws::R256, Ws::Four, Ws::Ss256, Ws::T256, Ws::T160];
 /// `Ss256`'s slots of dequantised weights (NA of `SS_ENTRY`), 256 rows of 128 bytes each.
 const SS_SLOTS: usize = 2;
 
@@ -396,8 +408,8 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
         let kind = WS_KINDS[i % WS_KINDS.len()];
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(kind) as i32)?;
     }
-    for name in [NAME_WS_O16, NAMES_MC[0], NAMES_MC[1]] {
-        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(Ws::T256) as i32)?;
+    for (name, kind) in [(NAMES_WS_O16[0], Ws::T256), (NAMES_WS_O16[1], Ws::T160), (NAMES_MC[0], Ws::Mc256), (NAMES_MC[1], Ws::Mc256)] {
+        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(kind) as i32)?;
     }
     for (i, name) in NAMES.iter().enumerate() {
         dev.function(name)?
@@ -481,11 +493,11 @@ pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
 /// tokens, at most `WS_MAX_EXPERTS` experts). `reuse_x`: the caller promises x has not been written since the previous call that staged it; when
 /// the buffer still holds that staging (same x, shape and numerics), it is not staged again.
 pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws: Option<Ws>, reuse_x: bool) -> Result<()> {
-    debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
+    debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128 | 160 | 256) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
     debug_assert!(ws.is_none_or(|k| c.bits == 4 && num == Num::Half && bt == k.tokens() && k.rows() == wrows));
     let q8 = c.bits == 8;
     debug_assert!(c.bits == 4 || (q8 && c.w2.0 == 0 && c.grouped.is_none() && wrows == 128 && ws.is_none()));
-    debug_assert!(!c.out16 || (c.bits == 4 && c.w2.0 == 0 && c.grouped.is_some() && num == Num::Half && wrows == 128 && ws.is_none_or(|k| k == Ws::T256)));
+    debug_assert!(!c.out16 || (c.bits == 4 && c.w2.0 == 0 && c.grouped.is_some() && num == Num::Half && wrows == 128 && ws.is_none_or(|k| matches!(k, Ws::T256 | Ws::T160))));
     // The grid (checked before anything is launched): token tiles × weight-row tiles, or the other way
     // round for grouped calls, whose blocks of one token tile run consecutively (`tile_slots` in the
     // kernel: measured +3% on the 4K prefill, the down projection 16.2 → 12.9 ms, PERF.md).
@@ -573,7 +585,11 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         let tiles = m_tiles * row_tiles;
         let blocks = tiles.min(dev.sm_count() as usize).max(1);
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (kind.threads(), 1, 1), shared_mem_bytes: ws_smem_bytes(kind) as u32 };
-        let name = if c.out16 { NAME_WS_O16 } else { NAMES_WS[WS_KINDS.len() * form + kind.index()] };
+        let name = match (c.out16, kind) {
+            (false, _) => NAMES_WS[WS_KINDS.len() * form + kind.index()],
+            (true, Ws::T160) => NAMES_WS_O16[1],
+            (true, _) => NAMES_WS_O16[0],
+        };
         return launch(dev, name, cfg, &p);
     }
     let (name, v) = if q8 {
@@ -613,7 +629,7 @@ mod tests {
             assert_eq!(variant_index(v.bt, v.num, v.rows()), i, "variant {i} is not the one its shape selects");
         }
         // The warp-specialised tiles: one block an SM, with their static shared memory (6.4 KB at most).
-        for (kind, want) in [(Ws::R128, 205_824), (Ws::R256, 197_632), (Ws::Four, 197_632), (Ws::Ss256, 189_440), (Ws::T256, 222_208)] {
+        for (kind, want) in [(Ws::R128, 205_824), (Ws::R256, 197_632), (Ws::Four, 197_632), (Ws::Ss256, 189_440), (Ws::T256, 222_208), (Ws::T160, 222_208)] {
             assert_eq!(ws_smem_bytes(kind), want, "{kind:?}");
             assert!(ws_smem_bytes(kind) + 6400 <= 227 * 1024, "{kind:?} does not fit");
             assert_eq!(WS_KINDS[kind.index()], kind);
