@@ -173,8 +173,8 @@ impl Tile {
 
 /// `LILY_GEMM`, read once (A/B runs): `mma` keeps gemm.cu's kernels where `Tile::Auto` would take the
 /// wgmma ones; `wg`, `ws128`, `ws256`, `ws4`, `ss256`, `t256` put that wgmma tile wherever `Tile::Auto`
-/// would take the 128 × 128 half tile; `t128` the choice before the 256-token tiles, `nomc` the
-/// defaults without the cluster pairs, `no160` without the 160-token tiles (see `wide_half_tile`);
+/// would take the 128 × 128 half tile; `t128` the choice before the two-part tiles, `mc256` the
+/// defaults with the cluster pairs, `no160` without the 160-token tiles (see `wide_half_tile`);
 /// anything else, the defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum GemmSwitch {
@@ -182,7 +182,7 @@ enum GemmSwitch {
     Mma,
     Wide(Tile),
     Tokens128,
-    NoPairs,
+    Pairs,
     No160,
 }
 
@@ -199,7 +199,7 @@ fn gemm_switch() -> GemmSwitch {
         Ok("t160") => GemmSwitch::Wide(Tile::Ws128T160),
         Ok("no160") => GemmSwitch::No160,
         Ok("t128") => GemmSwitch::Tokens128,
-        Ok("nomc") => GemmSwitch::NoPairs,
+        Ok("mc256") => GemmSwitch::Pairs,
         _ => GemmSwitch::Default,
     })
 }
@@ -228,9 +228,8 @@ fn router_path() -> RouterPath {
 
 /// The tile `Tile::Auto` takes where `half_tile` picks `Tile::Wg128` (4-bit weights, at most
 /// `WS_MAX_EXPERTS` experts), measured (H100, PERF.md 2026-12-06 nineteenth session, and fifteenth):
-/// - the plain GEMMs: the 256-token tiles where they still give every SM one (`Ws128T256` 4–5% faster
-///   than `Ws128` on the 4K projections), in cluster pairs (`Mc256`) where the row tiles pair up,
-///   else `Ws128`;
+/// - the plain GEMMs: `Ws128T256` where its tiles still give every SM one (4–5% faster than `Ws128` on
+///   the 4K projections), else `Ws128` (the cluster pairs, `Mc256`, measured 2× slower: opt-in);
 /// - the grouped SwiGLU (the MoE gate/up): `Ws128T256` where experts average 192 slots or more (an
 ///   8K chunk: one tile an expert instead of two or three; the 32K prefill +3%), else `Ws128T160` (at
 ///   ~128 slots an expert `Ws128T256` is 6% slower than `Ws128`: its ring holds 6 groups where
@@ -239,9 +238,10 @@ fn router_path() -> RouterPath {
 /// - the grouped GEMMs without SwiGLU (the MoE down projection, K = 512): `Wg128` (`Ws128` 3.5%
 ///   slower, fifteenth session; `Ws128T256` 6% slower at a 4K chunk, even at 32K).
 ///
-/// `LILY_GEMM=t128` takes `Ws128` where this takes a two-part tile; `nomc` `Ws128T256` where this
-/// takes `Mc256`; `no160` `Ws128` where this takes `Ws128T160`; `wg` keeps `Wg128` everywhere, `ws128`
-/// / `ws256` / `ws4` / `ss256` / `t256` / `t160` take that tile everywhere (A/B runs).
+/// `LILY_GEMM=t128` takes `Ws128` where this takes a two-part tile; `mc256` `Mc256` where this takes
+/// `Ws128T256` and the row tiles pair up; `no160` `Ws128` where this takes `Ws128T160`; `wg` keeps
+/// `Wg128` everywhere, `ws128` / `ws256` / `ws4` / `ss256` / `t256` / `t160` take that tile everywhere
+/// (A/B runs).
 fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, experts: usize, wg_tiles: usize) -> Tile {
     let t256 = if grouped { swiglu && t / experts.max(1) >= 192 } else { t.div_ceil(256) * wg_tiles >= dev.sm_count() as usize };
     let pairs = !grouped && wg_tiles.is_multiple_of(2);
@@ -249,8 +249,7 @@ fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, experts: 
         GemmSwitch::Wide(tile) => tile,
         _ if grouped && !swiglu => Tile::Wg128,
         GemmSwitch::Tokens128 => Tile::Ws128,
-        GemmSwitch::NoPairs if t256 => Tile::Ws128T256,
-        _ if t256 && pairs => Tile::Mc256,
+        GemmSwitch::Pairs if t256 && pairs => Tile::Mc256,
         _ if t256 => Tile::Ws128T256,
         GemmSwitch::No160 => Tile::Ws128,
         _ if grouped => Tile::Ws128T160,
