@@ -36,12 +36,16 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
     asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 
-// One arrival on the barrier at the same shared-memory place `bar` of cluster block `rank` (release at
-// cluster scope: this thread's earlier reads of that block's shared memory are done).
+// One arrival on the barrier at the same shared-memory place `bar` of cluster block `rank`, with the
+// default semantics (release at CTA scope). Not `.release.cluster`: that compiles to MEMBAR.ALL.GPU
+// (with ERRBAR and CGAERRBAR), which waits for every memory operation the warp has in flight — the
+// scale loads prefetched for the next group, the last tile's output stores — at every arrival. The
+// reads the arrival announces (a stage's codes by ordinary loads whose values are already used, its X
+// by MMAs already waited for) are complete when it is made.
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
     uint32_t remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
-    asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+    asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
 }
 
 // Makes barrier initialisations visible to the cluster's other blocks (a cluster barrier follows).
