@@ -229,7 +229,8 @@ fn router_path() -> RouterPath {
 /// The tile `Tile::Auto` takes where `half_tile` picks `Tile::Wg128` (4-bit weights, at most
 /// `WS_MAX_EXPERTS` experts), measured (H100, PERF.md 2026-12-06 nineteenth session, and fifteenth):
 /// - the plain GEMMs: `Ws128T256` where its tiles still give every SM one (4–5% faster than `Ws128` on
-///   the 4K projections), else `Ws128` (the cluster pairs, `Mc256`, measured 2× slower: opt-in);
+///   the 4K projections), else `Ws128` (the cluster pairs, `Mc256`, measured 1.4–2× slower with a
+///   GPU-wide fence at each of their remote arrivals, since removed and not yet measured: opt-in);
 /// - the grouped SwiGLU (the MoE gate/up): `Ws128T256` where experts average 192 slots or more (an
 ///   8K chunk: one tile an expert instead of two or three; the 32K prefill +3%), else `Ws128T160` (at
 ///   ~128 slots an expert `Ws128T256` is 6% slower than `Ws128`: its ring holds 6 groups where
