@@ -224,6 +224,15 @@ __device__ __forceinline__ void store_tile(const float (&acc)[MT][BT / 2], void*
     }
 }
 
+// A persistent tile's slot `slot` (of those before m_end) in the epilogue: the 2^e of its staged row
+// (half numerics), NaN for a gathered row past x, 0 past the tile's slots.
+template <bool GROUPED>
+__device__ __forceinline__ float slot_scale(const WgParams& p, int slot, int m_end) {
+    if (slot >= m_end) return 0.0f;
+    const long long src = (GROUPED && p.gather) ? (long long)p.gather[slot] : (long long)slot;
+    return src < p.x_rows ? p.xsum[src] : __int_as_float(0x7fc00000);
+}
+
 // A compile-time flag passed to a generic lambda (decltype(f)::value).
 template <bool B>
 struct Flag {
@@ -871,15 +880,7 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
         // The slots' scales (2^e of the staged row; NaN for a gathered row past x), by the first
         // consumer warpgroup; the consumers' barrier also keeps a warpgroup two tiles ahead from
         // overwriting what the other still reads.
-        if (ct < BT) {
-            const int slot = m_begin + ct;
-            float k = 0.0f;
-            if (slot < m_end) {
-                const long long src = (GROUPED && p.gather) ? (long long)p.gather[slot] : (long long)slot;
-                k = src < p.x_rows ? p.xsum[src] : __int_as_float(0x7fc00000);
-            }
-            tsc[parity][ct] = k;
-        }
+        if (ct < BT) tsc[parity][ct] = slot_scale<GROUPED>(p, m_begin + ct, m_end);
         named_barrier_sync(1, 128 * CWG);
         const bool two = N2 > 0 && m_end - m_begin > BH;  // the second part's MMAs run
 
@@ -1161,15 +1162,7 @@ __device__ __forceinline__ void wg_tile_ss(const WgParams& p) {
     for (int i = blockIdx.x; i < n_tiles; i += gridDim.x, parity ^= 1) {
         int matrix, m_begin, m_end, n_tile;
         tile_of(i, matrix, m_begin, m_end, n_tile);
-        if (ct < BT) {
-            const int slot = m_begin + ct;
-            float k = 0.0f;
-            if (slot < m_end) {
-                const long long src = (GROUPED && p.gather) ? (long long)p.gather[slot] : (long long)slot;
-                k = src < p.x_rows ? p.xsum[src] : __int_as_float(0x7fc00000);
-            }
-            tsc[parity][ct] = k;
-        }
+        if (ct < BT) tsc[parity][ct] = slot_scale<GROUPED>(p, m_begin + ct, m_end);
         named_barrier_sync(1, 256);
         int o0[2], o1[2];
         bool ok0[2], ok1[2];
