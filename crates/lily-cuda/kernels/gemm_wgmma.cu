@@ -721,8 +721,10 @@ struct RingTile {
 // N2 > 0: tiles of 128 + N2 tokens, a first part of 128 and a second of N2 (32, 64 or 128; MT = 1, two
 // consumer warpgroups): each weight a consumer dequantises feeds the MMAs of both parts, so an expert
 // of up to 128 + N2 slots is one tile, its weights dequantised once (with N2 = 128 the dequantisation
-// and its issue slots a FLOP also halve); the second part's copies and MMAs run only where the tile
-// has more than 128 slots (a grouped tile ends at its expert's last slot). OUT16: the outputs in bf16
+// and its issue slots a FLOP also halve); the second part's copies (N2 = 32, 64: and MMAs) run only
+// where the tile has more than 128 slots (a grouped tile ends at its expert's last slot). With N2 = 128
+// the MMAs always run: a second main loop without them made ptxas serialise every MMA of the tile
+// (C7515; ncu put a third of the warps' stall samples on the waits it inserts). OUT16: the outputs in bf16
 // (store_tile's), the grouped form without SwiGLU.
 //
 // CL = 2 (N2 = 128, the plain forms): cluster pairs. The two blocks of a cluster take the same token
@@ -896,14 +898,6 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
             gi0[m] = (uint32_t)(((long long)matrix * rows + (ok0[m] ? o0[m] : 0)) * groups);
             gi1[m] = (uint32_t)(((long long)matrix * rows + (ok1[m] ? o1[m] : 0)) * groups);
         }
-        float acc[MT][ND];                       // the first part [m64 tile][fragment]
-        float acc2[1][N2 > 0 ? N2 / 2 : 1];      // the second part's
-#pragma unroll
-        for (int m = 0; m < MT; ++m)
-#pragma unroll
-            for (int e = 0; e < ND; ++e) acc[m][e] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < (N2 > 0 ? N2 / 2 : 1); ++e) acc2[0][e] = 0.0f;
         uint16_t nxt[MT][4];
         auto fetch = [&](int kt) {
 #pragma unroll
@@ -916,69 +910,87 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
         };
         fetch(0);
         int prev = -1;
-        // BOTH: the second part's MMAs too (a compile-time flag, so that no branch sits between a
-        // group's MMAs: ptxas fences each MMA of a conditional sequence).
-        auto step = [&](int kt, uint32_t (&a)[MT][4][4], auto both) {
-            mbar_wait(full0 + 8 * s, ph);
-            fence_proxy_async();
-            const uint32_t so = s * STAGE;
-            __half2 hs0[MT], hb0[MT], hs1[MT], hb1[MT];
+        // The tile's main loop and stores; BOTH: the second part's MMAs and stores too (a compile-time
+        // flag, so that no branch sits between a group's MMAs: ptxas fences each MMA of a conditional
+        // sequence). Each form declares its own accumulators: with the two main loops sharing them,
+        // ptxas serialised every MMA of the two-part tiles (C7515).
+        auto run_tile = [&](auto both) {
+            constexpr bool BOTH = decltype(both)::value;
+            float acc[MT][ND];                   // the first part [m64 tile][fragment]
+            float acc2[1][BOTH ? N2 / 2 : 1];    // the second part's
 #pragma unroll
-            for (int m = 0; m < MT; ++m) half_scales(nxt[m], hs0[m], hb0[m], hs1[m], hb1[m]);
-            if (kt + 1 < nk) fetch(kt + 1);
+            for (int m = 0; m < MT; ++m)
 #pragma unroll
-            for (int m = 0; m < MT; ++m) half_tile_weights(base + so + XB, r0[m], q, hs0[m], hb0[m], hs1[m], hb1[m], a[m]);
-            const uint64_t dst = d0 + (uint64_t)(so >> 4);
-            wgmma_fence();
+                for (int e = 0; e < ND; ++e) acc[m][e] = 0.0f;
+            if constexpr (BOTH) {
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
-#pragma unroll
-                for (int m = 0; m < MT; ++m) wgmma_m64n128k16_rs<true>(acc[m], a[m][k], dst + (uint64_t)((32 * k) >> 4), 1);
-                // The second part's X rows start BH rows (BH · 128 bytes, whole swizzle atoms) on.
-                // (N2 made value-dependent on `both`, so that the call is instantiated only where it runs.)
-                if constexpr (decltype(both)::value) wgmma_rs_n<decltype(both)::value * N2>(acc2[0], a[0][k], dst + (uint64_t)((BH * 128 + 32 * k) >> 4));
+                for (int e = 0; e < N2 / 2; ++e) acc2[0][e] = 0.0f;
             }
-            wgmma_commit();
+            auto step = [&](int kt, uint32_t (&a)[MT][4][4]) {
+                mbar_wait(full0 + 8 * s, ph);
+                fence_proxy_async();
+                const uint32_t so = s * STAGE;
+                __half2 hs0[MT], hb0[MT], hs1[MT], hb1[MT];
+#pragma unroll
+                for (int m = 0; m < MT; ++m) half_scales(nxt[m], hs0[m], hb0[m], hs1[m], hb1[m]);
+                if (kt + 1 < nk) fetch(kt + 1);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) half_tile_weights(base + so + XB, r0[m], q, hs0[m], hb0[m], hs1[m], hb1[m], a[m]);
+                const uint64_t dst = d0 + (uint64_t)(so >> 4);
+                wgmma_fence();
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+#pragma unroll
+                    for (int m = 0; m < MT; ++m) wgmma_m64n128k16_rs<true>(acc[m], a[m][k], dst + (uint64_t)((32 * k) >> 4), 1);
+                    // The second part's X rows start BH rows (BH · 128 bytes, whole swizzle atoms) on.
+                    // (N2 made value-dependent on `both`, so that the call is instantiated only where it runs.)
+                    if constexpr (BOTH) wgmma_rs_n<decltype(both)::value * N2>(acc2[0], a[0][k], dst + (uint64_t)((BH * 128 + 32 * k) >> 4));
+                }
+                wgmma_commit();
+                if constexpr (SINGLE) {
+                    wgmma_wait<0>();
+                    if (lane == 0) release(s);  // this stage has been read
+                } else {
+                    wgmma_wait<1>();
+                    // The stage before this one has been read by this warp's MMAs.
+                    if (prev >= 0 && lane == 0) release(prev);
+                    prev = s;
+                }
+                if (++s == NS) {
+                    s = 0;
+                    ph ^= 1;
+                }
+            };
             if constexpr (SINGLE) {
-                wgmma_wait<0>();
-                if (lane == 0) release(s);  // this stage has been read
+                uint32_t a0[MT][4][4];
+#pragma unroll 1
+                for (int kt = 0; kt < nk; ++kt) step(kt, a0);
             } else {
-                wgmma_wait<1>();
-                // The stage before this one has been read by this warp's MMAs.
-                if (prev >= 0 && lane == 0) release(prev);
-                prev = s;
+                steps_in_two_sets<MT>(nk, step);
+                wgmma_wait<0>();
+                if (lane == 0) release(prev);
             }
-            if (++s == NS) {
-                s = 0;
-                ph ^= 1;
+#pragma unroll
+            for (int m = 0; m < MT; ++m) wgmma_pin(acc[m]);
+            store_tile<MT, BH, SWIGLU, OUT16>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return tsc[parity][tok]; },
+                                              [](int) { return false; });
+            if constexpr (BOTH) {
+                wgmma_pin(acc2[0]);
+                if (two)
+                    store_tile<1, N2, SWIGLU, OUT16>(acc2, p.y, rows, m_begin + BH, m_end, q, o0, o1, ok0, ok1,
+                                                     [&](int tok) { return tsc[parity][BH + tok]; }, [](int) { return false; });
             }
         };
-        auto step1 = [&](int kt, uint32_t (&a)[MT][4][4]) { step(kt, a, Flag<false>{}); };
-        if constexpr (SINGLE) {
-            uint32_t a0[MT][4][4];
-#pragma unroll 1
-            for (int kt = 0; kt < nk; ++kt) step1(kt, a0);
+        if constexpr (N2 == 128) {
+            // Always both parts' MMAs (a tile of at most 128 slots multiplies rows it does not store,
+            // and does not copy them with cp.async): with a second main loop beside this one, ptxas
+            // still serialised the MMAs at this tile's register count (C7515).
+            run_tile(Flag<true>{});
+        } else if constexpr (N2 > 0 && !SINGLE) {
+            if (two) run_tile(Flag<true>{});
+            else run_tile(Flag<false>{});
         } else {
-            if constexpr (N2 > 0) {
-                auto step2 = [&](int kt, uint32_t (&a)[MT][4][4]) { step(kt, a, Flag<true>{}); };
-                if (two) steps_in_two_sets<MT>(nk, step2);
-                else steps_in_two_sets<MT>(nk, step1);
-            } else {
-                steps_in_two_sets<MT>(nk, step1);
-            }
-            wgmma_wait<0>();
-            if (lane == 0) release(prev);
-        }
-#pragma unroll
-        for (int m = 0; m < MT; ++m) wgmma_pin(acc[m]);
-        wgmma_pin(acc2[0]);
-
-        store_tile<MT, BH, SWIGLU, OUT16>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return tsc[parity][tok]; },
-                                          [](int) { return false; });
-        if constexpr (N2 > 0) {
-            if (two)
-                store_tile<1, N2, SWIGLU, OUT16>(acc2, p.y, rows, m_begin + BH, m_end, q, o0, o1, ok0, ok1,
-                                                 [&](int tok) { return tsc[parity][BH + tok]; }, [](int) { return false; });
+            run_tile(Flag<false>{});
         }
     }
     if constexpr (CL == 2) {
