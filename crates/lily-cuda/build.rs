@@ -59,7 +59,34 @@ fn main() {
     }
     rs.push_str("];\n");
     std::fs::write(out.join("cubins.rs"), rs).unwrap();
-    std::fs::write(out.join("ptxas.log"), log).unwrap();
+    std::fs::write(out.join("ptxas.log"), &log).unwrap();
+    let listed = std::fs::read_to_string(manifest.join("kernels/mma_serialised.txt")).unwrap_or_default();
+    let unlisted = unlisted_serialised(&log, &listed);
+    if !unlisted.is_empty() {
+        panic!(
+            "ptxas serialises the MMAs of kernels not listed in kernels/mma_serialised.txt (fix them, or list them with why):\n{}",
+            unlisted.join("\n")
+        );
+    }
+}
+
+/// The kernels whose MMAs ptxas says it serialises (C7512, C7515, C7519: `... in the function 'NAME'`)
+/// that `listed` (a name first on each line; `#` comments) does not name, with the code.
+fn unlisted_serialised(log: &str, listed: &str) -> Vec<String> {
+    let names: std::collections::HashSet<&str> =
+        listed.lines().filter(|l| !l.trim_start().starts_with('#')).filter_map(|l| l.split_whitespace().next()).collect();
+    let mut out: Vec<String> = log
+        .lines()
+        .filter(|l| ["(C7512)", "(C7515)", "(C7519)"].iter().any(|c| l.contains(c)))
+        .filter_map(|l| {
+            let code = &l[l.find("(C75")? + 1..][..5];
+            let name = l.rsplit("function '").next()?.split('\'').next()?;
+            (!names.contains(name)).then(|| format!("{name} ({code})"))
+        })
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 fn find_nvcc(manifest: &Path) -> PathBuf {
