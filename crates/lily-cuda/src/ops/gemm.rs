@@ -174,7 +174,8 @@ impl Tile {
 /// `LILY_GEMM`, read once (A/B runs): `mma` keeps gemm.cu's kernels where `Tile::Auto` would take the
 /// wgmma ones; `wg`, `ws128`, `ws256`, `ws4`, `ss256`, `t256` put that wgmma tile wherever `Tile::Auto`
 /// would take the 128 × 128 half tile; `t128` the choice before the two-part tiles, `mc256` the
-/// defaults with the cluster pairs, `no160` without the 160-token tiles (see `wide_half_tile`);
+/// defaults with the cluster pairs, `no160` without the 160-token tiles, `down160` / `down256` the
+/// defaults with the MoE down projection on `Ws128T160` / `Ws128T256` (see `wide_half_tile`);
 /// anything else, the defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum GemmSwitch {
@@ -184,6 +185,8 @@ enum GemmSwitch {
     Tokens128,
     Pairs,
     No160,
+    /// The defaults with the MoE down projection (grouped, no SwiGLU) on this tile.
+    Down(Tile),
 }
 
 fn gemm_switch() -> GemmSwitch {
@@ -200,6 +203,8 @@ fn gemm_switch() -> GemmSwitch {
         Ok("no160") => GemmSwitch::No160,
         Ok("t128") => GemmSwitch::Tokens128,
         Ok("mc256") => GemmSwitch::Pairs,
+        Ok("down160") => GemmSwitch::Down(Tile::Ws128T160),
+        Ok("down256") => GemmSwitch::Down(Tile::Ws128T256),
         _ => GemmSwitch::Default,
     })
 }
@@ -248,6 +253,7 @@ fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, experts: 
     let pairs = !grouped && wg_tiles.is_multiple_of(2);
     match gemm_switch() {
         GemmSwitch::Wide(tile) => tile,
+        GemmSwitch::Down(tile) if grouped && !swiglu => tile,
         _ if grouped && !swiglu => Tile::Wg128,
         GemmSwitch::Tokens128 => Tile::Ws128,
         GemmSwitch::Pairs if t256 && pairs => Tile::Mc256,
