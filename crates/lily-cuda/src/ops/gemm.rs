@@ -232,20 +232,23 @@ fn router_path() -> RouterPath {
 }
 
 /// The tile `Tile::Auto` takes where `half_tile` picks `Tile::Wg128` (4-bit weights, at most
-/// `WS_MAX_EXPERTS` experts), measured (H100, PERF.md 2026-12-06 nineteenth session, and fifteenth):
-/// - the plain GEMMs: `Ws128T256` where its tiles still give every SM one (4–5% faster than `Ws128` on
-///   the 4K projections), else `Ws128` (the cluster pairs, `Mc256`, measured 1.4–2× slower with a
-///   GPU-wide fence at each of their remote arrivals, since removed and not yet measured: opt-in);
+/// `WS_MAX_EXPERTS` experts), measured (H100, PERF.md 2026-12-06 twentieth, nineteenth and fifteenth
+/// sessions):
+/// - the plain GEMMs: `Ws128T256` where its tiles still give every SM one (the GDN input projection
+///   at 4K: 264.5 µs since its MMAs are no longer serialised, `Ws128` 305), else `Ws128` (the cluster pairs,
+///   `Mc256`, 3–4% faster again in isolation but +0.3% in the model, inside the runs' spread: opt-in);
 /// - the grouped SwiGLU (the MoE gate/up): `Ws128T256` where experts average 192 slots or more (an
 ///   8K chunk: one tile an expert instead of two or three; the 32K prefill +3%), else `Ws128T160` (at
 ///   ~128 slots an expert `Ws128T256` is 6% slower than `Ws128`: its ring holds 6 groups where
 ///   `Ws128`'s holds 10; the 160-token tile holds 9 and takes an expert's tail past 128 slots, which
 ///   otherwise costs a tile of its own);
 /// - the grouped GEMMs without SwiGLU (the MoE down projection, K = 512): `Wg128` (`Ws128` 3.5%
-///   slower, fifteenth session; `Ws128T256` 6% slower at a 4K chunk, even at 32K).
+///   slower, fifteenth session; `Ws128T256` slower at a 4K chunk; `Ws128T160` 4.5% faster in
+///   isolation and even in the model, twentieth).
 ///
 /// `LILY_GEMM=t128` takes `Ws128` where this takes a two-part tile; `mc256` `Mc256` where this takes
-/// `Ws128T256` and the row tiles pair up; `no160` `Ws128` where this takes `Ws128T160`; `wg` keeps
+/// `Ws128T256` and the row tiles pair up; `no160` `Ws128` where this takes `Ws128T160`; `down160` /
+/// `down256` put the down projection on `Ws128T160` / `Ws128T256`; `wg` keeps
 /// `Wg128` everywhere, `ws128` / `ws256` / `ws4` / `ss256` / `t256` / `t160` take that tile everywhere
 /// (A/B runs).
 fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, experts: usize, wg_tiles: usize) -> Tile {
