@@ -981,17 +981,12 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
                                                      [&](int tok) { return tsc[parity][BH + tok]; }, [](int) { return false; });
             }
         };
-        if constexpr (N2 == 128) {
-            // Always both parts' MMAs (a tile of at most 128 slots multiplies rows it does not store,
-            // and does not copy them with cp.async): with a second main loop beside this one, ptxas
-            // still serialised the MMAs at this tile's register count (C7515).
-            run_tile(Flag<true>{});
-        } else if constexpr (N2 > 0 && !SINGLE) {
+        // N2 = 128: both parts' MMAs always (see the header: C7515 at this tile's register count).
+        if constexpr (N2 == 128) run_tile(Flag<true>{});
+        else if constexpr (N2 > 0) {
             if (two) run_tile(Flag<true>{});
             else run_tile(Flag<false>{});
-        } else {
-            run_tile(Flag<false>{});
-        }
+        } else run_tile(Flag<false>{});
     }
     if constexpr (CL == 2) {
         cluster_arrive();

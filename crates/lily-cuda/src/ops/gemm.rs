@@ -174,8 +174,8 @@ impl Tile {
 /// `LILY_GEMM`, read once (A/B runs): `mma` keeps gemm.cu's kernels where `Tile::Auto` would take the
 /// wgmma ones; `wg`, `ws128`, `ws256`, `ws4`, `ss256`, `t256` put that wgmma tile wherever `Tile::Auto`
 /// would take the 128 × 128 half tile; `t128` the choice before the two-part tiles, `mc256` the
-/// defaults with the cluster pairs, `no160` without the 160-token tiles, `down160` / `down256` the
-/// defaults with the MoE down projection on `Ws128T160` / `Ws128T256` (see `wide_half_tile`);
+/// defaults with the cluster pairs, `no160` without the 160-token tiles, `down160` the defaults with
+/// the MoE down projection on `Ws128T160` (see `wide_half_tile`);
 /// anything else, the defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum GemmSwitch {
@@ -185,8 +185,8 @@ enum GemmSwitch {
     Tokens128,
     Pairs,
     No160,
-    /// The defaults with the MoE down projection (grouped, no SwiGLU) on this tile.
-    Down(Tile),
+    /// The defaults with the MoE down projection (grouped, no SwiGLU) on `Ws128T160`.
+    Down160,
 }
 
 fn gemm_switch() -> GemmSwitch {
@@ -203,8 +203,7 @@ fn gemm_switch() -> GemmSwitch {
         Ok("no160") => GemmSwitch::No160,
         Ok("t128") => GemmSwitch::Tokens128,
         Ok("mc256") => GemmSwitch::Pairs,
-        Ok("down160") => GemmSwitch::Down(Tile::Ws128T160),
-        Ok("down256") => GemmSwitch::Down(Tile::Ws128T256),
+        Ok("down160") => GemmSwitch::Down160,
         _ => GemmSwitch::Default,
     })
 }
@@ -247,8 +246,8 @@ fn router_path() -> RouterPath {
 ///   isolation and even in the model, twentieth).
 ///
 /// `LILY_GEMM=t128` takes `Ws128` where this takes a two-part tile; `mc256` `Mc256` where this takes
-/// `Ws128T256` and the row tiles pair up; `no160` `Ws128` where this takes `Ws128T160`; `down160` /
-/// `down256` put the down projection on `Ws128T160` / `Ws128T256`; `wg` keeps
+/// `Ws128T256` and the row tiles pair up; `no160` `Ws128` where this takes `Ws128T160`; `down160` puts
+/// the down projection on `Ws128T160`; `wg` keeps
 /// `Wg128` everywhere, `ws128` / `ws256` / `ws4` / `ss256` / `t256` / `t160` take that tile everywhere
 /// (A/B runs).
 fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, experts: usize, wg_tiles: usize) -> Tile {
@@ -256,7 +255,7 @@ fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, experts: 
     let pairs = !grouped && wg_tiles.is_multiple_of(2);
     match gemm_switch() {
         GemmSwitch::Wide(tile) => tile,
-        GemmSwitch::Down(tile) if grouped && !swiglu => tile,
+        GemmSwitch::Down160 if grouped && !swiglu => Tile::Ws128T160,
         _ if grouped && !swiglu => Tile::Wg128,
         GemmSwitch::Tokens128 => Tile::Ws128,
         GemmSwitch::Pairs if t256 && pairs => Tile::Mc256,

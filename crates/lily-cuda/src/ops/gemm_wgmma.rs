@@ -53,14 +53,6 @@ struct WgParams {
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for WgParams {}
 
-/// The clusters a launch of [`Ws::Mc256`] walks its tile pairs with: one a pair of SMs, or
-/// `LILY_MC_CLUSTERS` (read once; A/B runs of whether every cluster is resident at once).
-fn mc_clusters(dev: &Device) -> usize {
-    static CAP: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let cap = *CAP.get_or_init(|| std::env::var("LILY_MC_CLUSTERS").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0));
-    cap.unwrap_or(dev.sm_count() as usize / 2)
-}
-
 /// Must match `struct WgTmaParams` in `kernels/gemm_wgmma.cu`: the staged plane's TMA descriptor
 /// (CUtensorMap: 128 bytes, 64-byte aligned), then the parameters.
 #[repr(C, align(64))]
@@ -579,7 +571,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     if ws == Some(Ws::Mc256) {
         // Cluster pairs: pairs of adjacent row tiles of a token tile, one pair a cluster of two SMs.
         let pairs = m_tiles * row_tiles / 2;
-        let clusters = pairs.min(mc_clusters(dev)).max(1);
+        let clusters = pairs.min(dev.sm_count() as usize / 2).max(1);
         let cfg = LaunchConfig {
             grid_dim: (2 * clusters as u32, 1, 1),
             block_dim: (Ws::Mc256.threads(), 1, 1),
