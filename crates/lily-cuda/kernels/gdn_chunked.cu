@@ -28,6 +28,7 @@
 // Scratch, per (chunk c, value head j), block b = c·Hv + j, NC = ⌈T/64⌉ chunks:
 //   W [NC·Hv, 64, Dk] | U [NC·Hv, 64, Dv] | P [NC·Hv, 64, 64] | E [NC·Hv, 2, 64]
 // (rows ≥ n of the last chunk are written as zeros and never read).
+#include <stdint.h>
 #include "pdl.cuh"
 
 #define GDC_CH 64    // tokens per chunk
@@ -41,6 +42,8 @@ struct GdnChunkPrepParams {
     float* u;           // [NC·Hv, 64, Dv]
     float* p;           // [NC·Hv, 64, 64]
     float* e;           // [NC·Hv, 2, 64]: e^{Γ_i}, then e^{Γ_{n-1}−Γ_i} (zeros for i ≥ n)
+    uint32_t* qt;       // bf16 outputs only: e^Γ ⊙ Q [NC·Hv, 64, Dk] (bf16 pairs)
+    uint32_t* kt;       // bf16 outputs only: e^{Γ_{n-1}−Γ} ⊙ K [NC·Hv, 64, Dk]
     int t_len;
     int hk;
     int hv;
@@ -57,6 +60,8 @@ struct GdnChunkStateParams {
     const float* e;
     float* state;  // [Hv, Dk, Dv], in place
     float* out;    // [T, Hv, Dv]
+    const uint32_t* qt;  // the bf16 pass only: e^Γ ⊙ Q, e^{Γ_{n-1}−Γ} ⊙ K as written by gdn_chunk_prep_tc1_bf
+    const uint32_t* kt;
     int t_len;
     int hk;
     int hv;
@@ -490,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_t32(const G
 #define GDC_RS 136  // K, Q / V row stride
 #define GDC_AS 65   // A row stride
 #define GDC_XS 72   // X row stride
-#define GDC_PREP_SMEM (8 * GDC_CH + 4 * (2 * GDC_CH * GDC_RS + GDC_CH * GDC_AS + GDC_CH * GDC_XS + 3 * GDC_CH))
+#define GDC_PREP_SMEM (8 * GDC_CH + 4 * (2 * GDC_CH * GDC_RS + GDC_CH * GDC_AS + GDC_CH * GDC_XS + 4 * GDC_CH))
 
 // Column col of X = (I + A)⁻¹ (A strictly lower triangular, [64][AS]; X [64][XS]) on the rows of col's
 // diagonal 16×16 block, r0 .. r0 + 15 (r0 = col rounded down to 16): X[r0][col] = δ, then row by row
@@ -512,7 +517,7 @@ __device__ __forceinline__ void forward_rows(const float* sA, float* sX, int col
     }
 }
 
-template <int NT>
+template <int NT, bool BF>
 __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     extern __shared__ __align__(16) float sm[];
     double* const gam = reinterpret_cast<double*>(sm);           // Γ_i (f64)
@@ -523,6 +528,7 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     float* const bet = sX + GDC_CH * GDC_XS;                      // β_i (0 past n)
     float* const egs = bet + GDC_CH;                              // e^{Γ_i}
     float* const sbe = egs + GDC_CH;                              // β_i e^{Γ_i}
+    float* const eks = sbe + GDC_CH;                              // e^{Γ_last−Γ_i} (BF)
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t4 = lane & 3;
@@ -576,11 +582,28 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
         const float ek = in ? expf((float)(gam[n - 1] - gam[tid])) : 0.0f;
         egs[tid] = eg;
         sbe[tid] = bet[tid] * eg;
+        eks[tid] = ek;
         p.e[blk * 2 * GDC_CH + tid] = eg;
         p.e[blk * 2 * GDC_CH + GDC_CH + tid] = ek;
     }
     cp_async_wait_group<0>();
     __syncthreads();
+
+    // BF: the bf16 pass's Q̃ = e^Γ ⊙ Q and K̃ = e^{Γ_last−Γ} ⊙ K of this value head, [64][Dk] bf16 (zeros
+    // past n: the decays and the staged rows are zero there).
+    if (BF) {
+        uint2* const qt = reinterpret_cast<uint2*>(p.qt) + blk * GDC_CH * dk / 4;
+        uint2* const kt = reinterpret_cast<uint2*>(p.kt) + blk * GDC_CH * dk / 4;
+        const int pieces = dk / 4;
+        for (int idx = tid; idx < GDC_CH * pieces; idx += 256) {
+            const int r = idx / pieces, c = 4 * (idx - r * pieces);
+            const float4 q = *reinterpret_cast<const float4*>(&sQ[r * GDC_RS + c]);
+            const float4 k = *reinterpret_cast<const float4*>(&sK[r * GDC_RS + c]);
+            const float eq = egs[r], ek = eks[r];
+            qt[idx] = make_uint2(pack_bf16(q.x * eq, q.y * eq), pack_bf16(q.z * eq, q.w * eq));
+            kt[idx] = make_uint2(pack_bf16(k.x * ek, k.y * ek), pack_bf16(k.z * ek, k.w * ek));
+        }
+    }
 
     // 2. K Kᵀ (warps 0–3) and Q Kᵀ (4–7), decayed into A (shared) and P (scratch).
     {
@@ -631,7 +654,8 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
                         }
                         v[e] = out;
                     }
-                    if (qk) *reinterpret_cast<float2*>(&pp[r * GDC_CH + c]) = make_float2(v[0], v[1]);
+                    if (qk && BF) reinterpret_cast<uint32_t*>(p.p)[(blk * GDC_CH * GDC_CH + r * GDC_CH + c) / 2] = pack_bf16(v[0], v[1]);
+                    else if (qk) *reinterpret_cast<float2*>(&pp[r * GDC_CH + c]) = make_float2(v[0], v[1]);
                     else {
                         sA[r * GDC_AS + c] = v[0];
                         sA[r * GDC_AS + c + 1] = v[1];
@@ -642,8 +666,14 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
             if (qk) {
                 for (int ni = 2 * mi + 2 + h; ni < 8; ni += 2) {
                     const int c = 8 * ni + 2 * t4;
-                    *reinterpret_cast<float2*>(&pp[r0 * GDC_CH + c]) = make_float2(0.0f, 0.0f);
-                    *reinterpret_cast<float2*>(&pp[(r0 + 8) * GDC_CH + c]) = make_float2(0.0f, 0.0f);
+                    if (BF) {
+                        uint32_t* const pb = reinterpret_cast<uint32_t*>(p.p) + (blk * GDC_CH * GDC_CH) / 2;
+                        pb[(r0 * GDC_CH + c) / 2] = 0u;
+                        pb[((r0 + 8) * GDC_CH + c) / 2] = 0u;
+                    } else {
+                        *reinterpret_cast<float2*>(&pp[r0 * GDC_CH + c]) = make_float2(0.0f, 0.0f);
+                        *reinterpret_cast<float2*>(&pp[(r0 + 8) * GDC_CH + c]) = make_float2(0.0f, 0.0f);
+                    }
                 }
             }
         }
@@ -730,6 +760,12 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
                 for (int x = 0; x < 4; ++x) {
                     if (x >= ntw) continue;
                     const int c = 8 * (nb + x) + 2 * t4;
+                    if (BF && !is_u) {  // W in bf16 (the pass's A operand); U stays f32
+                        uint32_t* const wb = reinterpret_cast<uint32_t*>(p.w) + blk * GDC_CH * dk / 2;
+                        wb[(r0 * dk + c) / 2] = pack_bf16(big[x][0] + small[x][0], big[x][1] + small[x][1]);
+                        wb[((r0 + 8) * dk + c) / 2] = pack_bf16(big[x][2] + small[x][2], big[x][3] + small[x][3]);
+                        continue;
+                    }
                     *reinterpret_cast<float2*>(&dst[(long long)r0 * width + c]) =
                         make_float2(big[x][0] + small[x][0], big[x][1] + small[x][1]);
                     *reinterpret_cast<float2*>(&dst[(long long)(r0 + 8) * width + c]) =
@@ -743,8 +779,11 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
 // The entry points: the products in 3xTF32 (to f32 rounding), or in 1xTF32 ("_tc1": each operand
 // rounded to tf32, a third of the MMAs; the default since the sixth session; LILY_GDN_CHUNK=tf32x3
 // keeps 3xTF32, see ops/gdn_chunked.rs).
-extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<3>(p); }
-extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<3, false>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1, false>(p); }
+// The 1xTF32 prep for the bf16 pass (gdn_chunk_state_bf*): the same products, its outputs W and P in
+// bf16, U and the decays in f32, and Q̃, K̃ (the decayed Q and K of the value head) in bf16.
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1_bf(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1, true>(p); }
 
 // ---------------------------------------------------------------------------------------------------
 // gdn_chunk_state_tc: the sequential pass on the tensor cores. grid (⌈Dv/32⌉, Hv), 512 threads (16
@@ -1060,3 +1099,234 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
 extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<3, false>(p); }
 extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, false>(p); }
 extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_ldsmb(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, true>(p); }
+
+// ---------------------------------------------------------------------------------------------------
+// gdn_chunk_state_bf{32,32s3,64}: the sequential pass with bf16 operands (as fla-org's chunk kernels
+// and every peer run this rule): mma.m16n8k16 bf16 × bf16 → f32, the state carried in f32 registers
+// and its bf16 copy S^T the products' B operand. Reads what gdn_chunk_prep_tc1_bf writes: W, Q̃ = e^Γ ⊙ Q,
+// K̃ = e^{Γ_last−Γ} ⊙ K and P in bf16; U and the decays in f32. Per chunk (S the state before it):
+//   V' = U − W S (f32, kept as bf16 V'^T);  O = Q̃ S + P V';  S ← e^{Γ_last} S + K̃ᵀ V' (f32 FMAs).
+// grid (⌈Dv/BV⌉, Hv), 512 threads (16 warps), 1 block per SM, GDC_BF_SMEM(BV, NSTG) bytes of dynamic
+// shared memory. Warps 0–7 (state warps) compute V' (warp w: tokens 16(w/2).., columns (w%2)·BV/2..)
+// and then the update (state rows 16w.., all BV columns); warps 8–15 (output warps) compute Q̃ S on the
+// same tiles as V', then P V'. Every fragment is one ldmatrix.x4 (K̃ᵀ's by the transposing form). A
+// chunk's operands are one stage of an NSTG-deep ring (16-byte cp.async, issued NSTG − 1 chunks ahead),
+// so the copies have NSTG − 1 whole chunks to land. Row strides: 136 bf16 (272 bytes) for W, Q̃, K̃ and
+// S^T, 72 (144 bytes) for P and V'^T — ldmatrix's eight rows on distinct banks; U BV + 8 floats.
+// Numerics (docs/PERF.md, twenty-first session): bf16 operands with f32 sums put the output ~2.4e-3
+// (rms, relative) from the exact rule at T = 2048 in a float64 emulation, where rounding q, k, v to
+// bf16 and running the f32 recurrence (MLX-LM's bf16 run) puts it ~2.9e-3.
+#define GDC_BRS 136  // W, Q̃, K̃, S^T row stride (bf16)
+#define GDC_BPS 72   // P, V'^T row stride (bf16)
+#define GDC_BF_STAGE(BV) (2 * 3 * GDC_CH * GDC_BRS + 2 * GDC_CH * GDC_BPS + 4 * GDC_CH * ((BV) + 8) + 4 * 2 * GDC_CH)
+#define GDC_BF_SMEM(BV, NSTG) ((NSTG) * GDC_BF_STAGE(BV) + 2 * (BV) * GDC_BRS + 2 * (BV) * GDC_BPS)
+
+template <int BV, int NSTG>
+__device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
+    constexpr int NTW = BV / 16;   // n8 tiles of a V' / O tile (BV/2 columns)
+    constexpr int NTK = BV / 8;    // n8 tiles of a state-update tile (BV columns)
+    constexpr int US = BV + 8;     // U row stride (floats)
+    extern __shared__ __align__(16) unsigned char smb[];
+    uint16_t* const sST = reinterpret_cast<uint16_t*>(smb + NSTG * GDC_BF_STAGE(BV));  // S^T [BV][BRS]
+    uint16_t* const sVT = sST + BV * GDC_BRS;                                             // V'^T [BV][BPS]
+    // Stage s: W | Q̃ | K̃ [64][BRS] bf16, P [64][BPS] bf16, U [64][US] f32, E [2][64] f32.
+    auto stage_w = [&](int s) { return reinterpret_cast<uint16_t*>(smb + s * GDC_BF_STAGE(BV)); };
+    auto stage_p = [&](int s) { return stage_w(s) + 3 * GDC_CH * GDC_BRS; };
+    auto stage_u = [&](int s) { return reinterpret_cast<float*>(stage_p(s) + GDC_CH * GDC_BPS); };
+    auto stage_e = [&](int s) { return stage_u(s) + GDC_CH * US; };
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const bool out_warp = warp >= 8;
+    const int w8 = warp & 7;
+    const int j = blockIdx.y, c0 = blockIdx.x * BV;
+    const int dk = p.dk, dv = p.dv;
+    const int nc = (p.t_len + GDC_CH - 1) / GDC_CH;
+
+    // The copies of chunk c into stage c % NSTG (rows past the chunk are zeros in the scratch).
+    auto issue = [&](int chunk) {
+        if (chunk >= nc) return;
+        const int s = chunk % NSTG;
+        const long long blk = (long long)chunk * p.hv + j;
+        uint16_t* const sw = stage_w(s);
+        const int kp = dk / 8;  // 16-byte pieces of a [Dk] bf16 row
+        const uint16_t* srcs[3] = {reinterpret_cast<const uint16_t*>(p.w), reinterpret_cast<const uint16_t*>(p.qt),
+                                   reinterpret_cast<const uint16_t*>(p.kt)};
+#pragma unroll
+        for (int m = 0; m < 3; ++m) {
+            const uint16_t* src = srcs[m] + blk * GDC_CH * dk;
+            for (int idx = tid; idx < GDC_CH * kp; idx += 512) {
+                const int r = idx / kp, c = 8 * (idx - r * kp);
+                cp_async16z(smem_addr(sw + (m * GDC_CH + r) * GDC_BRS + c), src + (long long)r * dk + c, 16);
+            }
+        }
+        {
+            const uint16_t* src = reinterpret_cast<const uint16_t*>(p.p) + blk * GDC_CH * GDC_CH;
+            const int r = tid >> 3, c = 8 * (tid & 7);  // 64 rows × 8 pieces = 512
+            cp_async16z(smem_addr(stage_p(s) + r * GDC_BPS + c), src + r * GDC_CH + c, 16);
+        }
+        {
+            float* const su = stage_u(s);
+            constexpr int up = BV / 4;
+            for (int idx = tid; idx < GDC_CH * up; idx += 512) {
+                const int r = idx / up, c = 4 * (idx - r * up);
+                const bool in = c0 + c < dv;
+                const float* src = in ? p.u + (blk * GDC_CH + r) * dv + c0 + c : p.u;
+                cp_async16z(smem_addr(su + r * US + c), src, in ? 16 : 0);
+            }
+        }
+        if (tid < 2 * GDC_CH / 4) cp_async16z(smem_addr(stage_e(s) + 4 * tid), p.e + blk * 2 * GDC_CH + 4 * tid, 16);
+    };
+
+    // The state tile: S^T in bf16 (zero past Dv), and the state warps' f32 rows in registers.
+    float* const S = p.state + (long long)j * dk * dv;
+    for (int idx = tid; idx < BV * dk; idx += 512) {
+        const int d = idx / BV, c = idx - d * BV;
+        const bool in = c0 + c < dv;
+        sST[c * GDC_BRS + d] = (uint16_t)bf16_bits(in ? S[(long long)d * dv + c0 + c] : 0.0f);
+    }
+    const int ms = 16 * w8;  // state warps: state rows ms + g, ms + g + 8
+    const bool ms_in = ms < dk;
+    float sacc[NTK][4];
+#pragma unroll
+    for (int x = 0; x < NTK; ++x) {
+        const int col = c0 + 8 * x + 2 * t4;
+        const bool in = !out_warp && ms_in && col < dv;
+        sacc[x][0] = in ? S[(long long)(ms + g) * dv + col] : 0.0f;
+        sacc[x][1] = in ? S[(long long)(ms + g) * dv + col + 1] : 0.0f;
+        sacc[x][2] = in ? S[(long long)(ms + g + 8) * dv + col] : 0.0f;
+        sacc[x][3] = in ? S[(long long)(ms + g + 8) * dv + col + 1] : 0.0f;
+    }
+#pragma unroll
+    for (int s = 0; s < NSTG - 1; ++s) {
+        issue(s);
+        cp_async_commit_group();
+    }
+
+    // Lane offsets of the ldmatrix row addresses (bf16 elements): an A tile [16 rows][16 k] row-major
+    // (matrices a0..a3: rows +8·(i%2), k +8·(i/2)); two n-tiles of B from a [n][k] tile (b0, b1 of the
+    // first n-tile, then of the second: n +8·(i/2), k +8·(i%2)); K̃ᵀ's A from K̃ [k][m] by the
+    // transposing form (storage rows k +8·(i/2), columns m +8·(i%2)).
+    const int a_r = (lane & 7) + 8 * ((lane >> 3) & 1), a_k = 8 * (lane >> 4);
+    const int b_n = (lane & 7) + 8 * (lane >> 4), b_k = 8 * ((lane >> 3) & 1);
+    const int mi = w8 >> 1, cb = (w8 & 1) * (BV / 2);
+    const int r0 = 16 * mi + g, r1 = r0 + 8;
+    const uint32_t st_b = smem_addr(sST + (cb + b_n) * GDC_BRS + b_k);   // S^T as B, the tile's columns
+    const uint32_t vt_b = smem_addr(sVT + (cb + b_n) * GDC_BPS + b_k);   // V'^T as B (output warps)
+    const uint32_t vt_all = smem_addr(sVT + b_n * GDC_BPS + b_k);        // V'^T as B, all columns
+
+    for (int chunk = 0; chunk < nc; ++chunk) {
+        const int t0 = chunk * GDC_CH, n = min(GDC_CH, p.t_len - t0);
+        const int s = chunk % NSTG;
+        cp_async_wait_group<NSTG - 2>();
+        __syncthreads();  // chunk's stage landed for every thread; the previous chunk is done with S^T, V'^T
+        issue(chunk + NSTG - 1);
+        cp_async_commit_group();
+
+        // 1. (W or Q̃) S for this warp's 16 tokens × BV/2 columns.
+        float acc[NTW][4];
+#pragma unroll
+        for (int x = 0; x < NTW; ++x)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[x][e] = 0.0f;
+        {
+            const uint32_t a_addr = smem_addr(stage_w(s) + ((out_warp ? GDC_CH : 0) + 16 * mi + a_r) * GDC_BRS + a_k);
+#pragma unroll 4
+            for (int k = 0; k < dk; k += 16) {
+                uint32_t a0, a1, a2, a3;
+                ldmatrix_x4(a_addr + 2 * k, a0, a1, a2, a3);
+#pragma unroll
+                for (int q = 0; q < NTW / 2; ++q) {
+                    uint32_t b0, b1, b2, b3;
+                    ldmatrix_x4(st_b + 2 * (16 * q * GDC_BRS + k), b0, b1, b2, b3);
+                    mma_bf16(acc[2 * q], a0, a1, a2, a3, b0, b1);
+                    mma_bf16(acc[2 * q + 1], a0, a1, a2, a3, b2, b3);
+                }
+            }
+        }
+        if (!out_warp) {
+            // V' = U − W S, as bf16 into V'^T [column][token].
+            const float* su = stage_u(s);
+#pragma unroll
+            for (int x = 0; x < NTW; ++x) {
+                const int col = cb + 8 * x + 2 * t4;
+                const float2 u0 = *reinterpret_cast<const float2*>(&su[r0 * US + col]);
+                const float2 u1 = *reinterpret_cast<const float2*>(&su[r1 * US + col]);
+                sVT[col * GDC_BPS + r0] = (uint16_t)bf16_bits(u0.x - acc[x][0]);
+                sVT[(col + 1) * GDC_BPS + r0] = (uint16_t)bf16_bits(u0.y - acc[x][1]);
+                sVT[col * GDC_BPS + r1] = (uint16_t)bf16_bits(u1.x - acc[x][2]);
+                sVT[(col + 1) * GDC_BPS + r1] = (uint16_t)bf16_bits(u1.y - acc[x][3]);
+            }
+        }
+        __syncthreads();  // V'^T complete; S^T read by every warp
+
+        if (out_warp) {
+            // 2. O = Q̃ S + P V' over the tokens up to the tile's last row, then written out.
+            const uint32_t p_addr = smem_addr(stage_p(s) + (16 * mi + a_r) * GDC_BPS + a_k);
+            for (int k = 0; k < 16 * (mi + 1); k += 16) {
+                uint32_t a0, a1, a2, a3;
+                ldmatrix_x4(p_addr + 2 * k, a0, a1, a2, a3);
+#pragma unroll
+                for (int q = 0; q < NTW / 2; ++q) {
+                    uint32_t b0, b1, b2, b3;
+                    ldmatrix_x4(vt_b + 2 * (16 * q * GDC_BPS + k), b0, b1, b2, b3);
+                    mma_bf16(acc[2 * q], a0, a1, a2, a3, b0, b1);
+                    mma_bf16(acc[2 * q + 1], a0, a1, a2, a3, b2, b3);
+                }
+            }
+#pragma unroll
+            for (int x = 0; x < NTW; ++x) {
+                const int col = c0 + cb + 8 * x + 2 * t4;
+                if (col >= dv) continue;
+                if (r0 < n) *reinterpret_cast<float2*>(&p.out[((long long)(t0 + r0) * p.hv + j) * dv + col]) = make_float2(acc[x][0], acc[x][1]);
+                if (r1 < n) *reinterpret_cast<float2*>(&p.out[((long long)(t0 + r1) * p.hv + j) * dv + col]) = make_float2(acc[x][2], acc[x][3]);
+            }
+        } else if (ms_in) {
+            // 3. S ← e^{Γ_last} S + K̃ᵀ V' (ΔS in fresh accumulators, added in f32), then S^T in bf16.
+            const float elast = stage_e(s)[n - 1];
+            const uint32_t k_addr = smem_addr(stage_w(s) + (2 * GDC_CH + (lane & 7) + 8 * (lane >> 4)) * GDC_BRS + ms + 8 * ((lane >> 3) & 1));
+            float ds[NTK][4];
+#pragma unroll
+            for (int x = 0; x < NTK; ++x)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) ds[x][e] = 0.0f;
+            for (int k = 0; k < n; k += 16) {  // tokens past n: K̃ and V' are zero there
+                uint32_t a0, a1, a2, a3;
+                ldmatrix_x4_trans(k_addr + 2 * k * GDC_BRS, a0, a1, a2, a3);
+#pragma unroll
+                for (int q = 0; q < NTK / 2; ++q) {
+                    uint32_t b0, b1, b2, b3;
+                    ldmatrix_x4(vt_all + 2 * (16 * q * GDC_BPS + k), b0, b1, b2, b3);
+                    mma_bf16(ds[2 * q], a0, a1, a2, a3, b0, b1);
+                    mma_bf16(ds[2 * q + 1], a0, a1, a2, a3, b2, b3);
+                }
+            }
+#pragma unroll
+            for (int x = 0; x < NTK; ++x) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) sacc[x][e] = fmaf(sacc[x][e], elast, ds[x][e]);
+                const int col = 8 * x + 2 * t4;
+                sST[col * GDC_BRS + ms + g] = (uint16_t)bf16_bits(sacc[x][0]);
+                sST[(col + 1) * GDC_BRS + ms + g] = (uint16_t)bf16_bits(sacc[x][1]);
+                sST[col * GDC_BRS + ms + g + 8] = (uint16_t)bf16_bits(sacc[x][2]);
+                sST[(col + 1) * GDC_BRS + ms + g + 8] = (uint16_t)bf16_bits(sacc[x][3]);
+            }
+        }
+    }
+    cp_async_wait_group<0>();
+
+    // The final state tile.
+    if (!out_warp && ms_in) {
+#pragma unroll
+        for (int x = 0; x < NTK; ++x) {
+            const int col = c0 + 8 * x + 2 * t4;
+            if (col >= dv) continue;
+            *reinterpret_cast<float2*>(&S[(long long)(ms + g) * dv + col]) = make_float2(sacc[x][0], sacc[x][1]);
+            *reinterpret_cast<float2*>(&S[(long long)(ms + g + 8) * dv + col]) = make_float2(sacc[x][2], sacc[x][3]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_bf32(const GdnChunkStateParams p) { pdl_enter(); chunk_state_bf<32, 2>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_bf32s3(const GdnChunkStateParams p) { pdl_enter(); chunk_state_bf<32, 3>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_bf64(const GdnChunkStateParams p) { pdl_enter(); chunk_state_bf<64, 2>(p); }

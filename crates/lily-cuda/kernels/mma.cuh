@@ -101,6 +101,14 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t addr, uint32_t& r0, uint32_
                  : "r"(addr));
 }
 
+// ldmatrix_x4 with each 8×8 matrix transposed: lane (g, t) gets elements (2t, g) and (2t + 1, g) of
+// matrix i (rows as addressed) in register i — a fragment of the transpose of a row-major b16 tile.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+
 // The split A fragment of one m16n8k8 tf32 product from a row-major f32 tile in shared memory by one
 // ldmatrix.x4: `addr` is this lane's row address (lane l: row l%8 + 8·(l/8 % 2), columns 4·(l/16)..
 // of the k-step; 16-byte aligned). The same registers as split_a of the four 32-bit loads.

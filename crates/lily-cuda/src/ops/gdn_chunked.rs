@@ -15,7 +15,9 @@
 //! and Dv of 8, and are the default where the shape allows; the FFMA ones take any Dk, Dv ≤ [`MAX_D`].
 //! The default is the 1xTF32 prep with the ldmatrix pass; `LILY_GDN_CHUNK=tc1` takes the 1xTF32 pass
 //! without ldmatrix (the same bits), `=tf32x3` the 3xTF32 pair and `=ffma` the FFMA kernels, for A/B
-//! runs.
+//! runs. The bf16 pair ([`PrepKernel::Bf16`] with a `StateKernel::Bf16*` pass, `=bf32`, `=bf32s3`,
+//! `=bf64`) runs the pass on bf16 operands (m16n8k16, f32 sums and state) from a prep that writes W, P
+//! and the decayed Q and K in bf16 — fla-org's numerics; the three passes give the same bits.
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -42,6 +44,8 @@ struct GdnChunkPrepParams {
     u: u64,
     p: u64,
     e: u64,
+    qt: u64,
+    kt: u64,
     t_len: i32,
     hk: i32,
     hv: i32,
@@ -63,6 +67,8 @@ struct GdnChunkStateParams {
     e: u64,
     state: u64,
     out: u64,
+    qt: u64,
+    kt: u64,
     t_len: i32,
     hk: i32,
     hv: i32,
@@ -73,22 +79,44 @@ struct GdnChunkStateParams {
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for GdnChunkStateParams {}
 
-pub(crate) const KERNELS: &[&str] =
-    &["gdn_chunk_prep", "gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_state_t16", "gdn_chunk_state_t32", "gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsmb"];
+pub(crate) const KERNELS: &[&str] = &[
+    "gdn_chunk_prep",
+    "gdn_chunk_prep_tc",
+    "gdn_chunk_prep_tc1",
+    "gdn_chunk_prep_tc1_bf",
+    "gdn_chunk_state_t16",
+    "gdn_chunk_state_t32",
+    "gdn_chunk_state_tc",
+    "gdn_chunk_state_tc1",
+    "gdn_chunk_state_tc1_ldsmb",
+    "gdn_chunk_state_bf32",
+    "gdn_chunk_state_bf32s3",
+    "gdn_chunk_state_bf64",
+];
 
 /// `GDC_PREP_SMEM` in `kernels/gdn_chunked.cu`: Γ [64] f64, then K, Q/V [64, 136], A [64, 65], X [64, 72]
-/// and three vectors [64], f32.
-const PREP_TC_SMEM: usize = 8 * 64 + 4 * (2 * 64 * 136 + 64 * 65 + 64 * 72 + 3 * 64);
+/// and four vectors [64], f32.
+const PREP_TC_SMEM: usize = 8 * 64 + 4 * (2 * 64 * 136 + 64 * 65 + 64 * 72 + 4 * 64);
 
 /// `GDC_TC_SMEM` in `kernels/gdn_chunked.cu`: W, Q [64, 132], K [2, 64, 136], P [2, 64, 68], the decays
 /// [2, 2, 64] f32, then S [128, 36] and V' [64, 36] as (hi, lo) tf32 pairs.
 const TC_SMEM: usize = 4 * (2 * 64 * 132 + 2 * 64 * 136 + 2 * 64 * 68 + 4 * 64) + 8 * (128 + 64) * 36;
 
+/// `GDC_BF_SMEM(BV, NSTG)` in `kernels/gdn_chunked.cu`: NSTG stages of W, Q̃, K̃ [64, 136] and P [64, 72]
+/// bf16, U [64, BV + 8] and the decays [2, 64] f32; then S^T [BV, 136] and V'^T [BV, 72] bf16.
+const fn bf_smem(bv: usize, nstg: usize) -> usize {
+    nstg * (2 * 3 * 64 * 136 + 2 * 64 * 72 + 4 * 64 * (bv + 8) + 4 * 2 * 64) + 2 * bv * 136 + 2 * bv * 72
+}
+
 pub(crate) fn configure(dev: &Device) -> Result<()> {
     for name in ["gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsmb"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, TC_SMEM as i32)?;
     }
-    for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1"] {
+    for kernel in [StateKernel::Bf16x32, StateKernel::Bf16x32S3, StateKernel::Bf16x64] {
+        let (name, _, _, smem) = kernel.launch_shape();
+        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+    }
+    for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_prep_tc1_bf"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, PREP_TC_SMEM as i32)?;
     }
     Ok(())
@@ -103,6 +131,9 @@ pub enum PrepKernel {
     Tensor,
     /// The same in 1xTF32 (operands rounded to tf32, f32 sums; a third of the MMAs).
     Tensor1,
+    /// [`PrepKernel::Tensor1`] writing for the bf16 passes: W, P and the decayed Q and K in bf16, U and
+    /// the decays in f32. Only with a `StateKernel::Bf16*` pass.
+    Bf16,
 }
 
 impl PrepKernel {
@@ -110,13 +141,18 @@ impl PrepKernel {
     pub fn supports(self, dims: &GdnDims) -> bool {
         match self {
             PrepKernel::Ffma => true,
-            PrepKernel::Tensor | PrepKernel::Tensor1 => tensor_shape(dims),
+            PrepKernel::Tensor | PrepKernel::Tensor1 | PrepKernel::Bf16 => tensor_shape(dims),
         }
     }
 
     /// Whether this prep rounds its products' operands to tf32.
     pub fn rounds_to_tf32(self) -> bool {
-        self == PrepKernel::Tensor1
+        matches!(self, PrepKernel::Tensor1 | PrepKernel::Bf16)
+    }
+
+    /// Whether this prep writes for the bf16 passes (and only they read it).
+    pub fn writes_bf16(self) -> bool {
+        self == PrepKernel::Bf16
     }
 }
 
@@ -140,6 +176,14 @@ pub enum StateKernel {
     /// the B fragments of S and V' (kept as single tf32 words, transposed). The same bits; 16% faster
     /// (docs/PERF.md, fourteenth session).
     Tensor1Ldsmb,
+    /// bf16 operands (m16n8k16), f32 sums and state, 32 state columns a block, the chunk's operands
+    /// in a two-stage ring; after [`PrepKernel::Bf16`] only.
+    Bf16x32,
+    /// [`StateKernel::Bf16x32`] with a three-stage ring (the copies two chunks ahead). The same bits.
+    Bf16x32S3,
+    /// [`StateKernel::Bf16x32`] with 64 state columns a block (half the blocks, each chunk's W, Q̃, K̃
+    /// and P read from L2 half as often). The same bits.
+    Bf16x64,
 }
 
 impl StateKernel {
@@ -147,13 +191,32 @@ impl StateKernel {
     pub fn supports(self, dims: &GdnDims) -> bool {
         match self {
             StateKernel::Ffma16 | StateKernel::Ffma32 => true,
-            StateKernel::Tensor | StateKernel::Tensor1 | StateKernel::Tensor1Ldsmb => tensor_shape(dims),
+            _ => tensor_shape(dims),
         }
     }
 
     /// Whether this pass rounds its operands to tf32 (1xTF32: 10 mantissa bits kept, f32 sums).
     pub fn rounds_to_tf32(self) -> bool {
         matches!(self, StateKernel::Tensor1 | StateKernel::Tensor1Ldsmb)
+    }
+
+    /// Whether this pass multiplies bf16 operands (8 significant bits; f32 sums and state).
+    pub fn rounds_to_bf16(self) -> bool {
+        matches!(self, StateKernel::Bf16x32 | StateKernel::Bf16x32S3 | StateKernel::Bf16x64)
+    }
+
+    /// (kernel, state columns a block, threads, dynamic shared memory bytes).
+    fn launch_shape(self) -> (&'static str, usize, u32, u32) {
+        match self {
+            StateKernel::Ffma16 => ("gdn_chunk_state_t16", 16, 256, 0),
+            StateKernel::Ffma32 => ("gdn_chunk_state_t32", 32, 512, 0),
+            StateKernel::Tensor => ("gdn_chunk_state_tc", 32, 512, TC_SMEM as u32),
+            StateKernel::Tensor1 => ("gdn_chunk_state_tc1", 32, 512, TC_SMEM as u32),
+            StateKernel::Tensor1Ldsmb => ("gdn_chunk_state_tc1_ldsmb", 32, 512, TC_SMEM as u32),
+            StateKernel::Bf16x32 => ("gdn_chunk_state_bf32", 32, 512, bf_smem(32, 2) as u32),
+            StateKernel::Bf16x32S3 => ("gdn_chunk_state_bf32s3", 32, 512, bf_smem(32, 3) as u32),
+            StateKernel::Bf16x64 => ("gdn_chunk_state_bf64", 64, 512, bf_smem(64, 2) as u32),
+        }
     }
 }
 
@@ -174,6 +237,9 @@ pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel
         return match chunk_env() {
             "tf32x3" => (PrepKernel::Tensor, StateKernel::Tensor),
             "tc1" => (PrepKernel::Tensor1, StateKernel::Tensor1),
+            "bf32" => (PrepKernel::Bf16, StateKernel::Bf16x32),
+            "bf32s3" => (PrepKernel::Bf16, StateKernel::Bf16x32S3),
+            "bf64" => (PrepKernel::Bf16, StateKernel::Bf16x64),
             _ => (PrepKernel::Tensor1, StateKernel::Tensor1Ldsmb),
         };
     }
@@ -184,11 +250,14 @@ pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel
     (PrepKernel::Ffma, state)
 }
 
-/// The f32 elements of `scratch` that [`delta_rule_chunked`] needs for `t_len` tokens: per chunk and
-/// value head, W [64, Dk], U [64, Dv], P [64, 64] and two decay vectors [64]
-/// (⌈T/64⌉·Hv·64·(Dk + Dv + 66); 42.2 M floats, 169 MB, for T = 4096 on the 35B shape).
+/// The f32 elements of `scratch` that [`delta_rule_chunked`] needs for `t_len` tokens, whichever kernels
+/// run: per chunk and value head, W [64, Dk], U [64, Dv], P [64, 64] and two decay vectors [64] in f32
+/// (⌈T/64⌉·Hv·64·(Dk + Dv + 66); 42.2 M floats, 169 MB, for T = 4096 on the 35B shape); for the bf16
+/// pair W, Q̃, K̃ [64, Dk] and P in bf16, U and the decays in f32 (⌈T/64⌉·Hv·64·(3Dk/2 + Dv + 34): 185
+/// MB at that shape).
 pub fn scratch_len(dims: &GdnDims, t_len: usize) -> usize {
-    t_len.div_ceil(CHUNK) * dims.num_v_heads * CHUNK * (dims.head_k_dim + dims.head_v_dim + CHUNK + 2)
+    let per_row = (dims.head_k_dim + dims.head_v_dim + CHUNK + 2).max((3 * dims.head_k_dim).div_ceil(2) + dims.head_v_dim + CHUNK / 2 + 2);
+    t_len.div_ceil(CHUNK) * dims.num_v_heads * CHUNK * per_row
 }
 
 /// The gated delta rule on T tokens by chunks of [`CHUNK`] tokens, from `state` [Hv, Dk, Dv] (updated in
@@ -258,13 +327,13 @@ where
             "gdn chunked: the tensor-core kernels need Dk a multiple of 16 and Dv of 8 (got {dims:?})"
         )));
     }
-    let (name, tile, threads, smem) = match kernel {
-        StateKernel::Ffma16 => ("gdn_chunk_state_t16", 16, 256, 0),
-        StateKernel::Ffma32 => ("gdn_chunk_state_t32", 32, 512, 0),
-        StateKernel::Tensor => ("gdn_chunk_state_tc", 32, 512, TC_SMEM as u32),
-        StateKernel::Tensor1 => ("gdn_chunk_state_tc1", 32, 512, TC_SMEM as u32),
-        StateKernel::Tensor1Ldsmb => ("gdn_chunk_state_tc1_ldsmb", 32, 512, TC_SMEM as u32),
-    };
+    if prep_kernel.writes_bf16() != kernel.rounds_to_bf16() {
+        return Err(CudaError::Shape(format!(
+            "gdn chunked: the bf16 passes read only the bf16 prep's scratch, and it only them (got {prep_kernel:?} \
+             with {kernel:?})"
+        )));
+    }
+    let (name, tile, threads, smem) = kernel.launch_shape();
     if t_len == 0 {
         return Ok(());
     }
@@ -276,20 +345,44 @@ where
     let state = addr_mut(dev, state, dims.state_len(), "gdn chunked state")?;
     let out = addr_mut(dev, out, t_len * dims.value_dim(), "gdn chunked out")?;
     let base = addr_mut(dev, scratch, scratch_len(dims, t_len), "gdn chunked scratch")?;
-    // Scratch: W [blocks, 64, Dk] | U [blocks, 64, Dv] | P [blocks, 64, 64] | E [blocks, 2, 64].
-    let f32s = std::mem::size_of::<f32>() as u64;
+    // Scratch: W [blocks, 64, Dk] | U [blocks, 64, Dv] | P [blocks, 64, 64] | E [blocks, 2, 64], f32;
+    // the bf16 pair: W | Q̃ | K̃ [blocks, 64, Dk] | P [blocks, 64, 64] bf16, then U and E as before (each
+    // array 16-byte aligned: Dk is a multiple of 16 there).
+    let (f32s, w_bytes) = (4u64, if prep_kernel.writes_bf16() { 2u64 } else { 4 });
     let w = base;
-    let u = w + (blocks * CHUNK * dk) as u64 * f32s;
-    let p = u + (blocks * CHUNK * dv) as u64 * f32s;
-    let e = p + (blocks * CHUNK * CHUNK) as u64 * f32s;
+    let (qt, kt, u) = if prep_kernel.writes_bf16() {
+        let qt = w + (blocks * CHUNK * dk) as u64 * w_bytes;
+        let kt = qt + (blocks * CHUNK * dk) as u64 * w_bytes;
+        (qt, kt, kt + (blocks * CHUNK * dk) as u64 * w_bytes + (blocks * CHUNK * CHUNK) as u64 * w_bytes)
+    } else {
+        (0, 0, w + (blocks * CHUNK * dk) as u64 * f32s)
+    };
+    let p = if prep_kernel.writes_bf16() { u - (blocks * CHUNK * CHUNK) as u64 * w_bytes } else { u + (blocks * CHUNK * dv) as u64 * f32s };
+    let e = if prep_kernel.writes_bf16() { u + (blocks * CHUNK * dv) as u64 * f32s } else { p + (blocks * CHUNK * CHUNK) as u64 * f32s };
     let (t_len_i, hk, hv_i, dk_i, dv_i) = (t_len as i32, dims.num_k_heads as i32, hv as i32, dk as i32, dv as i32);
 
-    let prep =
-        GdnChunkPrepParams { qkv, g, beta, w, u, p, e, t_len: t_len_i, hk, hv: hv_i, dk: dk_i, dv: dv_i, pad: 0 };
+    let prep = GdnChunkPrepParams {
+        qkv,
+        g,
+        beta,
+        w,
+        u,
+        p,
+        e,
+        qt,
+        kt,
+        t_len: t_len_i,
+        hk,
+        hv: hv_i,
+        dk: dk_i,
+        dv: dv_i,
+        pad: 0,
+    };
     let (prep_name, prep_smem) = match prep_kernel {
         PrepKernel::Ffma => ("gdn_chunk_prep", 0),
         PrepKernel::Tensor => ("gdn_chunk_prep_tc", PREP_TC_SMEM as u32),
         PrepKernel::Tensor1 => ("gdn_chunk_prep_tc1", PREP_TC_SMEM as u32),
+        PrepKernel::Bf16 => ("gdn_chunk_prep_tc1_bf", PREP_TC_SMEM as u32),
     };
     let cfg = LaunchConfig {
         grid_dim: (t_len.div_ceil(CHUNK) as u32, hv as u32, 1),
@@ -298,8 +391,23 @@ where
     };
     launch(dev, prep_name, cfg, &prep)?;
 
-    let run =
-        GdnChunkStateParams { qkv, w, u, p, e, state, out, t_len: t_len_i, hk, hv: hv_i, dk: dk_i, dv: dv_i, pad: 0 };
+    let run = GdnChunkStateParams {
+        qkv,
+        w,
+        u,
+        p,
+        e,
+        state,
+        out,
+        qt,
+        kt,
+        t_len: t_len_i,
+        hk,
+        hv: hv_i,
+        dk: dk_i,
+        dv: dv_i,
+        pad: 0,
+    };
     let cfg = LaunchConfig {
         grid_dim: (dv.div_ceil(tile) as u32, hv as u32, 1),
         block_dim: (threads, 1, 1),
