@@ -1101,17 +1101,21 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1(const G
 extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_ldsmb(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<1, true>(p); }
 
 // ---------------------------------------------------------------------------------------------------
-// gdn_chunk_state_bf{32,32s3,64}: the sequential pass with bf16 operands (as fla-org's chunk kernels
+// gdn_chunk_state_bf{32,32s3,32s3l}: the sequential pass with bf16 operands (as fla-org's chunk kernels
 // and every peer run this rule): mma.m16n8k16 bf16 × bf16 → f32, the state carried in f32 registers
 // and its bf16 copy S^T the products' B operand. Reads what gdn_chunk_prep_tc1_bf writes: W, Q̃ = e^Γ ⊙ Q,
 // K̃ = e^{Γ_last−Γ} ⊙ K and P in bf16; U and the decays in f32. Per chunk (S the state before it):
 //   V' = U − W S (f32, kept as bf16 V'^T);  O = Q̃ S + P V';  S ← e^{Γ_last} S + K̃ᵀ V' (f32 FMAs).
-// grid (⌈Dv/BV⌉, Hv), 512 threads (16 warps), 1 block per SM, GDC_BF_SMEM(BV, NSTG) bytes of dynamic
+// grid (⌈Dv/32⌉, Hv), 512 threads (16 warps), 1 block per SM, GDC_BF_SMEM(32, NSTG) bytes of dynamic
 // shared memory. Warps 0–7 (state warps) compute V' (warp w: tokens 16(w/2).., columns (w%2)·BV/2..)
 // and then the update (state rows 16w.., all BV columns); warps 8–15 (output warps) compute Q̃ S on the
 // same tiles as V', then P V'. Every fragment is one ldmatrix.x4 (K̃ᵀ's by the transposing form). A
 // chunk's operands are one stage of an NSTG-deep ring (16-byte cp.async, issued NSTG − 1 chunks ahead),
-// so the copies have NSTG − 1 whole chunks to land. Row strides: 136 bf16 (272 bytes) for W, Q̃, K̃ and
+// so the copies have NSTG − 1 whole chunks to land: issued by every thread after a chunk's first barrier
+// (bf32, NSTG = 2; bf32s3, NSTG = 3), or by the output warps alone at the end of their chunk (bf32s3l:
+// off the state warps' chain, which then runs barrier → V' → barrier → update → barrier only). A
+// 64-column form (BV = 64, each chunk's operands read from L2 half as often) measured 18% slower
+// than bf32 (docs/PERF.md, twenty-first session) and was removed: the pass is not bound by L2. Row strides: 136 bf16 (272 bytes) for W, Q̃, K̃ and
 // S^T, 72 (144 bytes) for P and V'^T — ldmatrix's eight rows on distinct banks; U BV + 8 floats.
 // Numerics (docs/PERF.md, twenty-first session): bf16 operands with f32 sums put the output ~2.4e-3
 // (rms, relative) from the exact rule at T = 2048 in a float64 emulation, where rounding q, k, v to
@@ -1121,8 +1125,9 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_ldsmb(c
 #define GDC_BF_STAGE(BV) (2 * 3 * GDC_CH * GDC_BRS + 2 * GDC_CH * GDC_BPS + 4 * GDC_CH * ((BV) + 8) + 4 * 2 * GDC_CH)
 #define GDC_BF_SMEM(BV, NSTG) ((NSTG) * GDC_BF_STAGE(BV) + 2 * (BV) * GDC_BRS + 2 * (BV) * GDC_BPS)
 
-template <int BV, int NSTG>
+template <int BV, int NSTG, bool LATE>
 __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
+    static_assert(!LATE || NSTG >= 3, "copies issued at a chunk's end need a stage more to stay a chunk ahead");
     constexpr int NTW = BV / 16;   // n8 tiles of a V' / O tile (BV/2 columns)
     constexpr int NTK = BV / 8;    // n8 tiles of a state-update tile (BV columns)
     constexpr int US = BV + 8;     // U row stride (floats)
@@ -1143,39 +1148,46 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
     const int dk = p.dk, dv = p.dv;
     const int nc = (p.t_len + GDC_CH - 1) / GDC_CH;
 
-    // The copies of chunk c into stage c % NSTG (rows past the chunk are zeros in the scratch).
-    auto issue = [&](int chunk) {
+    // The copies of chunk c into stage c % NSTG (rows past the chunk are zeros in the scratch), by NCP
+    // threads (ct = this thread's index among them): a [Dk] bf16 row is ≤ 16 pieces of 16 bytes, thread
+    // ct takes piece ct % 16 of rows ct / 16 + (NCP / 16)·i; P's rows are 8 pieces, U's BV / 4.
+    constexpr int NCP = LATE ? 256 : 512;
+    auto issue = [&](int chunk, int ct) {
         if (chunk >= nc) return;
         const int s = chunk % NSTG;
         const long long blk = (long long)chunk * p.hv + j;
         uint16_t* const sw = stage_w(s);
-        const int kp = dk / 8;  // 16-byte pieces of a [Dk] bf16 row
-        const uint16_t* srcs[3] = {reinterpret_cast<const uint16_t*>(p.w), reinterpret_cast<const uint16_t*>(p.qt),
-                                   reinterpret_cast<const uint16_t*>(p.kt)};
+        const int pc = 8 * (ct & 15), pr = ct >> 4;
+        if (pc < dk) {
+            const uint16_t* srcs[3] = {reinterpret_cast<const uint16_t*>(p.w), reinterpret_cast<const uint16_t*>(p.qt),
+                                       reinterpret_cast<const uint16_t*>(p.kt)};
 #pragma unroll
-        for (int m = 0; m < 3; ++m) {
-            const uint16_t* src = srcs[m] + blk * GDC_CH * dk;
-            for (int idx = tid; idx < GDC_CH * kp; idx += 512) {
-                const int r = idx / kp, c = 8 * (idx - r * kp);
-                cp_async16z(smem_addr(sw + (m * GDC_CH + r) * GDC_BRS + c), src + (long long)r * dk + c, 16);
+            for (int m = 0; m < 3; ++m) {
+                const uint16_t* src = srcs[m] + blk * GDC_CH * dk + pc;
+#pragma unroll
+                for (int r = pr; r < GDC_CH; r += NCP / 16)
+                    cp_async16z(smem_addr(sw + (m * GDC_CH + r) * GDC_BRS + pc), src + r * dk, 16);
             }
         }
         {
             const uint16_t* src = reinterpret_cast<const uint16_t*>(p.p) + blk * GDC_CH * GDC_CH;
-            const int r = tid >> 3, c = 8 * (tid & 7);  // 64 rows × 8 pieces = 512
-            cp_async16z(smem_addr(stage_p(s) + r * GDC_BPS + c), src + r * GDC_CH + c, 16);
+            const int c = 8 * (ct & 7);
+#pragma unroll
+            for (int r = ct >> 3; r < GDC_CH; r += NCP / 8)
+                cp_async16z(smem_addr(stage_p(s) + r * GDC_BPS + c), src + r * GDC_CH + c, 16);
         }
         {
+            constexpr int up = BV / 4;  // pieces of a U row
             float* const su = stage_u(s);
-            constexpr int up = BV / 4;
-            for (int idx = tid; idx < GDC_CH * up; idx += 512) {
-                const int r = idx / up, c = 4 * (idx - r * up);
-                const bool in = c0 + c < dv;
+            const int c = 4 * (ct % up);
+            const bool in = c0 + c < dv;
+#pragma unroll
+            for (int r = ct / up; r < GDC_CH; r += NCP / up) {
                 const float* src = in ? p.u + (blk * GDC_CH + r) * dv + c0 + c : p.u;
                 cp_async16z(smem_addr(su + r * US + c), src, in ? 16 : 0);
             }
         }
-        if (tid < 2 * GDC_CH / 4) cp_async16z(smem_addr(stage_e(s) + 4 * tid), p.e + blk * 2 * GDC_CH + 4 * tid, 16);
+        if (ct < 2 * GDC_CH / 4) cp_async16z(smem_addr(stage_e(s) + 4 * ct), p.e + blk * 2 * GDC_CH + 4 * ct, 16);
     };
 
     // The state tile: S^T in bf16 (zero past Dv), and the state warps' f32 rows in registers.
@@ -1197,9 +1209,11 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
         sacc[x][2] = in ? S[(long long)(ms + g + 8) * dv + col] : 0.0f;
         sacc[x][3] = in ? S[(long long)(ms + g + 8) * dv + col + 1] : 0.0f;
     }
+    const bool copier = !LATE || out_warp;
+    const int ct = LATE ? tid - 256 : tid;
 #pragma unroll
     for (int s = 0; s < NSTG - 1; ++s) {
-        issue(s);
+        if (copier) issue(s, ct);
         cp_async_commit_group();
     }
 
@@ -1220,29 +1234,40 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
         const int s = chunk % NSTG;
         cp_async_wait_group<NSTG - 2>();
         __syncthreads();  // chunk's stage landed for every thread; the previous chunk is done with S^T, V'^T
-        issue(chunk + NSTG - 1);
-        cp_async_commit_group();
+        if (!LATE) {
+            issue(chunk + NSTG - 1, ct);
+            cp_async_commit_group();
+        }
 
-        // 1. (W or Q̃) S for this warp's 16 tokens × BV/2 columns.
-        float acc[NTW][4];
+        // 1. (W or Q̃) S for this warp's 16 tokens × BV/2 columns, the k-steps alternating between two
+        //    sets of accumulators (two dependent chains of Dk/32 MMAs instead of one of Dk/16), summed.
+        float acc[NTW][4], acc2[NTW][4];
 #pragma unroll
         for (int x = 0; x < NTW; ++x)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) acc[x][e] = 0.0f;
+            for (int e = 0; e < 4; ++e) acc[x][e] = acc2[x][e] = 0.0f;
         {
             const uint32_t a_addr = smem_addr(stage_w(s) + ((out_warp ? GDC_CH : 0) + 16 * mi + a_r) * GDC_BRS + a_k);
-#pragma unroll 4
-            for (int k = 0; k < dk; k += 16) {
+            auto kstep = [&](int k, float (&c)[NTW][4]) {
                 uint32_t a0, a1, a2, a3;
                 ldmatrix_x4(a_addr + 2 * k, a0, a1, a2, a3);
 #pragma unroll
                 for (int q = 0; q < NTW / 2; ++q) {
                     uint32_t b0, b1, b2, b3;
                     ldmatrix_x4(st_b + 2 * (16 * q * GDC_BRS + k), b0, b1, b2, b3);
-                    mma_bf16(acc[2 * q], a0, a1, a2, a3, b0, b1);
-                    mma_bf16(acc[2 * q + 1], a0, a1, a2, a3, b2, b3);
+                    mma_bf16(c[2 * q], a0, a1, a2, a3, b0, b1);
+                    mma_bf16(c[2 * q + 1], a0, a1, a2, a3, b2, b3);
                 }
+            };
+#pragma unroll 2
+            for (int k = 0; k < dk; k += 32) {
+                kstep(k, acc);
+                if (k + 16 < dk) kstep(k + 16, acc2);
             }
+#pragma unroll
+            for (int x = 0; x < NTW; ++x)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[x][e] += acc2[x][e];
         }
         if (!out_warp) {
             // V' = U − W S, as bf16 into V'^T [column][token].
@@ -1280,6 +1305,10 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
                 if (col >= dv) continue;
                 if (r0 < n) *reinterpret_cast<float2*>(&p.out[((long long)(t0 + r0) * p.hv + j) * dv + col]) = make_float2(acc[x][0], acc[x][1]);
                 if (r1 < n) *reinterpret_cast<float2*>(&p.out[((long long)(t0 + r1) * p.hv + j) * dv + col]) = make_float2(acc[x][2], acc[x][3]);
+            }
+            if (LATE) {  // its stage was freed at this chunk's first barrier
+                issue(chunk + NSTG - 1, ct);
+                cp_async_commit_group();
             }
         } else if (ms_in) {
             // 3. S ← e^{Γ_last} S + K̃ᵀ V' (ΔS in fresh accumulators, added in f32), then S^T in bf16.
@@ -1327,6 +1356,6 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
     }
 }
 
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_bf32(const GdnChunkStateParams p) { pdl_enter(); chunk_state_bf<32, 2>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_bf32s3(const GdnChunkStateParams p) { pdl_enter(); chunk_state_bf<32, 3>(p); }
-extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_bf64(const GdnChunkStateParams p) { pdl_enter(); chunk_state_bf<64, 2>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_bf32(const GdnChunkStateParams p) { pdl_enter(); chunk_state_bf<32, 2, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_bf32s3(const GdnChunkStateParams p) { pdl_enter(); chunk_state_bf<32, 3, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_bf32s3l(const GdnChunkStateParams p) { pdl_enter(); chunk_state_bf<32, 3, true>(p); }

@@ -41,7 +41,7 @@ const KERNELS: [(PrepKernel, StateKernel); 13] = [
     (PrepKernel::Tensor1, StateKernel::Tensor1Ldsmb),
     (PrepKernel::Bf16, StateKernel::Bf16x32),
     (PrepKernel::Bf16, StateKernel::Bf16x32S3),
-    (PrepKernel::Bf16, StateKernel::Bf16x64),
+    (PrepKernel::Bf16, StateKernel::Bf16x32S3L),
 ];
 
 /// Whether a pair rounds its operands to tf32 (10 mantissa bits): held to TOL1 against the definition
@@ -340,7 +340,7 @@ fn gdn_chunked_rejects_bad_shapes() {
     err(run(&dims(3, 4, 32, 32), scratch_len(&dims(3, 4, 32, 32), t), f16), "Hv not a multiple of Hk");
     err(run(&ok, scratch_len(&ok, t), (PrepKernel::Tensor1, StateKernel::Bf16x32)), "bf16 pass after the f32 prep");
     err(run(&ok, scratch_len(&ok, t), (PrepKernel::Bf16, StateKernel::Tensor1Ldsmb)), "f32 pass after the bf16 prep");
-    err(run(&dims(1, 1, 24, 32), scratch_len(&dims(1, 1, 24, 32), t), (PrepKernel::Bf16, StateKernel::Bf16x64)), "bf16 pair, Dk 24");
+    err(run(&dims(1, 1, 24, 32), scratch_len(&dims(1, 1, 24, 32), t), (PrepKernel::Bf16, StateKernel::Bf16x32S3L)), "bf16 pair, Dk 24");
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -76,6 +76,11 @@ fn ppl(lp: &[f64]) -> f64 {
 
 /// max over rows of max|a − b| / max|b| in that row.
 fn row_err(a: &[f32], b: &[f32], v: usize) -> f64 {
+    row_errs(a, b, v).into_iter().fold(0.0, f64::max)
+}
+
+/// Each row's max |a − b| / max |b|.
+fn row_errs(a: &[f32], b: &[f32], v: usize) -> Vec<f64> {
     assert_eq!(a.len(), b.len());
     a.chunks_exact(v)
         .zip(b.chunks_exact(v))
@@ -84,7 +89,11 @@ fn row_err(a: &[f32], b: &[f32], v: usize) -> f64 {
             let s = y.iter().fold(0.0f64, |m, &f| m.max(f.abs() as f64)).max(1e-30);
             x.iter().zip(y).fold(0.0f64, |m, (p, q)| m.max((*p as f64 - *q as f64).abs())) / s
         })
-        .fold(0.0, f64::max)
+        .collect()
+}
+
+fn mean(x: &[f64]) -> f64 {
+    x.iter().sum::<f64>() / x.len().max(1) as f64
 }
 
 /// Logits of `tokens` decoded one per call from a new state ([n, V]).
@@ -153,6 +162,16 @@ fn whole_model_matches_the_cpu() {
         );
         check(e_dec <= 1e-4, format!("{name}/{sub}: decode logits differ from the CPU by {e_dec:.2e}"));
 
+        // Where the GDN rule's chunked pass multiplies bf16 operands (LILY_GDN_CHUNK=bf32 and the like:
+        // 8 significant bits, ~8× the 1xTF32 rounding, docs/PERF.md twenty-first session), the logits
+        // move ~3× more on average and, through the MoE's near-tied experts, a few positions much more
+        // (tiny-a/mlx: 9.3e-2 at one position, mean 2.3e-3): those bars are on the mean over positions
+        // (5e-3, which an index or chunk-boundary bug exceeds by far) and the worst one at 1.5e-1.
+        let d = lily_cuda::ops::gdn::GdnDims::from_config(&w.config);
+        let has_gdn = w.config.layer_types.contains(&lily_model::LayerKind::LinearAttention);
+        let pass = lily_cuda::ops::gdn_chunked::default_kernels(&dev, &d).1;
+        let bf16_rule = has_gdn && pass.rounds_to_bf16();
+
         // Prefill path: all positions in one call.
         let mut s1 = g.new_state();
         let one = g.forward(&mut s1, inputs, Logits::All).unwrap();
@@ -168,11 +187,13 @@ fn whole_model_matches_the_cpu() {
         // 2.7e-2 (its mean over positions 4.4e-4); the MoE's bf16 expert outputs: tiny-a/mlx peaks at
         // 4.3e-2 at one position (a near-tied expert flipped; mean 8.9e-4; 1.2e-3 with LILY_MOE_OUT=f32,
         // docs/PERF.md eighteenth session); the others stay below 4e-3.
-        check(e_pre <= 5e-2, format!("{name}/{sub}: prefill logits differ from the CPU by {e_pre:.2e}"));
+        let pre_bar = if bf16_rule { 1.5e-1 } else { 5e-2 };
+        check(e_pre <= pre_bar, format!("{name}/{sub}: prefill logits differ from the CPU by {e_pre:.2e}"));
         // Where the prefill error comes from: the first position (no history) and the error growth.
         let v0 = row_err(&one[..v], &want[..v], v);
-        let mean: f64 = (0..n).map(|i| row_err(&one[i * v..(i + 1) * v], &want[i * v..(i + 1) * v], v)).sum::<f64>() / n as f64;
-        println!("{name}/{sub} prefill: position 0 rel err {v0:.2e}, mean over positions {mean:.2e}");
+        let mean_pre = mean(&row_errs(&one, &want, v));
+        println!("{name}/{sub} prefill: position 0 rel err {v0:.2e}, mean over positions {mean_pre:.2e}");
+        check(mean_pre <= 5e-3, format!("{name}/{sub}: prefill logits differ from the CPU by {mean_pre:.2e} on average"));
 
         // Chunked prefill vs the one-call GPU run (the same per-row arithmetic: only the state carried
         // between chunks, and the GDN rule's form for short chunks, differ), then a decode tail vs the CPU
@@ -192,13 +213,10 @@ fn whole_model_matches_the_cpu() {
         // 64-token chunks round the same products with the state entering each call from f32 memory:
         // measured 1.6e-3–3.0e-3 on these fixtures (docs/PERF.md, 2026-12-03). A chunk-boundary bug (a
         // state dropped, shifted or applied twice) moves the logits by well over 1e-2.
-        // Where the rule's pass multiplies bf16 operands (LILY_GDN_CHUNK=bf32 and the like: 8 significant
-        // bits, ~4× the 1xTF32 rounding), 2e-2.
-        let d = lily_cuda::ops::gdn::GdnDims::from_config(&w.config);
-        let has_gdn = w.config.layer_types.contains(&lily_model::LayerKind::LinearAttention);
-        let pass = lily_cuda::ops::gdn_chunked::default_kernels(&dev, &d).1;
-        let chunk_bar = match (has_gdn, pass.rounds_to_bf16(), pass.rounds_to_tf32()) {
-            (true, true, _) => 2e-2,
+        // Where the rule's pass multiplies bf16 operands, the bars above (5e-3 on the mean, 1.5e-1 the
+        // worst position).
+        let chunk_bar = match (has_gdn, bf16_rule, pass.rounds_to_tf32()) {
+            (true, true, _) => 1.5e-1,
             (true, _, true) => 5e-3,
             _ => 1e-3,
         };
@@ -211,10 +229,16 @@ fn whole_model_matches_the_cpu() {
             for &t in &inputs[split..] {
                 tail.extend(gc.forward(&mut sc, &[t], Logits::Last).unwrap());
             }
-            let e = row_err(&rows, &one[..split * v], v);
+            let errs = row_errs(&rows, &one[..split * v], v);
+            let (e, e_mean) = (errs.iter().fold(0.0f64, |a, &b| a.max(b)), mean(&errs));
             let et = row_err(&tail, &want[split * v..], v);
-            println!("{name}/{sub} chunks of {chunk} vs one call: {e:.2e}; then 20 decode steps vs the CPU: {et:.2e}");
+            println!(
+                "{name}/{sub} chunks of {chunk} vs one call: {e:.2e} (mean {e_mean:.2e}); then 20 decode steps vs the CPU: {et:.2e}"
+            );
             check(e <= chunk_bar, format!("{name}/{sub}: chunked ({chunk}) differs from one call by {e:.2e} (bar {chunk_bar:.0e})"));
+            if bf16_rule {
+                check(e_mean <= 5e-3, format!("{name}/{sub}: chunked ({chunk}) differs from one call by {e_mean:.2e} on average"));
+            }
             check(et <= 2e-2, format!("{name}/{sub}: the decode tail after chunks of {chunk} differs from the CPU by {et:.2e}"));
         }
     }

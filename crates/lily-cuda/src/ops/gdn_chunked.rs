@@ -16,7 +16,7 @@
 //! The default is the 1xTF32 prep with the ldmatrix pass; `LILY_GDN_CHUNK=tc1` takes the 1xTF32 pass
 //! without ldmatrix (the same bits), `=tf32x3` the 3xTF32 pair and `=ffma` the FFMA kernels, for A/B
 //! runs. The bf16 pair ([`PrepKernel::Bf16`] with a `StateKernel::Bf16*` pass, `=bf32`, `=bf32s3`,
-//! `=bf64`) runs the pass on bf16 operands (m16n8k16, f32 sums and state) from a prep that writes W, P
+//! `=bf32s3l`) runs the pass on bf16 operands (m16n8k16, f32 sums and state) from a prep that writes W, P
 //! and the decayed Q and K in bf16 — fla-org's numerics; the three passes give the same bits.
 
 use cudarc::driver::sys::CUfunction_attribute;
@@ -91,7 +91,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "gdn_chunk_state_tc1_ldsmb",
     "gdn_chunk_state_bf32",
     "gdn_chunk_state_bf32s3",
-    "gdn_chunk_state_bf64",
+    "gdn_chunk_state_bf32s3l",
 ];
 
 /// `GDC_PREP_SMEM` in `kernels/gdn_chunked.cu`: Γ [64] f64, then K, Q/V [64, 136], A [64, 65], X [64, 72]
@@ -112,7 +112,7 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     for name in ["gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsmb"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, TC_SMEM as i32)?;
     }
-    for kernel in [StateKernel::Bf16x32, StateKernel::Bf16x32S3, StateKernel::Bf16x64] {
+    for kernel in [StateKernel::Bf16x32, StateKernel::Bf16x32S3, StateKernel::Bf16x32S3L] {
         let (name, _, _, smem) = kernel.launch_shape();
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
     }
@@ -181,9 +181,9 @@ pub enum StateKernel {
     Bf16x32,
     /// [`StateKernel::Bf16x32`] with a three-stage ring (the copies two chunks ahead). The same bits.
     Bf16x32S3,
-    /// [`StateKernel::Bf16x32`] with 64 state columns a block (half the blocks, each chunk's W, Q̃, K̃
-    /// and P read from L2 half as often). The same bits.
-    Bf16x64,
+    /// [`StateKernel::Bf16x32S3`] with the copies issued by the output warps alone, at the end of their
+    /// chunk (off the state warps' chain). The same bits.
+    Bf16x32S3L,
 }
 
 impl StateKernel {
@@ -202,7 +202,7 @@ impl StateKernel {
 
     /// Whether this pass multiplies bf16 operands (8 significant bits; f32 sums and state).
     pub fn rounds_to_bf16(self) -> bool {
-        matches!(self, StateKernel::Bf16x32 | StateKernel::Bf16x32S3 | StateKernel::Bf16x64)
+        matches!(self, StateKernel::Bf16x32 | StateKernel::Bf16x32S3 | StateKernel::Bf16x32S3L)
     }
 
     /// (kernel, state columns a block, threads, dynamic shared memory bytes).
@@ -215,7 +215,7 @@ impl StateKernel {
             StateKernel::Tensor1Ldsmb => ("gdn_chunk_state_tc1_ldsmb", 32, 512, TC_SMEM as u32),
             StateKernel::Bf16x32 => ("gdn_chunk_state_bf32", 32, 512, bf_smem(32, 2) as u32),
             StateKernel::Bf16x32S3 => ("gdn_chunk_state_bf32s3", 32, 512, bf_smem(32, 3) as u32),
-            StateKernel::Bf16x64 => ("gdn_chunk_state_bf64", 64, 512, bf_smem(64, 2) as u32),
+            StateKernel::Bf16x32S3L => ("gdn_chunk_state_bf32s3l", 64, 512, bf_smem(64, 2) as u32),
         }
     }
 }
@@ -239,7 +239,7 @@ pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel
             "tc1" => (PrepKernel::Tensor1, StateKernel::Tensor1),
             "bf32" => (PrepKernel::Bf16, StateKernel::Bf16x32),
             "bf32s3" => (PrepKernel::Bf16, StateKernel::Bf16x32S3),
-            "bf64" => (PrepKernel::Bf16, StateKernel::Bf16x64),
+            "bf32s3l" => (PrepKernel::Bf16, StateKernel::Bf16x32S3L),
             _ => (PrepKernel::Tensor1, StateKernel::Tensor1Ldsmb),
         };
     }
