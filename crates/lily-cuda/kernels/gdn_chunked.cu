@@ -542,18 +542,20 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     const long long blk = (long long)chunk * p.hv + j;
     const float* qkv = p.qkv + (long long)t0 * C;  // row r of the chunk at qkv + r·C
 
-    // K and Q of the chunk (zero past n).
-    {
-        const int pieces = dk / 4;
-        for (int idx = tid; idx < GDC_CH * pieces; idx += 256) {
-            const int r = idx / pieces, c = 4 * (idx - r * pieces);
+    // K and Q of the chunk (zero past n). The staging loops give thread tid the 16-byte piece tid % 32
+    // of rows tid / 32 + 8i (a row of ≤ 128 floats is ≤ 32 pieces): no division by the row length.
+    const int pc4 = 4 * (lane), pr8 = warp;
+    if (pc4 < dk) {
+        const int c = pc4;
+#pragma unroll 4
+        for (int r = pr8; r < GDC_CH; r += 8) {
             const bool in = r < n;
             const float* q = in ? qkv + (long long)r * C + (long long)kh * dk + c : p.qkv;
             cp_async16z(smem_addr(sQ + r * GDC_RS + c), q, in ? 16 : 0);
             cp_async16z(smem_addr(sK + r * GDC_RS + c), in ? q + kd : p.qkv, in ? 16 : 0);
         }
-        cp_async_commit_group();
     }
+    cp_async_commit_group();
 
     // 1. Gates: β, Γ (f64 prefix sum), e^Γ and e^{Γ_last−Γ}. Warp 0 loads the chunk's g, two a lane
     //    (lane l: positions 2l, 2l + 1), and scans them in f64 across the warp (five shuffle steps);
@@ -594,14 +596,17 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     if (BF) {
         uint2* const qt = reinterpret_cast<uint2*>(p.qt) + blk * GDC_CH * dk / 4;
         uint2* const kt = reinterpret_cast<uint2*>(p.kt) + blk * GDC_CH * dk / 4;
-        const int pieces = dk / 4;
-        for (int idx = tid; idx < GDC_CH * pieces; idx += 256) {
-            const int r = idx / pieces, c = 4 * (idx - r * pieces);
-            const float4 q = *reinterpret_cast<const float4*>(&sQ[r * GDC_RS + c]);
-            const float4 k = *reinterpret_cast<const float4*>(&sK[r * GDC_RS + c]);
-            const float eq = egs[r], ek = eks[r];
-            qt[idx] = make_uint2(pack_bf16(q.x * eq, q.y * eq), pack_bf16(q.z * eq, q.w * eq));
-            kt[idx] = make_uint2(pack_bf16(k.x * ek, k.y * ek), pack_bf16(k.z * ek, k.w * ek));
+        if (pc4 < dk) {
+            const int c = pc4;
+#pragma unroll 4
+            for (int r = pr8; r < GDC_CH; r += 8) {
+                const float4 q = *reinterpret_cast<const float4*>(&sQ[r * GDC_RS + c]);
+                const float4 k = *reinterpret_cast<const float4*>(&sK[r * GDC_RS + c]);
+                const float eq = egs[r], ek = eks[r];
+                const int idx = (r * dk + c) / 4;
+                qt[idx] = make_uint2(pack_bf16(q.x * eq, q.y * eq), pack_bf16(q.z * eq, q.w * eq));
+                kt[idx] = make_uint2(pack_bf16(k.x * ek, k.y * ek), pack_bf16(k.z * ek, k.w * ek));
+            }
         }
     }
 
@@ -681,16 +686,16 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     __syncthreads();  // A complete; Q is no longer read
 
     // V of the chunk into Q's buffer (zero past n), in flight during the solve.
-    {
-        const int pieces = dv / 4;
-        for (int idx = tid; idx < GDC_CH * pieces; idx += 256) {
-            const int r = idx / pieces, c = 4 * (idx - r * pieces);
+    if (pc4 < dv) {
+        const int c = pc4;
+#pragma unroll 4
+        for (int r = pr8; r < GDC_CH; r += 8) {
             const bool in = r < n;
             const float* v = in ? qkv + (long long)r * C + 2 * kd + (long long)j * dv + c : p.qkv;
             cp_async16z(smem_addr(sQ + r * GDC_RS + c), v, in ? 16 : 0);
         }
-        cp_async_commit_group();
     }
+    cp_async_commit_group();
 
     {
         // 3. X = (I + A)⁻¹ by 16×16 blocks (T = I + A, blocks T_bc; X_bc likewise): the diagonal
