@@ -14,6 +14,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) { return (uint32_t)
 __device__ __forceinline__ void cp_async16z(uint32_t dst, const void* src, int src_bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
+// 16 bytes global -> shared, all of them (no zero-fill operand).
+__device__ __forceinline__ void cp_async16_all(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
 // 16 bytes global -> shared through L2, or 16 zeros (nothing read) when !ok.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool ok) { cp_async16z(dst, src, ok ? 16 : 0); }
 // 4 bytes global -> shared (through L1), or 4 zeros (nothing read) when !ok.

@@ -1168,29 +1168,29 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
                                        reinterpret_cast<const uint16_t*>(p.kt)};
 #pragma unroll
             for (int m = 0; m < 3; ++m) {
-                const uint16_t* src = srcs[m] + blk * GDC_CH * dk + pc;
+                const uint16_t* src = srcs[m] + (blk * GDC_CH + pr) * dk + pc;
+                const uint32_t dst = smem_addr(sw + (m * GDC_CH + pr) * GDC_BRS + pc);
 #pragma unroll
-                for (int r = pr; r < GDC_CH; r += NCP / 16)
-                    cp_async16z(smem_addr(sw + (m * GDC_CH + r) * GDC_BRS + pc), src + r * dk, 16);
+                for (int i = 0; i < GDC_CH / (NCP / 16); ++i)
+                    cp_async16_all(dst + 2 * i * (NCP / 16) * GDC_BRS, src + (long long)i * (NCP / 16) * dk);
             }
         }
         {
-            const uint16_t* src = reinterpret_cast<const uint16_t*>(p.p) + blk * GDC_CH * GDC_CH;
-            const int c = 8 * (ct & 7);
+            const int c = 8 * (ct & 7), r0 = ct >> 3;
+            const uint16_t* src = reinterpret_cast<const uint16_t*>(p.p) + (blk * GDC_CH + r0) * GDC_CH + c;
+            const uint32_t dst = smem_addr(stage_p(s) + r0 * GDC_BPS + c);
 #pragma unroll
-            for (int r = ct >> 3; r < GDC_CH; r += NCP / 8)
-                cp_async16z(smem_addr(stage_p(s) + r * GDC_BPS + c), src + r * GDC_CH + c, 16);
+            for (int i = 0; i < GDC_CH / (NCP / 8); ++i) cp_async16_all(dst + 2 * i * (NCP / 8) * GDC_BPS, src + i * (NCP / 8) * GDC_CH);
         }
         {
             constexpr int up = BV / 4;  // pieces of a U row
-            float* const su = stage_u(s);
-            const int c = 4 * (ct % up);
+            const int c = 4 * (ct % up), r0 = ct / up;
             const bool in = c0 + c < dv;
+            const float* src = in ? p.u + (blk * GDC_CH + r0) * dv + c0 + c : p.u;
+            const uint32_t dst = smem_addr(stage_u(s) + r0 * US + c);
 #pragma unroll
-            for (int r = ct / up; r < GDC_CH; r += NCP / up) {
-                const float* src = in ? p.u + (blk * GDC_CH + r) * dv + c0 + c : p.u;
-                cp_async16z(smem_addr(su + r * US + c), src, in ? 16 : 0);
-            }
+            for (int i = 0; i < GDC_CH / (NCP / up); ++i)
+                cp_async16z(dst + 4 * i * (NCP / up) * US, in ? src + (long long)i * (NCP / up) * dv : p.u, in ? 16 : 0);
         }
         if (ct < 2 * GDC_CH / 4) cp_async16z(smem_addr(stage_e(s) + 4 * ct), p.e + blk * 2 * GDC_CH + 4 * ct, 16);
     };
@@ -1264,9 +1264,9 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
                     mma_bf16(c[2 * q + 1], a0, a1, a2, a3, b2, b3);
                 }
             };
-#pragma unroll 2
-            for (int k = 0; k < dk; k += 32) {
-                kstep(k, acc);
+#pragma unroll
+            for (int k = 0; k < GDC_MAXD; k += 32) {  // unrolled, the steps past Dk predicated off
+                if (k < dk) kstep(k, acc);
                 if (k + 16 < dk) kstep(k + 16, acc2);
             }
 #pragma unroll
@@ -1293,7 +1293,9 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
         if (out_warp) {
             // 2. O = Q̃ S + P V' over the tokens up to the tile's last row, then written out.
             const uint32_t p_addr = smem_addr(stage_p(s) + (16 * mi + a_r) * GDC_BPS + a_k);
-            for (int k = 0; k < 16 * (mi + 1); k += 16) {
+#pragma unroll
+            for (int k = 0; k < GDC_CH; k += 16) {
+                if (k > 16 * mi) break;
                 uint32_t a0, a1, a2, a3;
                 ldmatrix_x4(p_addr + 2 * k, a0, a1, a2, a3);
 #pragma unroll
@@ -1324,7 +1326,9 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
             for (int x = 0; x < NTK; ++x)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) ds[x][e] = 0.0f;
-            for (int k = 0; k < n; k += 16) {  // tokens past n: K̃ and V' are zero there
+#pragma unroll
+            for (int k = 0; k < GDC_CH; k += 16) {  // tokens past n: K̃ and V' are zero there
+                if (k >= n) break;
                 uint32_t a0, a1, a2, a3;
                 ldmatrix_x4_trans(k_addr + 2 * k * GDC_BRS, a0, a1, a2, a3);
 #pragma unroll
