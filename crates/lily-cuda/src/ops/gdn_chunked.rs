@@ -215,7 +215,7 @@ impl StateKernel {
             StateKernel::Tensor1Ldsmb => ("gdn_chunk_state_tc1_ldsmb", 32, 512, TC_SMEM as u32),
             StateKernel::Bf16x32 => ("gdn_chunk_state_bf32", 32, 512, bf_smem(32, 2) as u32),
             StateKernel::Bf16x32S3 => ("gdn_chunk_state_bf32s3", 32, 512, bf_smem(32, 3) as u32),
-            StateKernel::Bf16x32S3L => ("gdn_chunk_state_bf32s3l", 64, 512, bf_smem(64, 2) as u32),
+            StateKernel::Bf16x32S3L => ("gdn_chunk_state_bf32s3l", 32, 512, bf_smem(32, 3) as u32),
         }
     }
 }
