@@ -108,6 +108,11 @@ const fn bf_smem(bv: usize, nstg: usize) -> usize {
     nstg * (2 * 3 * 64 * 136 + 2 * 64 * 72 + 4 * 64 * (bv + 8) + 4 * 2 * 64) + 2 * bv * 136 + 2 * bv * 72
 }
 
+/// A bf16 pass's launch shape from its template arguments: BV state columns a block, NSTG stages.
+const fn bf_launch(name: &'static str, bv: usize, nstg: usize) -> (&'static str, usize, u32, u32) {
+    (name, bv, 512, bf_smem(bv, nstg) as u32)
+}
+
 pub(crate) fn configure(dev: &Device) -> Result<()> {
     for name in ["gdn_chunk_state_tc", "gdn_chunk_state_tc1", "gdn_chunk_state_tc1_ldsmb"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, TC_SMEM as i32)?;
@@ -213,9 +218,10 @@ impl StateKernel {
             StateKernel::Tensor => ("gdn_chunk_state_tc", 32, 512, TC_SMEM as u32),
             StateKernel::Tensor1 => ("gdn_chunk_state_tc1", 32, 512, TC_SMEM as u32),
             StateKernel::Tensor1Ldsmb => ("gdn_chunk_state_tc1_ldsmb", 32, 512, TC_SMEM as u32),
-            StateKernel::Bf16x32 => ("gdn_chunk_state_bf32", 32, 512, bf_smem(32, 2) as u32),
-            StateKernel::Bf16x32S3 => ("gdn_chunk_state_bf32s3", 32, 512, bf_smem(32, 3) as u32),
-            StateKernel::Bf16x32S3L => ("gdn_chunk_state_bf32s3l", 32, 512, bf_smem(32, 3) as u32),
+            // (name, BV, NSTG) as the kernel's template arguments in gdn_chunked.cu.
+            StateKernel::Bf16x32 => bf_launch("gdn_chunk_state_bf32", 32, 2),
+            StateKernel::Bf16x32S3 => bf_launch("gdn_chunk_state_bf32s3", 32, 3),
+            StateKernel::Bf16x32S3L => bf_launch("gdn_chunk_state_bf32s3l", 32, 3),
         }
     }
 }
@@ -414,4 +420,23 @@ where
         shared_mem_bytes: smem,
     };
     launch(dev, name, cfg, &run)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every tensor-core pass and prep fits the 227 KB of shared memory a block may have on sm_90.
+    #[test]
+    fn shared_memory_fits_a_block() {
+        const MAX: usize = 232_448;
+        for k in [StateKernel::Tensor, StateKernel::Tensor1, StateKernel::Tensor1Ldsmb, StateKernel::Bf16x32, StateKernel::Bf16x32S3, StateKernel::Bf16x32S3L] {
+            let (name, tile, threads, smem) = k.launch_shape();
+            assert!(smem as usize <= MAX, "{name}: {smem} bytes");
+            assert!(tile == 32 && threads == 512, "{name}: the tensor-core passes take 32 columns with 512 threads");
+        }
+    }
+
+    // Two tensor-core preps a block per SM.
+    const _: () = assert!(PREP_TC_SMEM <= 232_448 / 2);
 }
