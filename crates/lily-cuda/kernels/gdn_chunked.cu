@@ -27,7 +27,9 @@
 //     piece of work are in flight (registers) while the current one is computed.
 // Scratch, per (chunk c, value head j), block b = c·Hv + j, NC = ⌈T/64⌉ chunks:
 //   W [NC·Hv, 64, Dk] | U [NC·Hv, 64, Dv] | P [NC·Hv, 64, 64] | E [NC·Hv, 2, 64]
-// (rows ≥ n of the last chunk are written as zeros and never read).
+// (rows ≥ n of the last chunk are written as zeros and never read). The tensor-core prep and pass
+// (gdn_chunk_prep_tc*, gdn_chunk_state_tc*) and the bf16 pair (gdn_chunk_prep_tc1_bf with
+// gdn_chunk_state_bf*, whose scratch holds W, Q̃, K̃ and P in bf16) are described where they are defined.
 #include <stdint.h>
 #include "pdl.cuh"
 
