@@ -8,15 +8,25 @@ use cudarc::driver::CudaSlice;
 use lily_cuda::ops::{attn_prep, util};
 use lily_cuda::{probe, Device};
 
-/// The GPU, or None (after printing "no GPU, skipped") on a machine without one.
+/// Whether this process has found the GPU before: a probe that fails after that means an earlier test
+/// faulted the device (its context is gone), not a machine without a GPU.
+static FOUND: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The GPU, or None (after printing "no GPU, skipped") on a machine without one. Panics when the GPU
+/// this process found before is gone, so that the tests after a faulting one fail instead of skipping.
 pub fn device() -> Option<Device> {
+    use std::sync::atomic::Ordering;
     match probe(0) {
+        Err(e) if FOUND.load(Ordering::Relaxed) => {
+            panic!("the GPU found earlier in this process is gone (an earlier test faulted it?): {e}")
+        }
         Err(e) => {
             println!("no GPU, skipped ({e})");
             None
         }
         // LILY_TEST_KERNEL_DIR: kernels rebuilt on the GPU machine (as `--kernel-dir` does for `lily`).
         Ok(_) => {
+            FOUND.store(true, Ordering::Relaxed);
             let dir = std::env::var_os("LILY_TEST_KERNEL_DIR").map(std::path::PathBuf::from);
             Some(Device::open_with_kernel_dir(0, dir.as_deref()).expect("the GPU is there but Device::open failed"))
         }
