@@ -1132,6 +1132,20 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_ldsmb(c
 #define GDC_BF_STAGE(BV) (2 * 3 * GDC_CH * GDC_BRS + 2 * GDC_CH * GDC_BPS + 4 * GDC_CH * ((BV) + 8) + 4 * 2 * GDC_CH)
 #define GDC_BF_SMEM(BV, NSTG) ((NSTG) * GDC_BF_STAGE(BV) + 2 * (BV) * GDC_BRS + 2 * (BV) * GDC_BPS)
 
+// c[2q], c[2q + 1] += A · B for NP pairs of n8 tiles: A's fragment a0..a3 (one k16 step), pair q's
+// B fragments (b0, b1 of both tiles) by one ldmatrix.x4 from b_addr + q·b_step.
+template <int NP>
+__device__ __forceinline__ void mma_ntile_pairs(float (&c)[2 * NP][4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                uint32_t b_addr, uint32_t b_step) {
+#pragma unroll
+    for (int q = 0; q < NP; ++q) {
+        uint32_t b0, b1, b2, b3;
+        ldmatrix_x4(b_addr + q * b_step, b0, b1, b2, b3);
+        mma_bf16(c[2 * q], a0, a1, a2, a3, b0, b1);
+        mma_bf16(c[2 * q + 1], a0, a1, a2, a3, b2, b3);
+    }
+}
+
 template <int BV, int NSTG, bool LATE>
 __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
     static_assert(!LATE || NSTG >= 3, "copies issued at a chunk's end need a stage more to stay a chunk ahead");
@@ -1258,13 +1272,7 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
             auto kstep = [&](int k, float (&c)[NTW][4]) {
                 uint32_t a0, a1, a2, a3;
                 ldmatrix_x4(a_addr + 2 * k, a0, a1, a2, a3);
-#pragma unroll
-                for (int q = 0; q < NTW / 2; ++q) {
-                    uint32_t b0, b1, b2, b3;
-                    ldmatrix_x4(st_b + 2 * (16 * q * GDC_BRS + k), b0, b1, b2, b3);
-                    mma_bf16(c[2 * q], a0, a1, a2, a3, b0, b1);
-                    mma_bf16(c[2 * q + 1], a0, a1, a2, a3, b2, b3);
-                }
+                mma_ntile_pairs<NTW / 2>(c, a0, a1, a2, a3, st_b + 2 * k, 2 * 16 * GDC_BRS);
             };
 #pragma unroll
             for (int k = 0; k < GDC_MAXD; k += 32) {  // unrolled, the steps past Dk predicated off
@@ -1300,13 +1308,7 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
                 if (k > 16 * mi) break;
                 uint32_t a0, a1, a2, a3;
                 ldmatrix_x4(p_addr + 2 * k, a0, a1, a2, a3);
-#pragma unroll
-                for (int q = 0; q < NTW / 2; ++q) {
-                    uint32_t b0, b1, b2, b3;
-                    ldmatrix_x4(vt_b + 2 * (16 * q * GDC_BPS + k), b0, b1, b2, b3);
-                    mma_bf16(acc[2 * q], a0, a1, a2, a3, b0, b1);
-                    mma_bf16(acc[2 * q + 1], a0, a1, a2, a3, b2, b3);
-                }
+                mma_ntile_pairs<NTW / 2>(acc, a0, a1, a2, a3, vt_b + 2 * k, 2 * 16 * GDC_BPS);
             }
 #pragma unroll
             for (int x = 0; x < NTW; ++x) {
@@ -1333,13 +1335,7 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
                 if (k >= n) break;
                 uint32_t a0, a1, a2, a3;
                 ldmatrix_x4_trans(k_addr + 2 * k * GDC_BRS, a0, a1, a2, a3);
-#pragma unroll
-                for (int q = 0; q < NTK / 2; ++q) {
-                    uint32_t b0, b1, b2, b3;
-                    ldmatrix_x4(vt_all + 2 * (16 * q * GDC_BPS + k), b0, b1, b2, b3);
-                    mma_bf16(ds[2 * q], a0, a1, a2, a3, b0, b1);
-                    mma_bf16(ds[2 * q + 1], a0, a1, a2, a3, b2, b3);
-                }
+                mma_ntile_pairs<NTK / 2>(ds, a0, a1, a2, a3, vt_all + 2 * k, 2 * 16 * GDC_BPS);
             }
 #pragma unroll
             for (int x = 0; x < NTK; ++x) {
