@@ -1122,11 +1122,13 @@ extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc1_ldsmb(c
 // (bf32, NSTG = 2; bf32s3, NSTG = 3), or by the output warps alone at the end of their chunk (bf32s3l:
 // off the state warps' chain, which then runs barrier → V' → barrier → update → barrier only). A
 // 64-column form (BV = 64, each chunk's operands read from L2 half as often) measured 18% slower
-// than bf32 (docs/PERF.md, twenty-first session) and was removed: the pass is not bound by L2. Row strides: 136 bf16 (272 bytes) for W, Q̃, K̃ and
-// S^T, 72 (144 bytes) for P and V'^T — ldmatrix's eight rows on distinct banks; U BV + 8 floats.
-// Numerics (docs/PERF.md, twenty-first session): bf16 operands with f32 sums put the output ~2.4e-3
-// (rms, relative) from the exact rule at T = 2048 in a float64 emulation, where rounding q, k, v to
-// bf16 and running the f32 recurrence (MLX-LM's bf16 run) puts it ~2.9e-3.
+// than bf32 (docs/PERF.md, twenty-first session) and was removed: the pass is not bound by L2. Row
+// strides: 136 bf16 (272 bytes) for W, Q̃, K̃ and S^T, 72 (144 bytes) for P and V'^T — ldmatrix's eight
+// rows on distinct banks; U BV + 8 floats. W S and Q̃ S alternate their k-steps between two sets of
+// accumulators (two dependent chains of Dk/32 MMAs), summed at the end.
+// Numerics (docs/PERF.md, twenty-first session): in a float64 emulation of these roundings the output
+// is 2.3e-3–3.8e-3 (rms, relative) from the exact rule at T = 1000–2048, where rounding q, k, v to bf16
+// and running the f32 recurrence (MLX-LM's bf16 run) puts it 2.7e-3–3.1e-3.
 #define GDC_BRS 136  // W, Q̃, K̃, S^T row stride (bf16)
 #define GDC_BPS 72   // P, V'^T row stride (bf16)
 #define GDC_BF_STAGE(BV) (2 * 3 * GDC_CH * GDC_BRS + 2 * GDC_CH * GDC_BPS + 4 * GDC_CH * ((BV) + 8) + 4 * 2 * GDC_CH)
