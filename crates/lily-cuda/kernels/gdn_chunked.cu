@@ -824,6 +824,32 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1_bf(const
 #define GDC_VT 68  // V'^T row stride
 #define GDC_TC_SMEM (4 * (2 * GDC_CH * GDC_WS + 2 * GDC_CH * GDC_KS + 2 * GDC_CH * GDC_PS + 4 * GDC_CH) + 8 * (GDC_MAXD + GDC_CH) * GDC_S2)
 
+// A state warp's rows of the state tile as C fragments (rows ms + g and ms + g + 8, columns
+// c0 + 8x + 2t4 and + 1, x < NX), from and to the state S [Dk, Dv] in global memory: zero (and not
+// stored) where !in or past Dv. Both tensor-core passes.
+template <int NX>
+__device__ __forceinline__ void load_state_rows(float (&sacc)[NX][4], const float* S, int ms, int g, int t4, int c0, int dv, bool in) {
+#pragma unroll
+    for (int x = 0; x < NX; ++x) {
+        const int col = c0 + 8 * x + 2 * t4;
+        const bool ok = in && col < dv;
+        sacc[x][0] = ok ? S[(long long)(ms + g) * dv + col] : 0.0f;
+        sacc[x][1] = ok ? S[(long long)(ms + g) * dv + col + 1] : 0.0f;
+        sacc[x][2] = ok ? S[(long long)(ms + g + 8) * dv + col] : 0.0f;
+        sacc[x][3] = ok ? S[(long long)(ms + g + 8) * dv + col + 1] : 0.0f;
+    }
+}
+template <int NX>
+__device__ __forceinline__ void store_state_rows(const float (&sacc)[NX][4], float* S, int ms, int g, int t4, int c0, int dv) {
+#pragma unroll
+    for (int x = 0; x < NX; ++x) {
+        const int col = c0 + 8 * x + 2 * t4;
+        if (col >= dv) continue;
+        *reinterpret_cast<float2*>(&S[(long long)(ms + g) * dv + col]) = make_float2(sacc[x][0], sacc[x][1]);
+        *reinterpret_cast<float2*>(&S[(long long)(ms + g + 8) * dv + col]) = make_float2(sacc[x][2], sacc[x][3]);
+    }
+}
+
 // TB: c0 += a·b0 and c1 += a·b1 in 1xTF32 for two n-tiles whose B fragments (tf32 words, transposed:
 // rows = columns of B) one ldmatrix.x4 loads from `addr` (this lane's row address, see b_row below).
 __device__ __forceinline__ void mma_two_ntiles_ldsm(float (&c0)[4], float (&c1)[4], const Tf32A& a, uint32_t addr) {
@@ -936,15 +962,7 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
     const int ms = 16 * w8;        // state warps: state rows ms + g, ms + g + 8
     const bool ms_in = ms < dk;
     float sacc[4][4];              // ... columns 8x + 2t4 (+1), x < 4
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-        const int col = c0 + 8 * x + 2 * t4;
-        const bool in = !out_warp && ms_in && col < dv;
-        sacc[x][0] = in ? S[(long long)(ms + g) * dv + col] : 0.0f;
-        sacc[x][1] = in ? S[(long long)(ms + g) * dv + col + 1] : 0.0f;
-        sacc[x][2] = in ? S[(long long)(ms + g + 8) * dv + col] : 0.0f;
-        sacc[x][3] = in ? S[(long long)(ms + g + 8) * dv + col + 1] : 0.0f;
-    }
+    load_state_rows(sacc, S, ms, g, t4, c0, dv, !out_warp && ms_in);
     if (nc > 0) {
         issue_a(0);
         cp_async_commit_group();
@@ -1092,15 +1110,7 @@ __device__ __forceinline__ void chunk_state_tc(const GdnChunkStateParams& p) {
     }
 
     // The final state tile.
-    if (!out_warp && ms_in) {
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-            const int col = c0 + 8 * x + 2 * t4;
-            if (col >= dv) continue;
-            *reinterpret_cast<float2*>(&S[(long long)(ms + g) * dv + col]) = make_float2(sacc[x][0], sacc[x][1]);
-            *reinterpret_cast<float2*>(&S[(long long)(ms + g + 8) * dv + col]) = make_float2(sacc[x][2], sacc[x][3]);
-        }
-    }
+    if (!out_warp && ms_in) store_state_rows(sacc, S, ms, g, t4, c0, dv);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_tc(const GdnChunkStateParams p) { pdl_enter(); chunk_state_tc<3, false>(p); }
@@ -1223,15 +1233,7 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
     const int ms = 16 * w8;  // state warps: state rows ms + g, ms + g + 8
     const bool ms_in = ms < dk;
     float sacc[NTK][4];
-#pragma unroll
-    for (int x = 0; x < NTK; ++x) {
-        const int col = c0 + 8 * x + 2 * t4;
-        const bool in = !out_warp && ms_in && col < dv;
-        sacc[x][0] = in ? S[(long long)(ms + g) * dv + col] : 0.0f;
-        sacc[x][1] = in ? S[(long long)(ms + g) * dv + col + 1] : 0.0f;
-        sacc[x][2] = in ? S[(long long)(ms + g + 8) * dv + col] : 0.0f;
-        sacc[x][3] = in ? S[(long long)(ms + g + 8) * dv + col + 1] : 0.0f;
-    }
+    load_state_rows(sacc, S, ms, g, t4, c0, dv, !out_warp && ms_in);
     const bool copier = !LATE || out_warp;
     const int ct = LATE ? tid - 256 : tid;
 #pragma unroll
@@ -1354,15 +1356,7 @@ __device__ __forceinline__ void chunk_state_bf(const GdnChunkStateParams& p) {
     cp_async_wait_group<0>();
 
     // The final state tile.
-    if (!out_warp && ms_in) {
-#pragma unroll
-        for (int x = 0; x < NTK; ++x) {
-            const int col = c0 + 8 * x + 2 * t4;
-            if (col >= dv) continue;
-            *reinterpret_cast<float2*>(&S[(long long)(ms + g) * dv + col]) = make_float2(sacc[x][0], sacc[x][1]);
-            *reinterpret_cast<float2*>(&S[(long long)(ms + g + 8) * dv + col]) = make_float2(sacc[x][2], sacc[x][3]);
-        }
-    }
+    if (!out_warp && ms_in) store_state_rows(sacc, S, ms, g, t4, c0, dv);
 }
 
 extern "C" __global__ void __launch_bounds__(512, 1) gdn_chunk_state_bf32(const GdnChunkStateParams p) { pdl_enter(); chunk_state_bf<32, 2, false>(p); }
