@@ -262,8 +262,42 @@ pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel
 /// pair W, Q̃, K̃ [64, Dk] and P in bf16, U and the decays in f32 (⌈T/64⌉·Hv·64·(3Dk/2 + Dv + 34): 185
 /// MB at that shape).
 pub fn scratch_len(dims: &GdnDims, t_len: usize) -> usize {
-    let per_row = (dims.head_k_dim + dims.head_v_dim + CHUNK + 2).max((3 * dims.head_k_dim).div_ceil(2) + dims.head_v_dim + CHUNK / 2 + 2);
-    t_len.div_ceil(CHUNK) * dims.num_v_heads * CHUNK * per_row
+    let bytes = scratch_layout(dims, t_len, false).bytes.max(scratch_layout(dims, t_len, true).bytes);
+    bytes.div_ceil(4) as usize
+}
+
+/// Where the scratch's arrays lie (byte offsets from its start) and the bytes they take.
+#[derive(Clone, Copy, Debug)]
+struct ScratchLayout {
+    w: u64,
+    qt: u64,
+    kt: u64,
+    p: u64,
+    u: u64,
+    e: u64,
+    bytes: u64,
+}
+
+/// The scratch for `t_len` tokens: per chunk and value head (a block of 64 rows), W [64, Dk] | U [64, Dv]
+/// | P [64, 64] | E [2, 64] in f32; or, as the prep writes it for the bf16 passes (`bf16`), W | Q̃ | K̃
+/// [64, Dk] | P in bf16, then U and E in f32 — each array 16-byte aligned where Dk is a multiple of 16,
+/// as the tensor-core kernels need. The arrays not in a layout are at 0.
+fn scratch_layout(dims: &GdnDims, t_len: usize, bf16: bool) -> ScratchLayout {
+    let rows = (t_len.div_ceil(CHUNK) * dims.num_v_heads * CHUNK) as u64;
+    let (dk, dv, ch) = (dims.head_k_dim as u64, dims.head_v_dim as u64, CHUNK as u64);
+    let mut at = 0u64;
+    let mut take = |bytes: u64| {
+        at += bytes;
+        at - bytes
+    };
+    if bf16 {
+        let (w, qt, kt, p) = (take(rows * dk * 2), take(rows * dk * 2), take(rows * dk * 2), take(rows * ch * 2));
+        let (u, e) = (take(rows * dv * 4), take(rows * 2 * 4));
+        ScratchLayout { w, qt, kt, p, u, e, bytes: take(0) }
+    } else {
+        let (w, u, p, e) = (take(rows * dk * 4), take(rows * dv * 4), take(rows * ch * 4), take(rows * 2 * 4));
+        ScratchLayout { w, qt: 0, kt: 0, p, u, e, bytes: take(0) }
+    }
 }
 
 /// The gated delta rule on T tokens by chunks of [`CHUNK`] tokens, from `state` [Hv, Dk, Dv] (updated in
@@ -344,27 +378,15 @@ where
         return Ok(());
     }
     let (hv, dk, dv) = (dims.num_v_heads, dims.head_k_dim, dims.head_v_dim);
-    let blocks = t_len.div_ceil(CHUNK) * hv; // (chunk, value head) pairs
     let qkv = addr(dev, qkv, t_len * dims.conv_dim(), "gdn chunked qkv")?;
     let g = addr(dev, g, t_len * hv, "gdn chunked g")?;
     let beta = addr(dev, beta, t_len * hv, "gdn chunked beta")?;
     let state = addr_mut(dev, state, dims.state_len(), "gdn chunked state")?;
     let out = addr_mut(dev, out, t_len * dims.value_dim(), "gdn chunked out")?;
     let base = addr_mut(dev, scratch, scratch_len(dims, t_len), "gdn chunked scratch")?;
-    // Scratch: W [blocks, 64, Dk] | U [blocks, 64, Dv] | P [blocks, 64, 64] | E [blocks, 2, 64], f32;
-    // the bf16 pair: W | Q̃ | K̃ [blocks, 64, Dk] | P [blocks, 64, 64] bf16, then U and E as before (each
-    // array 16-byte aligned: Dk is a multiple of 16 there).
-    let (f32s, w_bytes) = (4u64, if prep_kernel.writes_bf16() { 2u64 } else { 4 });
-    let w = base;
-    let (qt, kt, u) = if prep_kernel.writes_bf16() {
-        let qt = w + (blocks * CHUNK * dk) as u64 * w_bytes;
-        let kt = qt + (blocks * CHUNK * dk) as u64 * w_bytes;
-        (qt, kt, kt + (blocks * CHUNK * dk) as u64 * w_bytes + (blocks * CHUNK * CHUNK) as u64 * w_bytes)
-    } else {
-        (0, 0, w + (blocks * CHUNK * dk) as u64 * f32s)
-    };
-    let p = if prep_kernel.writes_bf16() { u - (blocks * CHUNK * CHUNK) as u64 * w_bytes } else { u + (blocks * CHUNK * dv) as u64 * f32s };
-    let e = if prep_kernel.writes_bf16() { u + (blocks * CHUNK * dv) as u64 * f32s } else { p + (blocks * CHUNK * CHUNK) as u64 * f32s };
+    let at = scratch_layout(dims, t_len, prep_kernel.writes_bf16());
+    let (w, u, p, e) = (base + at.w, base + at.u, base + at.p, base + at.e);
+    let (qt, kt) = if prep_kernel.writes_bf16() { (base + at.qt, base + at.kt) } else { (0, 0) };
     let (t_len_i, hk, hv_i, dk_i, dv_i) = (t_len as i32, dims.num_k_heads as i32, hv as i32, dk as i32, dv as i32);
 
     let prep = GdnChunkPrepParams {
@@ -435,6 +457,28 @@ mod tests {
             assert!(smem as usize <= MAX, "{name}: {smem} bytes");
             assert!(tile == 32 && threads == 512, "{name}: the tensor-core passes take 32 columns with 512 threads");
         }
+    }
+
+    /// The layouts' arrays follow one another without overlap, 16-byte aligned where Dk is a multiple
+    /// of 16, and fit in `scratch_len`; the 35B shape at T = 4096 as PERF.md gives it (169 and 185 MB).
+    #[test]
+    fn scratch_layouts_fit() {
+        let real = GdnDims { num_k_heads: 16, num_v_heads: 32, head_k_dim: 128, head_v_dim: 128, conv_kernel: 4 };
+        let tiny = GdnDims { num_k_heads: 1, num_v_heads: 3, head_k_dim: 48, head_v_dim: 80, conv_kernel: 4 };
+        let odd = GdnDims { num_k_heads: 1, num_v_heads: 1, head_k_dim: 7, head_v_dim: 5, conv_kernel: 4 };
+        for (d, t) in [(real, 4096), (real, 1), (tiny, 1000), (odd, 65)] {
+            for bf16 in [false, true] {
+                let l = scratch_layout(&d, t, bf16);
+                let order: Vec<u64> = if bf16 { vec![l.w, l.qt, l.kt, l.p, l.u, l.e, l.bytes] } else { vec![l.w, l.u, l.p, l.e, l.bytes] };
+                assert!(order.windows(2).all(|x| x[0] < x[1]), "{d:?} T {t} bf16 {bf16}: {l:?}");
+                if d.head_k_dim % 16 == 0 {
+                    assert!(order.iter().all(|a| a % 16 == 0), "{d:?} T {t} bf16 {bf16}: {l:?}");
+                }
+                assert!(l.bytes <= 4 * scratch_len(&d, t) as u64);
+            }
+        }
+        assert_eq!(scratch_layout(&real, 4096, false).bytes, 168_820_736);
+        assert_eq!(scratch_layout(&real, 4096, true).bytes, 185_597_952);
     }
 
     // Two tensor-core preps a block per SM.
