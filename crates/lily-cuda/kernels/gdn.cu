@@ -39,11 +39,8 @@
 #include "async_copy.cuh"
 #include "pdl.cuh"
 #include "reduce.cuh"
+#include "gdn_step.cuh"
 
-// The gates' activations, as lily_cpu::gdn computes them: softplus(x) (x = a + dt_bias; past 20, x
-// itself), so g = −exp(A_log)·softplus(x), and beta = sigmoid(b).
-__device__ __forceinline__ float gdn_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-__device__ __forceinline__ float gdn_beta(float b) { return 1.0f / (1.0f + expf(-b)); }
 
 struct GdnConvQkParams {
     const float* x;        // [T, C] pre-conv projections, rows x_stride apart
@@ -422,44 +419,6 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_gated_norm(const GdnGated
     for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     const float inv = 1.0f / sqrtf(ss / (float)p.dv + p.eps);
     for (int i = lane; i < p.dv; i += 32) y[i] = p.w[i] * (x[i] * inv) * silu_f(z[i]);
-}
-
-// Rows rg, rg + RG, ... of state column `col` of one value head (St [Dk, Dv]) into a lane's s (zeros
-// past Dk or for an inactive lane): the rule's layout in gdn_step.
-template <int RG, int NR>
-__device__ __forceinline__ void gdn_step_state(float (&s)[NR], const float* St, int rg, int col, bool active, int dk, int dv) {
-#pragma unroll
-    for (int i = 0; i < NR; ++i) {
-        const int d = rg + RG * i;
-        s[i] = (active && d < dk) ? St[(long long)d * dv + col] : 0.0f;
-    }
-}
-
-// One token of the rule on a lane's state column rows (gdn_step's layout; q and k normalised, in
-// shared memory): kv = Sᵀk, δ = β(v − decay·kv), S ← decay·S + k⊗δ, returns o = Sᵀq (the column's,
-// summed over the 4 row groups of the lane's 8-lane column set).
-template <int RG, int NR>
-__device__ __forceinline__ float gdn_step_rule(float (&s)[NR], const float* sq, const float* sk, float v, float decay, float bt, int rg, int dk) {
-    float kv = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NR; ++i) {
-        const int d = rg + RG * i;
-        kv += (d < dk ? sk[d] : 0.0f) * s[i];
-    }
-    kv += __shfl_xor_sync(0xffffffffu, kv, 8);
-    kv += __shfl_xor_sync(0xffffffffu, kv, 16);
-    const float delta = bt * (v - decay * kv);
-    float o = 0.0f;
-#pragma unroll
-    for (int i = 0; i < NR; ++i) {
-        const int d = rg + RG * i;
-        const float kd_ = d < dk ? sk[d] : 0.0f, qd = d < dk ? sq[d] : 0.0f;
-        s[i] = decay * s[i] + kd_ * delta;
-        o += qd * s[i];
-    }
-    o += __shfl_xor_sync(0xffffffffu, o, 8);
-    o += __shfl_xor_sync(0xffffffffu, o, 16);
-    return o;
 }
 
 template <int NR>
