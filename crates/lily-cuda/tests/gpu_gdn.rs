@@ -14,6 +14,10 @@ use lily_cpu::gdn as cpu;
 use lily_cuda::ops::gdn::{self, GdnDims};
 use common::{device, Rng, poisoned, time_op};
 use lily_cuda::Device;
+use lily_cuda::weights::upload_matrix;
+use lily_model::affine::{dequantize_row_bf16, quantize_bf16, AffineParams};
+use lily_model::buf::{Buf, FloatBuf};
+use lily_model::weights::{Matrix, Storage};
 
 
 
@@ -354,6 +358,114 @@ fn gdn_decode_step_matches_cpu() {
         let r = gdn::decode_step(&dev, &d, &up(&inp.x), &up(&inp.conv_w), &mut cs, &up(&inp.a), &up(&inp.b), &up(&inp.a_log), &up(&inp.dt_bias), &mut st, &up(&inp.z), &up(&inp.norm_w), EPS, &mut y, gdn::StepLoads::WhenNeeded);
         assert!(r.is_err(), "{d:?}");
     }
+}
+
+/// A random fused in_proj ([q | k | v | z | b | a] rows of `hidden` columns) quantised to 4 bits in
+/// groups of 64 as MLX does, and its rows dequantised (what the GPU multiplies by).
+fn in_proj(rng: &mut Rng, rows: usize, hidden: usize) -> (Matrix, Vec<f32>) {
+    let amp = 1.0 / (hidden as f64).sqrt();
+    let mut w = Vec::with_capacity(rows * hidden);
+    for _ in 0..rows {
+        let spread = rng.range(0.5, 2.0) as f64;
+        w.extend(rng.normals(hidden, 2.0 * amp * spread).into_iter().map(half::bf16::from_f32));
+    }
+    let p = AffineParams::new(4, 64);
+    let q = quantize_bf16(&w, hidden, p);
+    let (words, groups) = (hidden / 8, hidden / 64);
+    let mut deq = vec![0.0f32; rows * hidden];
+    for r in 0..rows {
+        let (pk, sc, bi) = (&q.packed[r * words..(r + 1) * words], &q.scales[r * groups..(r + 1) * groups], &q.biases[r * groups..(r + 1) * groups]);
+        dequantize_row_bf16(pk, sc, bi, p, &mut deq[r * hidden..(r + 1) * hidden]);
+    }
+    let m = Matrix {
+        count: 1,
+        rows,
+        cols: hidden,
+        storage: Storage::Affine { params: p, packed: Buf::owned(q.packed), scales: FloatBuf::Bf16(Buf::owned(q.scales)), biases: FloatBuf::Bf16(Buf::owned(q.biases)) },
+    };
+    (m, deq)
+}
+
+/// RMSNorm(x)·w, then W x, in f64 (as lily_cpu's norm and GEMV define them), rounded to f32.
+fn ref_in_proj(deq: &[f32], rows: usize, x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let h = x.len();
+    let ss: f64 = x.iter().map(|v| (*v as f64).powi(2)).sum();
+    let inv = 1.0 / (ss / h as f64 + eps as f64).sqrt();
+    let xn: Vec<f64> = x.iter().zip(w).map(|(a, b)| ((*a as f64 * inv * *b as f64) as f32) as f64).collect();
+    (0..rows).map(|r| deq[r * h..(r + 1) * h].iter().zip(&xn).map(|(a, b)| *a as f64 * b).sum::<f64>() as f32).collect()
+}
+
+/// Within this of the CPU (relative to the largest value): the projection's integer-form product is
+/// good to ~1e-6 of its largest output (gemv_tc.cuh), which the q/k norms and the rule carry; an
+/// indexing or exchange bug costs O(1).
+const IN_STEP_TOL: f64 = 1e-4;
+
+/// The input projection and step in one launch (`gdn_in_step::decode_in_step`) against the CPU: the
+/// residual stream x normed and projected by a random 4-bit in_proj (f64), split into q | k | v, z, b,
+/// a, then `cpu_layer`; y, the conv state and the recurrent state after each of 3 consecutive tokens
+/// (the states carried over from the CPU). The full-size heads (clusters of 8: 16 q rows and 32
+/// columns a block, 7 tiles), Hv/Hk = 1, 2 and 4, blocks of fewer than 16 q rows (part-filled tiles),
+/// K = 3 and 4; shapes it does not take are refused.
+#[test]
+fn gdn_in_step_matches_cpu() {
+    use lily_cuda::ops::gdn_in_step;
+    let Some(dev) = device() else { return };
+    let cases = [(REAL, 1024), (dims(2, 4, 32, 32, 4), 512), (dims(2, 2, 64, 128, 4), 1024), (dims(4, 16, 128, 64, 3), 512), (dims(4, 8, 64, 64, 4), 2048)];
+    for (i, (d, hidden)) in cases.iter().enumerate() {
+        let (d, hidden) = (*d, *hidden);
+        let (c, vd, hv) = (d.conv_dim(), d.value_dim(), d.num_v_heads);
+        let rows = c + vd + 2 * hv;
+        let mut rng = Rng::new(700 + i as u64);
+        let (m, deq) = in_proj(&mut rng, rows, hidden);
+        let w = upload_matrix(&dev, &m).unwrap();
+        assert!(gdn_in_step::fits(&dev, &d, &w), "{d:?} H={hidden}");
+        let in_norm: Vec<f32> = (0..hidden).map(|_| rng.range(0.5, 1.5)).collect();
+        let mut inp = inputs(&mut rng, &d, 1);
+        let (conv_w, a_log, dt_bias) = (dev.upload(&inp.conv_w).unwrap(), dev.upload(&inp.a_log).unwrap(), dev.upload(&inp.dt_bias).unwrap());
+        let (nw, inw) = (dev.upload(&inp.norm_w).unwrap(), dev.upload(&in_norm).unwrap());
+        let mut worst = 0.0f64;
+        for step in 0..3 {
+            let x: Vec<f32> = rng.normals(hidden, 3.0);
+            let proj = ref_in_proj(&deq, rows, &x, &in_norm, EPS);
+            inp.x = proj[..c].to_vec();
+            inp.z = proj[c..c + vd].to_vec();
+            inp.b = proj[c + vd..c + vd + hv].to_vec();
+            inp.a = proj[c + vd + hv..].to_vec();
+            let want = cpu_layer(&inp, &d, 1);
+            let (mut cs, mut st) = (dev.upload(&inp.conv_state).unwrap(), dev.upload(&inp.state).unwrap());
+            let mut y = poisoned(&dev, vd);
+            let dx = dev.upload(&x).unwrap();
+            gdn_in_step::decode_in_step(&dev, &d, &w, &dx, &inw, EPS, &conv_w, &mut cs, &a_log, &dt_bias, &mut st, &nw, EPS, &mut y).unwrap();
+            let what = format!("{d:?} H={hidden} step {step}");
+            let chk = |got: &[f32], want: &[f32], part: &str| {
+                let e = rel_err(got, want, &format!("{what}: {part}"));
+                assert!(e <= IN_STEP_TOL, "{what}: {part}: relative max error {e:.3e} > {IN_STEP_TOL:.0e}");
+                e
+            };
+            worst = worst.max(chk(&dev.download(&y).unwrap(), &want.y, "y"));
+            worst = worst.max(chk(&dev.download(&cs).unwrap(), &want.conv_state, "conv state"));
+            worst = worst.max(chk(&dev.download(&st).unwrap(), &want.state, "state"));
+            inp.conv_state = want.conv_state;
+            inp.state = want.state;
+        }
+        println!("{d:?} H={hidden}: in_proj + step, 3 tokens: worst {worst:.1e}");
+    }
+    // Refused, not run: hidden not a multiple of 512; Dk past 128; an in_proj of the wrong rows.
+    let d = dims(2, 4, 32, 32, 4);
+    let rows = d.conv_dim() + d.value_dim() + 2 * d.num_v_heads;
+    let mut rng = Rng::new(799);
+    let w384 = upload_matrix(&dev, &in_proj(&mut rng, rows, 384).0).unwrap();
+    assert!(!gdn_in_step::fits(&dev, &d, &w384), "hidden 384");
+    let short = upload_matrix(&dev, &in_proj(&mut rng, rows - 2, 512).0).unwrap();
+    assert!(!gdn_in_step::fits(&dev, &d, &short), "rows - 2");
+    let d256 = dims(1, 2, 256, 32, 4);
+    let w256 = upload_matrix(&dev, &in_proj(&mut rng, d256.conv_dim() + d256.value_dim() + 4, 512).0).unwrap();
+    assert!(!gdn_in_step::fits(&dev, &d256, &w256), "Dk 256");
+    let inp = inputs(&mut rng, &d, 1);
+    let up = |v: &Vec<f32>| dev.upload(v).unwrap();
+    let (mut cs, mut st, mut y) = (up(&inp.conv_state), up(&inp.state), poisoned(&dev, d.value_dim()));
+    let r = gdn_in_step::decode_in_step(&dev, &d, &w384, &up(&rng.normals(384, 1.0)), &up(&vec![1.0; 384]), EPS, &up(&inp.conv_w), &mut cs, &up(&inp.a_log), &up(&inp.dt_bias), &mut st, &up(&inp.norm_w), EPS, &mut y);
+    assert!(r.is_err(), "hidden 384 ran");
 }
 
 #[test]

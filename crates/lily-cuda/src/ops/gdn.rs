@@ -107,7 +107,7 @@ unsafe impl DeviceRepr for GdnStepParams {}
 /// Blocks per value head of [`decode_step`]: the most (1, 2, 4, 8) that keeps a cluster of Hv/Hk heads
 /// within 8 blocks and each block a whole number of 8-column warps (`LILY_GDN_SLICES` caps it, read
 /// once; 1 is one block per head, for A/B benchmarks).
-fn step_slices(dims: &GdnDims) -> usize {
+pub(crate) fn step_slices(dims: &GdnDims) -> usize {
     static CAP: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     let cap = *CAP.get_or_init(|| std::env::var("LILY_GDN_SLICES").ok().and_then(|v| v.parse().ok()).unwrap_or(8));
     let ratio = dims.num_v_heads / dims.num_k_heads;

@@ -17,6 +17,7 @@ pub mod attn_prep;
 pub mod embed;
 pub mod gdn;
 pub mod gdn_chunked;
+pub mod gdn_in_step;
 pub mod gemv_chain;
 pub mod gemm;
 pub mod gemm_wgmma;
@@ -37,6 +38,7 @@ pub(crate) const REGISTRY: &[(&str, &[&str])] = &[
     ("embed", embed::KERNELS),
     ("gdn", gdn::KERNELS),
     ("gdn_chunked", gdn_chunked::KERNELS),
+    ("gdn_in_step", gdn_in_step::KERNELS),
     ("gemv_chain", gemv_chain::KERNELS),
     ("gemm", gemm::KERNELS),
     ("gemm_wgmma", gemm_wgmma::KERNELS),
@@ -56,9 +58,34 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     gemm_wgmma::configure(dev)?;
     attention::configure(dev)?;
     gdn_chunked::configure(dev)?;
+    gdn_in_step::configure(dev)?;
     moe_decode::configure(dev)?;
     gemv_chain::configure(dev)?;
-    attn_prefill::configure(dev)
+    attn_prefill::configure(dev)?;
+    if carveout_max() {
+        prefer_max_smem(dev)?;
+    }
+    Ok(())
+}
+
+/// `LILY_CARVEOUT=max` (read once; A/B runs): every kernel prefers the largest shared-memory carve-out.
+/// An SM runs a block of a kernel beside blocks of the one before it (PDL) only if both fit the SM's
+/// current split of shared memory and L1, which the driver sets per kernel from its needs; a kernel
+/// asking for a small split can keep the next one's large block (`gdn_in_step`'s ~170 KB) off the SM
+/// until its blocks drain (the seventh session's staged-weights GEMV found that cost).
+fn carveout_max() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_CARVEOUT").is_ok_and(|v| v == "max"))
+}
+
+fn prefer_max_smem(dev: &Device) -> Result<()> {
+    use cudarc::driver::sys::CUfunction_attribute as A;
+    for (_, names) in REGISTRY {
+        for name in names.iter() {
+            dev.function(name)?.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)?;
+        }
+    }
+    Ok(())
 }
 
 /// Lets each kernel in `names` use the device's opt-in shared memory (the limit covers static and
