@@ -38,7 +38,7 @@ use lily_model::weights::{DenseMlpWeights, Mixer, Mlp};
 use lily_model::{Backend, BackendError, DevicePick, GdnDims, LayerKind, Logits, MaskFill, ModelConfig, ModelWeights};
 
 use crate::ops::affine_gemv::{self, Select};
-use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, gemm, gemm_wgmma, moe_decode, moe_dispatch, moe_route, rmsnorm, sample, Scalar};
+use crate::ops::{attention, attn_prefill, attn_prep, embed, gdn, gdn_chunked, gdn_in_step, gemm, gemm_wgmma, moe_decode, moe_dispatch, moe_route, rmsnorm, sample, Scalar};
 use crate::weights::{DeviceMatrix, Uploader};
 use crate::{CudaError, Device, Result};
 
@@ -654,7 +654,7 @@ impl CudaModel {
             };
             normed_next = false;
             match (&l.mixer, ls) {
-                (DevMixer::Gdn(g), DevLayerState::Gdn { conv, ssm }) => gdn_mixer(dev, cfg, g, a, t, in_norm, conv, ssm)?,
+                (DevMixer::Gdn(g), DevLayerState::Gdn { conv, ssm }) => gdn_mixer(dev, cfg, g, a, t, in_norm, &l.input_norm, conv, ssm)?,
                 (DevMixer::Attn(at), DevLayerState::Attn { k, v, cap }) => {
                     let at_pos = if device_pos { AtPos::Device { cap: *cap } } else { AtPos::Host(pos0) };
                     attn_mixer(dev, cfg, at, a, t, in_norm, at_pos, k, v, *cap)?
@@ -838,7 +838,7 @@ fn swiglu_linear<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, g: &Devi
 
 /// Gated DeltaNet on a.normed [T, H] → a.mix [T, H]; advances the conv and recurrent states.
 /// Decode (`dec` = the input norm, one token): on RMSNorm(a.x) instead, normalised inside the input
-/// projection, and the output projection adds into a.x.
+/// projection (`in_norm_w`: the norm's weight), and the output projection adds into a.x.
 #[allow(clippy::too_many_arguments)]
 fn gdn_mixer(
     dev: &Device,
@@ -847,10 +847,25 @@ fn gdn_mixer(
     a: &mut Activations,
     t: usize,
     dec: Option<affine_gemv::Fuse>,
+    in_norm_w: &CudaSlice<f32>,
     conv: &mut CudaSlice<f32>,
     ssm: &mut CudaSlice<f32>,
 ) -> Result<()> {
     let d = GdnDims::from_config(cfg);
+    // One token, opted in (`LILY_GDN_STEP=in`) and where the layer fits it: the input projection and
+    // the step in one launch (`ops::gdn_in_step`), then the output projection adding into x.
+    if let (Some(_), 1, Some(fw), true) = (dec, t, g.in_fused.as_ref(), gdn_step_form() == GdnStepForm::InStep) {
+        if gdn_in_step::fits(dev, &d, fw) {
+            let (c, vd, hv) = (d.conv_dim() as u64, d.value_dim() as u64, d.num_v_heads as u64);
+            let (dk, dv, kk, h) = (d.head_k_dim as u64, d.head_v_dim as u64, d.conv_kernel as u64, cfg.hidden_size as u64);
+            let state_bytes = 8 * hv * dk * dv; // read and written
+            let flops = 2 * fw.rows as u64 * h + 6 * hv * dk * dv;
+            dev.mark("gdn.in_step", fw.bytes_per_matrix() as u64 + state_bytes + 4 * (h + 2 * (kk - 1) * c + kk * c + vd), flops)?;
+            gdn_in_step::decode_in_step(dev, &d, fw, &a.x, in_norm_w, cfg.rms_norm_eps, &g.conv_w, conv, &g.a_log, &g.dt_bias, ssm, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
+            mark_linear(dev, "gdn.out_proj", &g.out, t)?;
+            return affine_gemv::gemv_fused(dev, &g.out, Select::matrix(0), &a.normed_rule, false, &mut a.x, affine_gemv::Fuse::none().accumulate()); // x += [H]
+        }
+    }
     let (c, vd, hv) = (d.conv_dim(), d.value_dim(), d.num_v_heads);
     // The projections qkv [T, C] (= q | k | v), z [T, Hv·Dv], b and a [T, Hv], all in a.in_proj: one
     // product over the layer's fused weights (a GEMM, or one token's GEMV) writes them as column
@@ -891,7 +906,7 @@ fn gdn_mixer(
     let kk = d.conv_kernel as u64;
     let (dk64, dv64) = (d.head_k_dim as u64, d.head_v_dim as u64);
     let state_bytes = 8 * hv64 * dk64 * dv64; // read and written
-    if dec.is_some() && t == 1 && gdn_step_on() && gdn::step_fits(&d) {
+    if dec.is_some() && t == 1 && gdn_step_form() != GdnStepForm::Off && gdn::step_fits(&d) {
         // One token: conv, gates, rule and gated norm in one launch.
         dev.mark("gdn.step", state_bytes + 4 * (3 * c64 + 2 * (kk - 1) * c64 + kk * c64 + 3 * vd64 + 2 * hv64), 6 * hv64 * dk64 * dv64)?;
         gdn::decode_step(dev, &d, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, ssm, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, gdn_step_loads())?;
@@ -1313,9 +1328,24 @@ fn reuse_x() -> gemm::Opts {
 
 /// Whether one decode token runs a GDN layer's conv, rule and gated norm as one kernel
 /// (`gdn::decode_step`); `LILY_GDN_STEP=0` keeps the three kernels (read once; for A/B benchmarks).
-fn gdn_step_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_GDN_STEP").map(|v| v != "0").unwrap_or(true))
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GdnStepForm {
+    /// The conv, gates, rule and gated norm as separate kernels (`LILY_GDN_STEP=0`).
+    Off,
+    /// The step in one kernel after the input projection's GEMV (the default).
+    Step,
+    /// The input projection and the step in one kernel (`LILY_GDN_STEP=in`, opt-in: `ops::gdn_in_step`).
+    InStep,
+}
+
+/// How a decode token runs a GDN layer's projection and step (`LILY_GDN_STEP`, read once).
+fn gdn_step_form() -> GdnStepForm {
+    static FORM: std::sync::OnceLock<GdnStepForm> = std::sync::OnceLock::new();
+    *FORM.get_or_init(|| match std::env::var("LILY_GDN_STEP").as_deref() {
+        Ok("0") => GdnStepForm::Off,
+        Ok("in") => GdnStepForm::InStep,
+        _ => GdnStepForm::Step,
+    })
 }
 
 /// How the one-kernel step issues its loads and stores (`gdn::StepLoads`): batched, or with
