@@ -158,7 +158,9 @@ __device__ __forceinline__ void is_st_peer(uint32_t a, float v) { asm volatile("
 // columns ST [Dk, cols] | conv weights CW [n, K] | conv state rows CH [K-1, n] | P [2·qr + 2·cols + 2] |
 // Y [n] | QK [2·Dk] (the key head's q then k after the conv, pushed by every block) | SS [2·CS] (their
 // partial sums of squares by rank) | SP [S] (the value head's norm partials by slice).
-template <int NR>
+// AHEAD: the copies issued before the PDL wait (the point of the kernel); false: after it, as a
+// kernel without PDL would (the A/B that says whether the copies overlap the previous kernel).
+template <int NR, bool AHEAD>
 __device__ __forceinline__ void gdn_in_step(const GdnInStepParams& p) {
     extern __shared__ __align__(16) unsigned char is_smem[];
     constexpr int RG = 4;
@@ -188,6 +190,10 @@ __device__ __forceinline__ void gdn_in_step(const GdnInStepParams& p) {
     // Every block of the cluster is running before any writes into another's shared memory: arrive
     // now, wait before the first push.
     cluster_arrive_relaxed();
+    if (!AHEAD) {
+        pdl_wait();
+        pdl_launch_dependents();
+    }
 
     // Before the PDL wait: what no predecessor writes. The tiles (16 bytes a copy), the state columns,
     // the conv weights and the conv state rows of the block's channels.
@@ -222,8 +228,10 @@ __device__ __forceinline__ void gdn_in_step(const GdnInStepParams& p) {
     const bool active = lc < b.cols, owner = active && rg == 0;
     const float nw = owner ? p.norm_w[b.c0 + lc] : 0.0f;
 
-    pdl_wait();
-    pdl_launch_dependents();
+    if (AHEAD) {
+        pdl_wait();
+        pdl_launch_dependents();
+    }
     // x · w_in into byte planes (gemv_tc.cuh's integer form); 1/rms(x). Ends synchronised.
     const float inv = i8_stage<IS_WARPS>(p.in_norm, p.in_eps, p.x, xs, Xs, sig, H);
     cp_async_wait_group<0>();
@@ -339,8 +347,9 @@ __device__ __forceinline__ void gdn_in_step(const GdnInStepParams& p) {
 // room beside a block of the kernel before it (the MoE down projection's 108 registers × 256 threads)
 // so that the copies before the PDL wait can start while that kernel runs (158 registers unbounded;
 // none spilled at 127).
-#define GDN_IN_STEP_ENTRY(NR) \
-    extern "C" __global__ void __launch_bounds__(IS_WARPS * 32, 2) gdn_in_step_r##NR(const GdnInStepParams p) { gdn_in_step<NR>(p); }
+#define GDN_IN_STEP_ENTRY(NR)                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(IS_WARPS * 32, 2) gdn_in_step_r##NR(const GdnInStepParams p) { gdn_in_step<NR, true>(p); } \
+    extern "C" __global__ void __launch_bounds__(IS_WARPS * 32, 2) gdn_in_step_after_r##NR(const GdnInStepParams p) { gdn_in_step<NR, false>(p); }
 GDN_IN_STEP_ENTRY(8)
 GDN_IN_STEP_ENTRY(16)
 GDN_IN_STEP_ENTRY(32)

@@ -854,14 +854,19 @@ fn gdn_mixer(
     let d = GdnDims::from_config(cfg);
     // One token, opted in (`LILY_GDN_STEP=in`) and where the layer fits it: the input projection and
     // the step in one launch (`ops::gdn_in_step`), then the output projection adding into x.
-    if let (Some(_), 1, Some(fw), true) = (dec, t, g.in_fused.as_ref(), gdn_step_form() == GdnStepForm::InStep) {
+    let in_step = match gdn_step_form() {
+        GdnStepForm::InStep => Some(gdn_in_step::Copies::Ahead),
+        GdnStepForm::InStepAfter => Some(gdn_in_step::Copies::After),
+        _ => None,
+    };
+    if let (Some(_), 1, Some(fw), Some(copies)) = (dec, t, g.in_fused.as_ref(), in_step) {
         if gdn_in_step::fits(dev, &d, fw) {
             let (c, vd, hv) = (d.conv_dim() as u64, d.value_dim() as u64, d.num_v_heads as u64);
             let (dk, dv, kk, h) = (d.head_k_dim as u64, d.head_v_dim as u64, d.conv_kernel as u64, cfg.hidden_size as u64);
             let state_bytes = 8 * hv * dk * dv; // read and written
             let flops = 2 * fw.rows as u64 * h + 6 * hv * dk * dv;
             dev.mark("gdn.in_step", fw.bytes_per_matrix() as u64 + state_bytes + 4 * (h + 2 * (kk - 1) * c + kk * c + vd), flops)?;
-            gdn_in_step::decode_in_step(dev, &d, fw, &a.x, in_norm_w, cfg.rms_norm_eps, &g.conv_w, conv, &g.a_log, &g.dt_bias, ssm, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
+            gdn_in_step::decode_in_step(dev, &d, fw, &a.x, in_norm_w, cfg.rms_norm_eps, &g.conv_w, conv, &g.a_log, &g.dt_bias, ssm, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, copies)?;
             mark_linear(dev, "gdn.out_proj", &g.out, t)?;
             return affine_gemv::gemv_fused(dev, &g.out, Select::matrix(0), &a.normed_rule, false, &mut a.x, affine_gemv::Fuse::none().accumulate()); // x += [H]
         }
@@ -1336,6 +1341,8 @@ enum GdnStepForm {
     Step,
     /// The input projection and the step in one kernel (`LILY_GDN_STEP=in`, opt-in: `ops::gdn_in_step`).
     InStep,
+    /// The same with its copies after the PDL wait (`LILY_GDN_STEP=in_after`, A/B).
+    InStepAfter,
 }
 
 /// How a decode token runs a GDN layer's projection and step (`LILY_GDN_STEP`, read once).
@@ -1344,6 +1351,7 @@ fn gdn_step_form() -> GdnStepForm {
     *FORM.get_or_init(|| match std::env::var("LILY_GDN_STEP").as_deref() {
         Ok("0") => GdnStepForm::Off,
         Ok("in") => GdnStepForm::InStep,
+        Ok("in_after") => GdnStepForm::InStepAfter,
         _ => GdnStepForm::Step,
     })
 }

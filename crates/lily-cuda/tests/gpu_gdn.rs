@@ -432,19 +432,26 @@ fn gdn_in_step_matches_cpu() {
             inp.b = proj[c + vd..c + vd + hv].to_vec();
             inp.a = proj[c + vd + hv..].to_vec();
             let want = cpu_layer(&inp, &d, 1);
-            let (mut cs, mut st) = (dev.upload(&inp.conv_state).unwrap(), dev.upload(&inp.state).unwrap());
-            let mut y = poisoned(&dev, vd);
             let dx = dev.upload(&x).unwrap();
-            gdn_in_step::decode_in_step(&dev, &d, &w, &dx, &inw, EPS, &conv_w, &mut cs, &a_log, &dt_bias, &mut st, &nw, EPS, &mut y).unwrap();
-            let what = format!("{d:?} H={hidden} step {step}");
-            let chk = |got: &[f32], want: &[f32], part: &str| {
-                let e = rel_err(got, want, &format!("{what}: {part}"));
-                assert!(e <= IN_STEP_TOL, "{what}: {part}: relative max error {e:.3e} > {IN_STEP_TOL:.0e}");
-                e
-            };
-            worst = worst.max(chk(&dev.download(&y).unwrap(), &want.y, "y"));
-            worst = worst.max(chk(&dev.download(&cs).unwrap(), &want.conv_state, "conv state"));
-            worst = worst.max(chk(&dev.download(&st).unwrap(), &want.state, "state"));
+            // Both placements of the copies, each from the same states; the same bits.
+            let mut ys = Vec::new();
+            for copies in gdn_in_step::Copies::ALL {
+                let (mut cs, mut st) = (dev.upload(&inp.conv_state).unwrap(), dev.upload(&inp.state).unwrap());
+                let mut y = poisoned(&dev, vd);
+                gdn_in_step::decode_in_step(&dev, &d, &w, &dx, &inw, EPS, &conv_w, &mut cs, &a_log, &dt_bias, &mut st, &nw, EPS, &mut y, copies).unwrap();
+                let what = format!("{d:?} H={hidden} step {step} ({copies:?})");
+                let chk = |got: &[f32], want: &[f32], part: &str| {
+                    let e = rel_err(got, want, &format!("{what}: {part}"));
+                    assert!(e <= IN_STEP_TOL, "{what}: {part}: relative max error {e:.3e} > {IN_STEP_TOL:.0e}");
+                    e
+                };
+                let yv = dev.download(&y).unwrap();
+                worst = worst.max(chk(&yv, &want.y, "y"));
+                worst = worst.max(chk(&dev.download(&cs).unwrap(), &want.conv_state, "conv state"));
+                worst = worst.max(chk(&dev.download(&st).unwrap(), &want.state, "state"));
+                ys.push(yv);
+            }
+            assert!(ys[0].iter().zip(&ys[1]).all(|(a, b)| a.to_bits() == b.to_bits()), "{d:?} step {step}: the two placements differ");
             inp.conv_state = want.conv_state;
             inp.state = want.state;
         }
@@ -464,7 +471,7 @@ fn gdn_in_step_matches_cpu() {
     let inp = inputs(&mut rng, &d, 1);
     let up = |v: &Vec<f32>| dev.upload(v).unwrap();
     let (mut cs, mut st, mut y) = (up(&inp.conv_state), up(&inp.state), poisoned(&dev, d.value_dim()));
-    let r = gdn_in_step::decode_in_step(&dev, &d, &w384, &up(&rng.normals(384, 1.0)), &up(&vec![1.0; 384]), EPS, &up(&inp.conv_w), &mut cs, &up(&inp.a_log), &up(&inp.dt_bias), &mut st, &up(&inp.norm_w), EPS, &mut y);
+    let r = gdn_in_step::decode_in_step(&dev, &d, &w384, &up(&rng.normals(384, 1.0)), &up(&vec![1.0; 384]), EPS, &up(&inp.conv_w), &mut cs, &up(&inp.a_log), &up(&inp.dt_bias), &mut st, &up(&inp.norm_w), EPS, &mut y, gdn_in_step::Copies::Ahead);
     assert!(r.is_err(), "hidden 384 ran");
 }
 

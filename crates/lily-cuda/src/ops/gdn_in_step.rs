@@ -45,9 +45,26 @@ struct GdnInStepParams {
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for GdnInStepParams {}
 
-/// (rows per lane, kernel): the rule's rows of a state column a lane holds (4 lanes a column).
-const KERNELS_BY_NR: [(usize, &str); 3] = [(8, "gdn_in_step_r8"), (16, "gdn_in_step_r16"), (32, "gdn_in_step_r32")];
-pub(crate) const KERNELS: &[&str] = &[KERNELS_BY_NR[0].1, KERNELS_BY_NR[1].1, KERNELS_BY_NR[2].1];
+/// (rows per lane, kernel with the copies before the PDL wait, the same after it): the rule's rows of a
+/// state column a lane holds (4 lanes a column).
+const KERNELS_BY_NR: [(usize, &str, &str); 3] =
+    [(8, "gdn_in_step_r8", "gdn_in_step_after_r8"), (16, "gdn_in_step_r16", "gdn_in_step_after_r16"), (32, "gdn_in_step_r32", "gdn_in_step_after_r32")];
+pub(crate) const KERNELS: &[&str] =
+    &[KERNELS_BY_NR[0].1, KERNELS_BY_NR[1].1, KERNELS_BY_NR[2].1, KERNELS_BY_NR[0].2, KERNELS_BY_NR[1].2, KERNELS_BY_NR[2].2];
+
+/// When a block copies its tiles, state and conv inputs into shared memory.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Copies {
+    /// Before the PDL wait: they stream in while the previous kernel runs (the default).
+    #[default]
+    Ahead,
+    /// After it, as a kernel without PDL would (A/B: `LILY_GDN_STEP=in_after`).
+    After,
+}
+
+impl Copies {
+    pub const ALL: [Copies; 2] = [Copies::Ahead, Copies::After];
+}
 
 /// Threads per block (`IS_WARPS` warps).
 const THREADS: usize = 256;
@@ -125,7 +142,8 @@ pub fn fits(dev: &Device, dims: &GdnDims, w_in: &DeviceMatrix) -> bool {
 /// One decode token of a GDN layer from the residual stream x [H]: the fused in_proj `w_in` on
 /// RMSNorm(x)·`in_norm` (eps `in_eps`), then the step as [`super::gdn::decode_step`] (conv state
 /// [K-1, C] and state [Hv, Dk, Dv] updated in place; y [Hv·Dv] the gated norm with weight `norm_w`
-/// and eps `eps`). Needs [`fits`]; launched as clusters of a key head's blocks.
+/// and eps `eps`). Needs [`fits`]; launched as clusters of a key head's blocks; `copies` places the
+/// copies into shared memory before or after the PDL wait ([`Copies`]).
 #[allow(clippy::too_many_arguments)]
 pub fn decode_in_step<X, IN, W, CS, AL, DB, S, NW, Y>(
     dev: &Device,
@@ -142,6 +160,7 @@ pub fn decode_in_step<X, IN, W, CS, AL, DB, S, NW, Y>(
     norm_w: &NW,
     eps: f32,
     y: &mut Y,
+    copies: Copies,
 ) -> Result<()>
 where
     X: DevicePtr<f32>,
@@ -187,7 +206,8 @@ where
         eps,
         pad: 0,
     };
-    let &(_, name) = KERNELS_BY_NR.iter().find(|(nr, _)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ 128 checked");
+    let &(_, ahead, after) = KERNELS_BY_NR.iter().find(|(nr, ..)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ 128 checked");
+    let name = if copies == Copies::Ahead { ahead } else { after };
     let cfg = LaunchConfig {
         grid_dim: ((hv * s.slices) as u32, 1, 1),
         block_dim: (THREADS as u32, 1, 1),
