@@ -245,15 +245,7 @@ __device__ __forceinline__ void gdn_in_step(const GdnInStepParams& p) {
             const unsigned char* base = WT + i * tb;
             float acc0 = 0.0f, acc1 = 0.0f;
 #pragma unroll 4
-            for (int r = 0; r < nr; ++r) {
-                const TcLoad L = tc_load_staged(base, rs, ss, r, g, t);
-                uint4 xb[2];
-                float k0, k1;
-                const float X = i8_round_b(xb, xlane, Xs, sig, r, breal, t, k0, k1);
-                int c[4];
-                i8_mmas(c, L, xb);
-                i8_affine(acc0, acc1, c, L, k0, k1, X);
-            }
+            for (int r = 0; r < nr; ++r) i8_round_staged(acc0, acc1, base, rs, ss, r, g, t, xlane, Xs, sig, breal);
             tc_lane_sum(acc0, acc1);
             const IsTile T = is_tile(p, b, i);
             if (t == 0) {

@@ -157,15 +157,10 @@ __device__ __forceinline__ void gemv_chain(const ChainParams& p) {
             const unsigned char* base = wb + ti * tb;
             float acc0 = 0.0f, acc1 = 0.0f;
             for (int r = warp; r < nr; r += CH_WARPS) {
-                const TcLoad W = tc_load_staged(base, rs, ss, r, g, t);
                 if (I8) {
-                    uint4 xb[2];
-                    float k0, k1;
-                    const float X = i8_round_b(xb, xlane, Xs, sig, r, breal, t, k0, k1);
-                    int c[4];
-                    i8_mmas(c, W, xb);
-                    i8_affine(acc0, acc1, c, W, k0, k1, X);
+                    i8_round_staged(acc0, acc1, base, rs, ss, r, g, t, xlane, Xs, sig, breal);
                 } else {
+                    const TcLoad W = tc_load_staged(base, rs, ss, r, g, t);
                     uint4 xb[4];
                     const float X = tc_round_b(xb, xlane, Xs, r, breal, t);
                     float c[4];

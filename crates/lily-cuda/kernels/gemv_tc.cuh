@@ -383,3 +383,16 @@ __device__ __forceinline__ float i8_stage(const float* norm_w, float norm_eps, c
 __device__ __forceinline__ float i8_stage(const GemvParams& p, const float* x, unsigned char* xs, float* Xs, float* sig, int cols) {
     return i8_stage<TC_WARPS>(p.norm_w, p.norm_eps, x, xs, Xs, sig, cols);
 }
+
+// acc += round r of a 16-row tile staged in shared memory (tc_load_staged's layout) times the staged
+// x (byte planes at the lane's segment xlane, group sums Xs, scales sig): gemv_chain.cu, gdn_in_step.cu.
+__device__ __forceinline__ void i8_round_staged(float& acc0, float& acc1, const unsigned char* base, int rs, int ss, int r, int g, int t,
+                                                const uint4* xlane, const float* Xs, const float* sig, bool breal) {
+    const TcLoad W = tc_load_staged(base, rs, ss, r, g, t);
+    uint4 xb[2];
+    float k0, k1;
+    const float X = i8_round_b(xb, xlane, Xs, sig, r, breal, t, k0, k1);
+    int c[4];
+    i8_mmas(c, W, xb);
+    i8_affine(acc0, acc1, c, W, k0, k1, X);
+}
