@@ -250,7 +250,8 @@ fn whole_model_matches_the_cpu() {
 /// MoE gate/up and down, lm_head) and MoE shapes the fused decode kernel takes, synthesised here with
 /// random weights: its decode (the captured graph, PDL on) against the CPU, 48 tokens, at the
 /// fixtures' decode bar, with the separate MoE kernels and with the fused one; and with the graph off
-/// (kernel by kernel): identical.
+/// (kernel by kernel): identical. Its GDN layers have the real head dims (Hk 2, Hv 4, Dk = Dv = 128),
+/// so under `LILY_GDN_STEP=in` they run the fused input projection and step (`ops::gdn_in_step`).
 #[test]
 fn wide_model_decode_matches_the_cpu() {
     let Some(dev) = common::device() else { return };
