@@ -14,8 +14,9 @@
 # 256…128K), REPEATS (default 3), 64 decode tokens.
 # ab: `lily bench` under each of the environments in AB_ENVS (space-separated; each VAR=VALUE, several
 # joined by commas, `-` for none: e.g. AB_ENVS="- LILY_GDN_CHUNK=tc1 LILY_GDN_CHUNK=ffma"), ROUNDS
-# (default 2) rounds in turn, over AB_LENGTHS (default 4K,32K), 8 decode tokens, one repeat; then a
-# table of prefill / decode tok/s, one row per environment, a column per round and length.
+# (default 2) rounds in turn, over AB_LENGTHS (default 4K,32K), AB_DECODE_TOKENS decode tokens (default
+# 8: a prefill A/B; 64 for a decode one, whose 8-token figures move ±5% between rounds), one repeat;
+# then a table of prefill / decode tok/s, one row per environment, a column per round and length.
 # side: the side-by-side with MLX-LM on MODEL's bytes: ROUNDS (default 2) rounds, each MLX-LM's
 # mlx_baseline.py (path in MLX_BASELINE) then `lily bench`, over SIDE_LENGTHS (default 256,1024,4096),
 # 64 decode tokens, prefill in 2048-token steps for both; tools/side_table.py prints the table.
@@ -115,7 +116,7 @@ if [[ $suite == *,ab,* ]]; then
       e=${envs[$i]}
       assigns=(); [ "$e" = - ] || IFS=, read -ra assigns <<<"$e"
       env "${assigns[@]}" "$dir/lily" bench --backend cuda --model "$model" --lengths "${AB_LENGTHS:-4K,32K}" \
-        --decode-tokens 8 --repeats 1 >"$out/ab_${i}_$r.log" 2>&1 || status=1
+        --decode-tokens "${AB_DECODE_TOKENS:-8}" --repeats 1 >"$out/ab_${i}_$r.log" 2>&1 || status=1
     done
   done
   echo "| environment | $(for r in $(seq 1 "${ROUNDS:-2}"); do echo -n "round $r (length: prefill / decode tok/s) | "; done)"
