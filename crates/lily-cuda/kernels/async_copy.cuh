@@ -51,16 +51,23 @@ __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster
 __device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
+// The address in cluster block `rank`'s shared memory of the local shared-memory address `a`
+// (distributed shared memory), and a float stored there.
+__device__ __forceinline__ uint32_t cluster_addr(uint32_t a, int rank) {
+    uint32_t remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(a), "r"(rank));
+    return remote;
+}
+__device__ __forceinline__ void cluster_store(uint32_t remote, float v) { asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(v) : "memory"); }
+
 // The sum, in rank order, of the float at shared-memory place `v` of cluster blocks rank0 .. rank0 +
 // n - 1 (distributed shared memory, read after a cluster barrier that made them visible).
 __device__ __forceinline__ float cluster_sum(const float* v, int rank0, int n) {
     const uint32_t local = smem_addr(v);
     float sum = 0.0f;
     for (int t = 0; t < n; ++t) {
-        uint32_t remote;
         float x;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank0 + t));
-        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(remote) : "memory");
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(cluster_addr(local, rank0 + t)) : "memory");
         sum += x;
     }
     return sum;

@@ -98,6 +98,13 @@ __device__ __forceinline__ IsBlock is_block(const GdnInStepParams& p) {
     return b;
 }
 
+// The layer's conv channel (= in_proj row) of the block's channel i: its q rows, its k rows, then the
+// v rows of its state columns.
+__device__ __forceinline__ long long is_chan(const GdnInStepParams& p, const IsBlock& b, int i) {
+    const long long head = (long long)b.kh * p.dk + (long long)b.cr * b.qr;
+    return i < b.qr ? head + i : i < 2 * b.qr ? b.kd + head + (i - b.qr) : 2 * b.kd + (long long)b.j * p.dv + b.c0 + (i - 2 * b.qr);
+}
+
 // Tile i of the block: in_proj row of its place r (0..15), whether place r is one of the block's
 // rows, and where its output goes in P (q [qr] | k [qr] | v [cols] | z [cols] | b | a).
 struct IsTile {
@@ -112,21 +119,12 @@ __device__ __forceinline__ IsTile is_tile(const GdnInStepParams& p, const IsBloc
     IsTile t;
     t.ab = false;
     t.step8 = 8;
-    if (i < b.qt) {  // q rows of the key head: cr·qr ..
-        const int r = 16 * i;
-        t.row0 = (long long)b.kh * p.dk + (long long)b.cr * b.qr + r;
-        t.live = min(16, b.qr - r);
-        t.p0 = r;
-    } else if (i < 2 * b.qt) {  // k rows
-        const int r = 16 * (i - b.qt);
-        t.row0 = b.kd + (long long)b.kh * p.dk + (long long)b.cr * b.qr + r;
-        t.live = min(16, b.qr - r);
-        t.p0 = b.qr + r;
-    } else if (i < 2 * b.qt + b.vt) {  // v rows of the block's state columns
-        const int r = 16 * (i - 2 * b.qt);
-        t.row0 = 2 * b.kd + (long long)b.j * p.dv + b.c0 + r;
-        t.live = min(16, b.cols - r);
-        t.p0 = 2 * b.qr + r;
+    if (i < 2 * b.qt + b.vt) {  // the block's q, k or v rows: its conv channels p0 .. (P holds them in order)
+        const bool q = i < b.qt, k = !q && i < 2 * b.qt;
+        const int r = 16 * (q ? i : k ? i - b.qt : i - 2 * b.qt);  // row within the segment
+        t.p0 = (q ? 0 : k ? b.qr : 2 * b.qr) + r;
+        t.row0 = is_chan(p, b, t.p0);
+        t.live = min(16, (q || k ? b.qr : b.cols) - r);
     } else if (i < 2 * b.qt + 2 * b.vt) {  // z rows of the same columns
         const int r = 16 * (i - 2 * b.qt - b.vt);
         t.row0 = b.C + (long long)b.j * p.dv + b.c0 + r;
@@ -144,14 +142,6 @@ __device__ __forceinline__ IsTile is_tile(const GdnInStepParams& p, const IsBloc
 }
 __device__ __forceinline__ bool is_live(const IsTile& t, int place) { return t.ab ? (place == 0 || place == 8) : place < t.live; }
 __device__ __forceinline__ long long is_src_row(const IsTile& t, int place) { return place < 8 ? t.row0 + place : t.row0 + t.step8 + (place - 8); }
-
-// A 32-bit shared-memory address of cluster block `rank` for the local address `a`.
-__device__ __forceinline__ uint32_t is_peer(uint32_t a, int rank) {
-    uint32_t r;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-    return r;
-}
-__device__ __forceinline__ void is_st_peer(uint32_t a, float v) { asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory"); }
 
 // Shared memory (dynamic, in this order; the host's `smem_bytes` mirrors it): the tiles
 // [tiles · is_tile_bytes(H)] | x's byte planes [H/128 · I8_ROUND] | Xs, sig [H/64 each] | the state
@@ -181,11 +171,7 @@ __device__ __forceinline__ void gdn_in_step(const GdnInStepParams& p) {
     float* QK = Y + b.n;
     float* SS = QK + 2 * dk;
     float* SP = SS + 2 * b.cs;
-    auto chan = [&](int i) -> long long {  // conv channel of the block's channel i (q, k, then its v)
-        return i < b.qr ? (long long)b.kh * dk + (long long)b.cr * b.qr + i
-             : i < 2 * b.qr ? b.kd + (long long)b.kh * dk + (long long)b.cr * b.qr + (i - b.qr)
-                            : 2 * b.kd + (long long)b.j * dv + b.c0 + (i - 2 * b.qr);
-    };
+    auto chan = [&](int i) { return is_chan(p, b, i); };
 
     // Every block of the cluster is running before any writes into another's shared memory: arrive
     // now, wait before the first push.
@@ -279,11 +265,11 @@ __device__ __forceinline__ void gdn_in_step(const GdnInStepParams& p) {
         for (int e = tid; e < per * b.cs; e += bd) {
             const int peer = e / per, i = e - peer * per;
             const int dst = i < b.qr ? b.cr * b.qr + i : dk + b.cr * b.qr + (i - b.qr);
-            is_st_peer(is_peer(smem_addr(QK + dst), peer), Y[i]);
+            cluster_store(cluster_addr(smem_addr(QK + dst), peer), Y[i]);
         }
         if (tid < b.cs) {
-            is_st_peer(is_peer(smem_addr(SS + b.cr), tid), ssq);
-            is_st_peer(is_peer(smem_addr(SS + b.cs + b.cr), tid), ssk);
+            cluster_store(cluster_addr(smem_addr(SS + b.cr), tid), ssq);
+            cluster_store(cluster_addr(smem_addr(SS + b.cs + b.cr), tid), ssk);
         }
     }
     cluster_arrive();  // release: the pushes are visible to the cluster after its wait
@@ -317,7 +303,7 @@ __device__ __forceinline__ void gdn_in_step(const GdnInStepParams& p) {
     // Gated RMSNorm over the head's Dv outputs: the partial sums pushed to the head's S blocks.
     const float part = block_sum_reusable(owner ? o * o : 0.0f);
     const int rank0 = (b.j % (p.hv / p.hk)) * p.slices;
-    if (tid < p.slices) is_st_peer(is_peer(smem_addr(SP + b.slice), rank0 + tid), part);
+    if (tid < p.slices) cluster_store(cluster_addr(smem_addr(SP + b.slice), rank0 + tid), part);
     cluster_arrive();
     cluster_wait();
     float oss = 0.0f;

@@ -851,9 +851,31 @@ fn gdn_mixer(
     conv: &mut CudaSlice<f32>,
     ssm: &mut CudaSlice<f32>,
 ) -> Result<()> {
+    gdn_gated_rule(dev, cfg, g, a, t, dec, in_norm_w, conv, ssm)?; // a.normed_rule [T, Hv·Dv]
+    mark_linear(dev, "gdn.out_proj", &g.out, t)?;
+    if dec.is_some() {
+        return affine_gemv::gemv_fused(dev, &g.out, Select::matrix(0), &a.normed_rule, false, &mut a.x, affine_gemv::Fuse::none().accumulate()); // x += [H]
+    }
+    linear(dev, &g.out, &a.normed_rule, t, &mut a.mix) // [T, H]
+}
+
+/// [`gdn_mixer`] up to its output projection: the input projection, conv, gates, rule and gated norm
+/// into a.normed_rule [T, Hv·Dv].
+#[allow(clippy::too_many_arguments)]
+fn gdn_gated_rule(
+    dev: &Device,
+    cfg: &ModelConfig,
+    g: &GdnLayer,
+    a: &mut Activations,
+    t: usize,
+    dec: Option<affine_gemv::Fuse>,
+    in_norm_w: &CudaSlice<f32>,
+    conv: &mut CudaSlice<f32>,
+    ssm: &mut CudaSlice<f32>,
+) -> Result<()> {
     let d = GdnDims::from_config(cfg);
     // One token, opted in (`LILY_GDN_STEP=in`) and where the layer fits it: the input projection and
-    // the step in one launch (`ops::gdn_in_step`), then the output projection adding into x.
+    // the step in one launch (`ops::gdn_in_step`).
     let in_step = match gdn_step_form() {
         GdnStepForm::InStep => Some(gdn_in_step::Copies::Ahead),
         GdnStepForm::InStepAfter => Some(gdn_in_step::Copies::After),
@@ -866,9 +888,7 @@ fn gdn_mixer(
             let state_bytes = 8 * hv * dk * dv; // read and written
             let flops = 2 * fw.rows as u64 * h + 6 * hv * dk * dv;
             dev.mark("gdn.in_step", fw.bytes_per_matrix() as u64 + state_bytes + 4 * (h + 2 * (kk - 1) * c + kk * c + vd), flops)?;
-            gdn_in_step::decode_in_step(dev, &d, fw, &a.x, in_norm_w, cfg.rms_norm_eps, &g.conv_w, conv, &g.a_log, &g.dt_bias, ssm, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, copies)?;
-            mark_linear(dev, "gdn.out_proj", &g.out, t)?;
-            return affine_gemv::gemv_fused(dev, &g.out, Select::matrix(0), &a.normed_rule, false, &mut a.x, affine_gemv::Fuse::none().accumulate()); // x += [H]
+            return gdn_in_step::decode_in_step(dev, &d, fw, &a.x, in_norm_w, cfg.rms_norm_eps, &g.conv_w, conv, &g.a_log, &g.dt_bias, ssm, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, copies);
         }
     }
     let (c, vd, hv) = (d.conv_dim(), d.value_dim(), d.num_v_heads);
@@ -914,9 +934,7 @@ fn gdn_mixer(
     if dec.is_some() && t == 1 && gdn_step_form() != GdnStepForm::Off && gdn::step_fits(&d) {
         // One token: conv, gates, rule and gated norm in one launch.
         dev.mark("gdn.step", state_bytes + 4 * (3 * c64 + 2 * (kk - 1) * c64 + kk * c64 + 3 * vd64 + 2 * hv64), 6 * hv64 * dk64 * dv64)?;
-        gdn::decode_step(dev, &d, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, ssm, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, gdn_step_loads())?;
-        mark_linear(dev, "gdn.out_proj", &g.out, t)?;
-        return affine_gemv::gemv_fused(dev, &g.out, Select::matrix(0), &a.normed_rule, false, &mut a.x, affine_gemv::Fuse::none().accumulate()); // x += [H]
+        return gdn::decode_step(dev, &d, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, ssm, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, gdn_step_loads());
     }
     // causal conv + SiLU, q/k L2 norm, gates g and beta
     dev.mark("gdn.conv", 4 * (2 * tt * c64 + 2 * (kk - 1) * c64 + kk * c64 + 4 * tt * hv64), 0)?;
@@ -930,12 +948,7 @@ fn gdn_mixer(
         gdn::delta_rule_recurrent(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule)?; // [T, Hv, Dv]
     }
     dev.mark("gdn.norm", 12 * tt * vd64, 0)?;
-    gdn::gated_rmsnorm_with(dev, &d, t, &a.rule, &z, zs, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
-    mark_linear(dev, "gdn.out_proj", &g.out, t)?;
-    if dec.is_some() {
-        return affine_gemv::gemv_fused(dev, &g.out, Select::matrix(0), &a.normed_rule, false, &mut a.x, affine_gemv::Fuse::none().accumulate()); // x += [H]
-    }
-    linear(dev, &g.out, &a.normed_rule, t, &mut a.mix) // [T, H]
+    gdn::gated_rmsnorm_with(dev, &d, t, &a.rule, &z, zs, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)
 }
 
 /// Gated attention on a.normed [T, H] at its positions → a.mix [T, H]; appends to the caches.
@@ -1331,8 +1344,7 @@ fn reuse_x() -> gemm::Opts {
     gemm::Opts { reuse_x: true, ..prefill_opts() }
 }
 
-/// Whether one decode token runs a GDN layer's conv, rule and gated norm as one kernel
-/// (`gdn::decode_step`); `LILY_GDN_STEP=0` keeps the three kernels (read once; for A/B benchmarks).
+/// How one decode token runs a GDN layer's input projection, conv, rule and gated norm.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum GdnStepForm {
     /// The conv, gates, rule and gated norm as separate kernels (`LILY_GDN_STEP=0`).

@@ -10,6 +10,7 @@
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
 use super::affine_gemv::parts;
+use super::affine_gemv_tc;
 use super::gdn::{step_fits, step_slices, GdnDims};
 use super::{addr, addr_mut};
 use crate::weights::{DeviceMatrix, DeviceStorage};
@@ -124,7 +125,7 @@ fn smem_bytes(dims: &GdnDims, hidden: usize) -> usize {
 /// columns, a multiple of 512; the shared memory within the device's opt-in limit.
 pub fn fits(dev: &Device, dims: &GdnDims, w_in: &DeviceMatrix) -> bool {
     let s = Split::of(dims);
-    let affine = matches!(&w_in.storage, DeviceStorage::Affine { params, .. } if params.bits == 4 && params.group_size == 64);
+    let affine = matches!(&w_in.storage, DeviceStorage::Affine { params, .. } if affine_gemv_tc::fits(params.bits, params.group_size, w_in.cols));
     let rows = dims.conv_dim() + dims.value_dim() + 2 * dims.num_v_heads;
     step_fits(dims)
         && affine
