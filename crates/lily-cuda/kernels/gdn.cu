@@ -14,10 +14,11 @@
 //     grid (ceil(T/16), 2·Hk + Hv), one block per (tile of 16 tokens, head), one thread per channel
 //     (the K taps in registers, the tile's K-1+16 inputs in a sliding window, the q/k norms of the 16
 //     tokens reduced together); it reads the old conv state and leaves it. gdn_conv_finish then writes
-//     the new conv state (the last K-1 rows of x: T ≥ K-1) and the gates, grid-stride.
+//     the new conv state (the last K-1 rows of x: T ≥ K-1) and the gates, grid-stride (with g null,
+//     the state alone: after gdn_chunked.cu's prep that convolves its own inputs).
 //   gdn_conv_qk_warp_k{4,8}: gdn_conv_qk_tiled's work with one warp per (head, 16 tokens), 4 channels
 //     a lane, for heads of ≤ 128 channels in multiples of 4 (the prompt path's stream of x; then
-//     gdn_conv_finish as above). x, a and b may be column ranges of one wider row (x_stride, ab_stride).
+//     gdn_conv_finish as above); its per-lane pieces are gdn_conv.cuh's. x, a and b may be column ranges of one wider row (x_stride, ab_stride).
 //   gdn_recurrent_r{NR}: the delta rule. Per value head j and token: S *= exp(g); kv = Sᵀk;
 //     δ = β(v − kv); S += k⊗δ; o = Sᵀq. Block = (slice of Dv columns, value head); each warp owns 8
 //     consecutive columns (32-byte sectors of a state row) and spreads Dk over 4 row groups, lane =
@@ -40,6 +41,7 @@
 #include "pdl.cuh"
 #include "reduce.cuh"
 #include "gdn_step.cuh"
+#include "gdn_conv.cuh"
 
 
 struct GdnConvQkParams {
@@ -110,8 +112,6 @@ struct GdnGatedNormParams {
     int hv;
     long long z_stride;  // floats between tokens of z (Hv·Dv when z is its own buffer)
 };
-
-__device__ __forceinline__ float silu_f(float x) { return x / (1.0f + expf(-x)); }
 
 // The channels of conv head `h` (q heads 0..Hk-1, k heads Hk..2Hk-1, then the Hv v heads): its first
 // channel, its width, whether it is L2-normed (q and k) and the q heads' extra 1/√Dk.
@@ -273,44 +273,14 @@ __device__ __forceinline__ void conv_qk_warp(const GdnConvQkParams& p) {
     // xin rows t0 .. t0 + nt + K - 2 (xin = concat(conv_state, x)), 4 channels each.
     float4 xw[CW_TT + KM - 1];
 #pragma unroll
-    for (int i = 0; i < CW_TT + KM - 1; ++i) {
-        const int r = t0 + i;
-        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (live && i < nt + K - 1)
-            v = r < hist ? __ldcg(reinterpret_cast<const float4*>(p.conv_state + (long long)r * C + ch))
-                         : __ldcg(reinterpret_cast<const float4*>(p.x + (long long)(r - hist) * p.x_stride + ch));
-        xw[i] = v;
-    }
-    // The taps of the lane's 4 channels (conv_w is [C, K]: each channel's taps contiguous).
+    for (int i = 0; i < CW_TT + KM - 1; ++i)
+        xw[i] = (live && i < nt + K - 1) ? conv_input4(p.conv_state, p.x, p.x_stride, C, t0 + i, hist, ch) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     float w[4][KM];
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-#pragma unroll
-        for (int j = 0; j < KM; ++j) w[c][j] = (live && j < K) ? p.conv_w[(ch + c) * K + j] : 0.0f;
+    conv_taps4<KM>(w, p.conv_w, ch, K, live);
 
 #pragma unroll
     for (int i = 0; i < CW_TT; ++i) {
-        float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-        for (int j = 0; j < KM; ++j) {
-            if (j < K) {
-                acc.x += w[0][j] * xw[i + j].x;
-                acc.y += w[1][j] * xw[i + j].y;
-                acc.z += w[2][j] * xw[i + j].z;
-                acc.w += w[3][j] * xw[i + j].w;
-            }
-        }
-        float4 y = live ? make_float4(silu_f(acc.x), silu_f(acc.y), silu_f(acc.z), silu_f(acc.w)) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (norm) {  // warp-uniform
-            float ss = y.x * y.x + y.y * y.y + y.z * y.z + y.w * y.w;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-            const float s = (1.0f / sqrtf(ss + 1e-6f)) * qscale;
-            y.x *= s;
-            y.y *= s;
-            y.z *= s;
-            y.w *= s;
-        }
+        const float4 y = conv_row4<KM>(w, &xw[i], K, live, norm, qscale);
         if (live && i < nt) *reinterpret_cast<float4*>(p.out + (long long)(t0 + i) * C + ch) = y;
     }
 }
@@ -322,7 +292,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn_conv_finish(const GdnConvQ
     const int kd = p.hk * p.dk;
     const long long C = 2LL * kd + (long long)p.hv * p.dv;
     const int hist = p.k - 1;
-    const long long n_state = (long long)hist * C, n_gate = (long long)p.t_len * p.hv;
+    const long long n_state = (long long)hist * C, n_gate = p.g ? (long long)p.t_len * p.hv : 0;  // no g: the state alone
     const long long n = n_state > n_gate ? n_state : n_gate;
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         if (i < n_state) {  // new state row r = xin[T + r] = x[T - hist + r] (T ≥ hist)

@@ -32,6 +32,8 @@
 // gdn_chunk_state_bf*, whose scratch holds W, Q̃, K̃ and P in bf16) are described where they are defined.
 #include <stdint.h>
 #include "pdl.cuh"
+#include "gdn_step.cuh"
+#include "gdn_conv.cuh"
 
 #define GDC_CH 64    // tokens per chunk
 #define GDC_MAXD 128 // largest Dk and Dv
@@ -46,12 +48,24 @@ struct GdnChunkPrepParams {
     float* e;           // [NC·Hv, 2, 64]: e^{Γ_i}, then e^{Γ_{n-1}−Γ_i} (zeros for i ≥ n)
     uint32_t* qt;       // bf16 outputs only: e^Γ ⊙ Q [NC·Hv, 64, Dk] (bf16 pairs)
     uint32_t* kt;       // bf16 outputs only: e^{Γ_{n-1}−Γ} ⊙ K [NC·Hv, 64, Dk]
+    // The prep that convolves its own inputs (gdn_chunk_prep_tc1_bf_conv) reads these instead of qkv,
+    // g and beta (null for the others): the projections before the conv, the taps, the conv state
+    // (read only: gdn_conv_finish advances it after the prep) and the gate inputs.
+    const float* x;           // [T, C] before the conv, rows x_stride apart
+    const float* conv_w;      // [C, K]
+    const float* conv_state;  // [K-1, C]
+    const float* a;           // [T, Hv], rows ab_stride apart
+    const float* b;           // [T, Hv], rows ab_stride apart
+    const float* a_log;       // [Hv]
+    const float* dt_bias;     // [Hv]
     int t_len;
     int hk;
     int hv;
     int dk;
     int dv;
-    int pad_;
+    int k;                    // conv taps (≤ GDC_CONV_KM; the fused prep only)
+    long long x_stride;
+    long long ab_stride;
 };
 
 struct GdnChunkStateParams {
@@ -519,7 +533,46 @@ __device__ __forceinline__ void forward_rows(const float* sA, float* sX, int col
     }
 }
 
-template <int NT, bool BF>
+// The fused prep's conv (CONV): warp w convolves chunk rows 8w .. 8w + 7 of one conv head's channels,
+// lane l channels 4l .. 4l + 3 (the staging's columns), from a window of xin rows held in registers:
+// gdn_conv.cuh's pieces, so the staged rows are gdn_conv_qk_warp's outputs bit for bit.
+#define GDC_CONV_KM 4                          // most taps the fused prep takes
+#define GDC_CONV_WIN (8 + GDC_CONV_KM - 1)     // xin rows a warp's 8 tokens read
+
+// The warp's window: xin rows t0 + 8w .. t0 + 8w + 7 + K - 1 at channel ch (zeros past the rows < n).
+__device__ __forceinline__ void conv_window(const GdnChunkPrepParams& p, float4 (&xw)[GDC_CONV_WIN], long long ch, bool live, int t0, int n, int warp) {
+    const long long C = 2LL * p.hk * p.dk + (long long)p.hv * p.dv;
+    const int rows = min(max(n - 8 * warp, 0), 8);  // the warp's rows inside the chunk
+#pragma unroll
+    for (int i = 0; i < GDC_CONV_WIN; ++i)
+        xw[i] = (live && i < rows + p.k - 1) ? conv_input4(p.conv_state, p.x, p.x_stride, C, t0 + 8 * warp + i, p.k - 1, ch)
+                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+}
+
+// The warp's 8 rows into dst [64][GDC_RS] at column 4·lane (zeros for rows ≥ n, as the copies' zero fill).
+__device__ __forceinline__ void conv_rows(const float4 (&xw)[GDC_CONV_WIN], const float (&w)[4][GDC_CONV_KM], float* dst, int K, bool live, bool norm,
+                                          float qscale, int n, int warp, int lane) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int r = 8 * warp + i;
+        const float4 y = conv_row4<GDC_CONV_KM>(w, &xw[i], K, live, norm, qscale);
+        if (live) *reinterpret_cast<float4*>(&dst[r * GDC_RS + 4 * lane]) = r < n ? y : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+}
+
+// The 8 rows of one conv head (first channel `base`, `width` channels) convolved into dst.
+__device__ __forceinline__ void conv_stage(const GdnChunkPrepParams& p, float* dst, long long base, int width, bool norm, float qscale, int t0, int n,
+                                           int warp, int lane) {
+    const bool live = 4 * lane < width;
+    const long long ch = base + (live ? 4 * lane : 0);
+    float4 xw[GDC_CONV_WIN];
+    float w[4][GDC_CONV_KM];
+    conv_window(p, xw, ch, live, t0, n, warp);
+    conv_taps4<GDC_CONV_KM>(w, p.conv_w, ch, p.k, live);
+    conv_rows(xw, w, dst, p.k, live, norm, qscale, n, warp, lane);
+}
+
+template <int NT, bool BF, bool CONV = false>
 __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     extern __shared__ __align__(16) float sm[];
     double* const gam = reinterpret_cast<double*>(sm);           // Γ_i (f64)
@@ -547,7 +600,10 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     // K and Q of the chunk (zero past n). The staging loops give thread tid the 16-byte piece tid % 32
     // of rows tid / 32 + 8i (a row of ≤ 128 floats is ≤ 32 pieces): no division by the row length.
     const int pc4 = 4 * (lane), pr8 = warp;
-    if (pc4 < dk) {
+    if (CONV) {  // convolved here: q (with 1/√Dk) and k of the key head, each row L2-normed
+        conv_stage(p, sQ, (long long)kh * dk, dk, true, 1.0f / sqrtf((float)dk), t0, n, warp, lane);
+        conv_stage(p, sK, kd + (long long)kh * dk, dk, true, 1.0f, t0, n, warp, lane);
+    } else if (pc4 < dk) {
         const int c = pc4;
 #pragma unroll 4
         for (int r = pr8; r < GDC_CH; r += 8) {
@@ -564,8 +620,11 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     //    warp 1 loads β meanwhile.
     if (warp == 0) {
         const int i0 = 2 * lane;
-        const double g0 = i0 < n ? (double)p.g[(long long)(t0 + i0) * p.hv + j] : 0.0;
-        const double g1 = i0 + 1 < n ? (double)p.g[(long long)(t0 + i0 + 1) * p.hv + j] : 0.0;
+        // CONV: g = −exp(A_log)·softplus(a + dt_bias), as gdn_conv_finish writes it.
+        const float neg_a = CONV ? -expf(p.a_log[j]) : 0.0f;
+        const auto gate = [&](int t) { return CONV ? neg_a * gdn_softplus(p.a[(long long)t * p.ab_stride + j] + p.dt_bias[j]) : p.g[(long long)t * p.hv + j]; };
+        const double g0 = i0 < n ? (double)gate(t0 + i0) : 0.0;
+        const double g1 = i0 + 1 < n ? (double)gate(t0 + i0 + 1) : 0.0;
         double incl = g0 + g1;
 #pragma unroll
         for (int o = 1; o < 32; o <<= 1) {
@@ -577,7 +636,8 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
         gam[i0] = excl + g0;
         gam[i0 + 1] = incl;
     } else if (warp == 1) {
-        for (int i = lane; i < GDC_CH; i += 32) bet[i] = i < n ? p.beta[(long long)(t0 + i) * p.hv + j] : 0.0f;
+        for (int i = lane; i < GDC_CH; i += 32)
+            bet[i] = i >= n ? 0.0f : CONV ? gdn_beta(p.b[(long long)(t0 + i) * p.ab_stride + j]) : p.beta[(long long)(t0 + i) * p.hv + j];
     }
     __syncthreads();
     if (tid < GDC_CH) {
@@ -687,8 +747,16 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     }
     __syncthreads();  // A complete; Q is no longer read
 
-    // V of the chunk into Q's buffer (zero past n), in flight during the solve.
-    if (pc4 < dv) {
+    // V of the chunk into Q's buffer (zero past n), in flight during the solve. CONV: the window of x
+    // in flight (registers), convolved after the solve.
+    const bool vlive = 4 * lane < dv;
+    const long long vch = 2 * kd + (long long)j * dv + (vlive ? 4 * lane : 0);
+    float4 xv[GDC_CONV_WIN];
+    float wv[4][GDC_CONV_KM];
+    if (CONV) {
+        conv_window(p, xv, vch, vlive, t0, n, warp);
+        conv_taps4<GDC_CONV_KM>(wv, p.conv_w, vch, p.k, vlive);
+    } else if (pc4 < dv) {
         const int c = pc4;
 #pragma unroll 4
         for (int r = pr8; r < GDC_CH; r += 8) {
@@ -730,6 +798,7 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
             }
         }
     }
+    if (CONV) conv_rows(xv, wv, sQ, p.k, vlive, false, 1.0f, n, warp, lane);
     cp_async_wait_group<0>();
     __syncthreads();  // V visible
 
@@ -791,6 +860,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1(const Gd
 // The 1xTF32 prep for the bf16 pass (gdn_chunk_state_bf*): the same products, its outputs W and P in
 // bf16, U and the decays in f32, and Q̃, K̃ (the decayed Q and K of the value head) in bf16.
 extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1_bf(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1, true>(p); }
+// The same with the causal conv, SiLU, q/k norms and gates computed from the projections as it stages
+// them (the CONV fields of GdnChunkPrepParams; K ≤ 4 taps, Dk and Dv ≤ 128): gdn_conv_qk_warp's and
+// gdn_conv_finish's maths in their order, so its outputs are the unfused pair's bit for bit; the conv
+// state is left to gdn_conv_finish (state only), launched after it.
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1_bf_conv(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1, true, true>(p); }
 
 // ---------------------------------------------------------------------------------------------------
 // gdn_chunk_state_tc: the sequential pass on the tensor cores. grid (⌈Dv/32⌉, Hv), 512 threads (16

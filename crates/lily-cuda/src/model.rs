@@ -936,16 +936,24 @@ fn gdn_gated_rule(
         dev.mark("gdn.step", state_bytes + 4 * (3 * c64 + 2 * (kk - 1) * c64 + kk * c64 + 3 * vd64 + 2 * hv64), 6 * hv64 * dk64 * dv64)?;
         return gdn::decode_step(dev, &d, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, ssm, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, gdn_step_loads());
     }
-    // causal conv + SiLU, q/k L2 norm, gates g and beta
-    dev.mark("gdn.conv", 4 * (2 * tt * c64 + 2 * (kk - 1) * c64 + kk * c64 + 4 * tt * hv64), 0)?;
     let ins = gdn::ConvInputs { x_stride: xs, ab_stride: abs, kernel: gdn::ConvKernel::Auto };
-    gdn::conv_qk_with(dev, &d, t, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta, ins)?;
-    // per token and value head: S·k, the rank-1 update and Sᵀq over [Dk, Dv] (recurrent form)
-    dev.mark("gdn.rule", state_bytes + 4 * tt * (c64 + vd64 + 2 * hv64), 6 * tt * hv64 * dk64 * dv64)?;
-    if t >= GDN_CHUNKED_MIN_TOKENS {
-        gdn_chunked::delta_rule_chunked(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule, &mut a.gdn_scratch)?; // [T, Hv, Dv]
+    let rule_bytes = state_bytes + 4 * tt * (c64 + vd64 + 2 * hv64);
+    let fused_pass = (t >= GDN_CHUNKED_MIN_TOKENS && gdn_chunked::conv_fits(&d, t, &ins)).then(|| gdn_chunked::fused_conv_pass(dev, &d)).flatten();
+    if let Some(pass) = fused_pass {
+        // The bf16 pair's prep convolves x itself (conv, SiLU, q/k norms, gates), then the chunked rule.
+        dev.mark("gdn.rule", rule_bytes, 6 * tt * hv64 * dk64 * dv64)?;
+        gdn_chunked::delta_rule_conv(dev, &d, t, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, ins, ssm, &mut a.rule, &mut a.gdn_scratch, pass)?; // [T, Hv, Dv]
     } else {
-        gdn::delta_rule_recurrent(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule)?; // [T, Hv, Dv]
+        // causal conv + SiLU, q/k L2 norm, gates g and beta
+        dev.mark("gdn.conv", 4 * (2 * tt * c64 + 2 * (kk - 1) * c64 + kk * c64 + 4 * tt * hv64), 0)?;
+        gdn::conv_qk_with(dev, &d, t, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta, ins)?;
+        // per token and value head: S·k, the rank-1 update and Sᵀq over [Dk, Dv] (recurrent form)
+        dev.mark("gdn.rule", rule_bytes, 6 * tt * hv64 * dk64 * dv64)?;
+        if t >= GDN_CHUNKED_MIN_TOKENS {
+            gdn_chunked::delta_rule_chunked(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule, &mut a.gdn_scratch)?; // [T, Hv, Dv]
+        } else {
+            gdn::delta_rule_recurrent(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule)?; // [T, Hv, Dv]
+        }
     }
     dev.mark("gdn.norm", 12 * tt * vd64, 0)?;
     gdn::gated_rmsnorm_with(dev, &d, t, &a.rule, &z, zs, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)

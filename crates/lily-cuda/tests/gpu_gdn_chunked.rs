@@ -344,6 +344,150 @@ fn gdn_chunked_rejects_bad_shapes() {
 }
 
 // ---------------------------------------------------------------------------------------------------
+// The bf16 pair's prep that convolves its own inputs (`delta_rule_conv`)
+
+/// The fused conv's case: x [T, C] and the gate inputs in rows of the model's fused projection layout
+/// [x | z | b | a] (padded to a multiple of 4 floats), random conv taps and a nonzero conv state.
+struct ConvCase {
+    rows: Vec<f32>,
+    w: usize,
+    conv_w: Vec<f32>,
+    conv_state: Vec<f32>,
+    a_log: Vec<f32>,
+    dt_bias: Vec<f32>,
+    state: Vec<f32>,
+}
+
+fn conv_case(rng: &mut Rng, d: &GdnDims, t: usize) -> ConvCase {
+    let (c, hv, vd) = (d.conv_dim(), d.num_v_heads, d.value_dim());
+    let w = (c + vd + 2 * hv).next_multiple_of(4);
+    let mut rows = vec![f32::NAN; t * w];
+    for r in rows.chunks_mut(w) {
+        r[..c + vd].copy_from_slice(&rng.normals(c + vd, 1.0));
+        r[c + vd..c + vd + hv].copy_from_slice(&rng.normals(hv, 2.0)); // b
+        r[c + vd + hv..c + vd + 2 * hv].copy_from_slice(&rng.normals(hv, 1.0)); // a
+    }
+    let (_, _, _, state) = inputs(rng, d, 1);
+    let a_log = (0..hv).map(|h| [8.0f64, 1.0, 0.1][h % 3].ln() as f32).collect();
+    let dt_bias = (0..hv).map(|h| inv_softplus([0.6, 0.05, 5e-3][h % 3])).collect();
+    ConvCase { rows, w, conv_w: rng.normals(c * d.conv_kernel, 0.5), conv_state: rng.normals(d.conv_state_len(), 1.0), a_log, dt_bias, state }
+}
+
+/// The CPU definition on the case: conv + SiLU, q/k norms, gates, the recurrent rule; (out, state,
+/// conv state).
+fn conv_case_cpu(d: &GdnDims, t: usize, k: &ConvCase) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (c, hv, vd) = (d.conv_dim(), d.num_v_heads, d.value_dim());
+    let x: Vec<f32> = k.rows.chunks(k.w).flat_map(|r| r[..c].to_vec()).collect();
+    let b: Vec<f32> = k.rows.chunks(k.w).flat_map(|r| r[c + vd..c + vd + hv].to_vec()).collect();
+    let a: Vec<f32> = k.rows.chunks(k.w).flat_map(|r| r[c + vd + hv..c + vd + 2 * hv].to_vec()).collect();
+    let (mut conv_state, mut qkv) = (k.conv_state.clone(), vec![f32::NAN; t * c]);
+    cpu::causal_conv1d_silu(&x, &k.conv_w, &mut conv_state, d, &mut qkv);
+    cpu::normalize_qk(&mut qkv, d);
+    let (mut g, mut beta) = (vec![f32::NAN; t * hv], vec![f32::NAN; t * hv]);
+    cpu::gates(&a, &b, &k.a_log, &k.dt_bias, &mut g, &mut beta);
+    let (mut state, mut out) = (k.state.clone(), vec![f32::NAN; t * vd]);
+    cpu::delta_rule_recurrent(&qkv, &g, &beta, &mut state, d, &mut out);
+    (out, state, conv_state)
+}
+
+/// The GPU on the case: the conv pass then the bf16 pair (`fused` false), or the prep that convolves
+/// its inputs (`fused` true), with `pass`; over `split` (token ranges, one call each, carrying both
+/// states). (out, state, conv state).
+fn conv_case_gpu(dev: &Device, d: &GdnDims, k: &ConvCase, split: &[(usize, usize)], pass: StateKernel, fused: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (c, hv, vd) = (d.conv_dim(), d.num_v_heads, d.value_dim());
+    let (conv_w, a_log, dt_bias) = (dev.upload(&k.conv_w).unwrap(), dev.upload(&k.a_log).unwrap(), dev.upload(&k.dt_bias).unwrap());
+    let (mut conv_state, mut state) = (dev.upload(&k.conv_state).unwrap(), dev.upload(&k.state).unwrap());
+    let mut out_all = Vec::new();
+    for &(lo, hi) in split {
+        let n = hi - lo;
+        let buf = dev.upload(&k.rows[lo * k.w..hi * k.w]).unwrap();
+        let (x, b, a) = (buf.slice(0..), buf.slice(c + vd..), buf.slice(c + vd + hv..));
+        let ins = gdn::ConvInputs { x_stride: k.w, ab_stride: k.w, kernel: gdn::ConvKernel::Auto };
+        let mut out = poisoned(dev, n * vd);
+        let mut scratch = poisoned(dev, scratch_len(d, n));
+        if fused {
+            chunked::delta_rule_conv(dev, d, n, &x, &conv_w, &mut conv_state, &a, &b, &a_log, &dt_bias, ins, &mut state, &mut out, &mut scratch, pass).unwrap();
+        } else {
+            let mut qkv = poisoned(dev, n * c);
+            let (mut g, mut beta) = (poisoned(dev, n * hv), poisoned(dev, n * hv));
+            gdn::conv_qk_with(dev, d, n, &x, &conv_w, &mut conv_state, &a, &b, &a_log, &dt_bias, &mut qkv, &mut g, &mut beta, ins).unwrap();
+            chunked::delta_rule_chunked_with(dev, d, n, &qkv, &g, &beta, &mut state, &mut out, &mut scratch, PrepKernel::Bf16, pass).unwrap();
+        }
+        out_all.extend(dev.download(&out).unwrap());
+    }
+    (out_all, dev.download(&state).unwrap(), dev.download(&conv_state).unwrap())
+}
+
+fn same_bits(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!("{what}: element {i} is {} where the separate conv gives {}", got[i], want[i]);
+    }
+}
+
+/// The fused prep's outputs, recurrent state and conv state are the separate conv + bf16 pair's bit
+/// for bit (the same operations in the same order: `kernels/gdn_conv.cuh`), for every bf16 pass, over
+/// partial chunks, calls carried on from a previous one, the 35B shape and small ones (Hv/Hk 1, 2, 4;
+/// Dk ≠ Dv; a padded row); and within the bf16 pair's tolerance of the CPU's conv, gates and recurrent
+/// rule.
+#[test]
+fn gdn_chunked_conv_prep_equals_conv_then_prep() {
+    let Some(dev) = device() else { return };
+    let cases: [(GdnDims, &[(usize, usize)]); 6] = [
+        (REAL, &[(0, 1000)]),
+        (REAL, &[(0, 64), (64, 129)]),
+        (dims(2, 4, 32, 32), &[(0, 200)]),
+        (dims(1, 1, 64, 64), &[(0, 65), (65, 68), (68, 300)]),
+        (dims(4, 8, 16, 32), &[(0, 100)]),
+        (dims(1, 4, 48, 80), &[(0, 3), (3, 131)]),
+    ];
+    let mut worst = 0.0f64;
+    for (i, (d, split)) in cases.iter().enumerate() {
+        let t = split.last().unwrap().1;
+        let case = conv_case(&mut Rng::new(900 + i as u64), d, t);
+        let (o_cpu, s_cpu, cs_cpu) = conv_case_cpu(d, t, &case);
+        for pass in [StateKernel::Bf16x32, StateKernel::Bf16x32S3, StateKernel::Bf16x32S3L] {
+            let what = format!("{d:?} split {split:?} {pass:?}");
+            let (o, s, cs) = conv_case_gpu(&dev, d, &case, split, pass, true);
+            // Calls of fewer than 16 tokens take the per-token conv kernel, whose norms sum in another
+            // order: those splits are held to the CPU only.
+            if split.iter().all(|(lo, hi)| hi - lo >= gdn::CONV_TILE) {
+                let (o0, s0, cs0) = conv_case_gpu(&dev, d, &case, split, pass, false);
+                same_bits(&o, &o0, &format!("{what}: out"));
+                same_bits(&s, &s0, &format!("{what}: state"));
+                same_bits(&cs, &cs0, &format!("{what}: conv state"));
+            }
+            same_bits(&cs, &cs_cpu, &format!("{what}: conv state vs the CPU"));
+            worst = worst.max(check(&o, &o_cpu, TOLB, &format!("{what}: out vs the CPU")));
+            worst = worst.max(check(&s, &s_cpu, TOLB, &format!("{what}: state vs the CPU")));
+        }
+    }
+    println!("fused conv prep vs the CPU: worst relative error {worst:.2e}");
+
+    // Refusals: fewer than K − 1 tokens, an f32 pass, x's stride not a multiple of 4, 5 taps.
+    let d = dims(2, 4, 32, 32);
+    let case = conv_case(&mut Rng::new(990), &d, 8);
+    let refuse = |d: &GdnDims, t: usize, x_stride: usize, pass: StateKernel, what: &str| {
+        let (c, hv) = (d.conv_dim(), d.num_v_heads);
+        let x = dev.upload(&case.rows).unwrap();
+        let w = dev.zeros::<f32>(c * d.conv_kernel).unwrap();
+        let mut cs = dev.zeros::<f32>(d.conv_state_len()).unwrap();
+        let ab = dev.zeros::<f32>(t * x_stride + hv).unwrap();
+        let hvs = dev.zeros::<f32>(hv).unwrap();
+        let (mut st, mut o, mut sc) = (dev.zeros::<f32>(d.state_len()).unwrap(), dev.zeros::<f32>(t * d.value_dim()).unwrap(), dev.zeros::<f32>(scratch_len(d, t)).unwrap());
+        let ins = gdn::ConvInputs { x_stride, ab_stride: x_stride, kernel: gdn::ConvKernel::Auto };
+        match chunked::delta_rule_conv(&dev, d, t, &x, &w, &mut cs, &ab, &ab, &hvs, &hvs, ins, &mut st, &mut o, &mut sc, pass) {
+            Err(lily_cuda::CudaError::Shape(m)) => println!("{what}: {m}"),
+            other => panic!("{what}: expected a Shape error, got {other:?}"),
+        }
+    };
+    refuse(&d, 2, case.w, StateKernel::Bf16x32S3, "2 tokens for 4 taps");
+    refuse(&d, 8, case.w, StateKernel::Tensor1Ldsmb, "an f32 pass");
+    refuse(&d, 4, d.conv_dim() + 2, StateKernel::Bf16x32S3, "x's stride not a multiple of 4");
+    refuse(&GdnDims { conv_kernel: 5, ..d }, 8, case.w, StateKernel::Bf16x32S3, "5 taps");
+}
+
+// ---------------------------------------------------------------------------------------------------
 // Timing (run with `--ignored bench_gdn_chunked --nocapture`)
 
 #[test]

@@ -383,6 +383,32 @@ where
     launch(dev, "gdn_conv_qk", cfg, &p)
 }
 
+/// The conv state's advance alone (`gdn_conv_finish` without the gates): conv_state [K-1, C] ← x's
+/// last K − 1 rows (x: T ≥ K − 1 rows `x_stride` floats apart, device addresses checked by the caller),
+/// after a kernel that read the old state (the prep of `gdn_chunked::delta_rule_conv`).
+pub(crate) fn conv_state_advance(dev: &Device, dims: &GdnDims, t_len: usize, x: u64, x_stride: usize, conv_state: u64) -> Result<()> {
+    let (c, k) = (dims.conv_dim(), dims.conv_kernel);
+    if t_len + 1 < k || x_stride < c {
+        return Err(CudaError::Shape(format!("gdn conv state: {t_len} tokens for {k} taps, x's stride {x_stride} for C = {c}")));
+    }
+    let p = GdnConvQkParams {
+        x,
+        conv_state,
+        t_len: t_len as i32,
+        hk: dims.num_k_heads as i32,
+        hv: dims.num_v_heads as i32,
+        dk: dims.head_k_dim as i32,
+        dv: dims.head_v_dim as i32,
+        k: k as i32,
+        x_stride: x_stride as i64,
+        ab_stride: dims.num_v_heads as i64,
+        ..Default::default()
+    };
+    let n = ((k - 1) * c).max(1);
+    let cfg = LaunchConfig { grid_dim: (n.div_ceil(256).min(dev.sm_count() as usize * 8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    launch(dev, "gdn_conv_finish", cfg, &p)
+}
+
 /// The gated delta rule on T tokens, in order, from `state` [Hv, Dk, Dv] (updated in place):
 /// per value head j and token t, S ← exp(g)·S; kv = Sᵀk; δ = β(v − kv); S ← S + k⊗δ; o = Sᵀq.
 /// qkv: [T, C] (after [`conv_qk`]); g, beta: [T, Hv]; out: [T, Hv, Dv] (must not alias qkv).

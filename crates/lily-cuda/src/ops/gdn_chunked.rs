@@ -22,6 +22,7 @@
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
+use super::gdn::ConvInputs;
 use super::{addr, addr_mut, launch};
 use crate::{CudaError, Device, Result};
 
@@ -46,12 +47,21 @@ struct GdnChunkPrepParams {
     e: u64,
     qt: u64,
     kt: u64,
+    x: u64,
+    conv_w: u64,
+    conv_state: u64,
+    a: u64,
+    b: u64,
+    a_log: u64,
+    dt_bias: u64,
     t_len: i32,
     hk: i32,
     hv: i32,
     dk: i32,
     dv: i32,
-    pad: i32,
+    k: i32,
+    x_stride: i64,
+    ab_stride: i64,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for GdnChunkPrepParams {}
@@ -84,6 +94,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "gdn_chunk_prep_tc",
     "gdn_chunk_prep_tc1",
     "gdn_chunk_prep_tc1_bf",
+    "gdn_chunk_prep_tc1_bf_conv",
     "gdn_chunk_state_t16",
     "gdn_chunk_state_t32",
     "gdn_chunk_state_tc",
@@ -121,7 +132,7 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
         let (name, _, _, smem) = kernel.launch_shape();
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
     }
-    for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_prep_tc1_bf"] {
+    for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_prep_tc1_bf", "gdn_chunk_prep_tc1_bf_conv"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, PREP_TC_SMEM as i32)?;
     }
     Ok(())
@@ -373,44 +384,182 @@ where
              with {kernel:?})"
         )));
     }
-    let (name, tile, threads, smem) = kernel.launch_shape();
     if t_len == 0 {
         return Ok(());
     }
-    let (hv, dk, dv) = (dims.num_v_heads, dims.head_k_dim, dims.head_v_dim);
-    let qkv = addr(dev, qkv, t_len * dims.conv_dim(), "gdn chunked qkv")?;
-    let g = addr(dev, g, t_len * hv, "gdn chunked g")?;
-    let beta = addr(dev, beta, t_len * hv, "gdn chunked beta")?;
+    let hv = dims.num_v_heads;
+    let inputs = Inputs::Convolved {
+        qkv: addr(dev, qkv, t_len * dims.conv_dim(), "gdn chunked qkv")?,
+        g: addr(dev, g, t_len * hv, "gdn chunked g")?,
+        beta: addr(dev, beta, t_len * hv, "gdn chunked beta")?,
+    };
     let state = addr_mut(dev, state, dims.state_len(), "gdn chunked state")?;
     let out = addr_mut(dev, out, t_len * dims.value_dim(), "gdn chunked out")?;
-    let base = addr_mut(dev, scratch, scratch_len(dims, t_len), "gdn chunked scratch")?;
+    let scratch = addr_mut(dev, scratch, scratch_len(dims, t_len), "gdn chunked scratch")?;
+    run(dev, dims, t_len, inputs, state, out, scratch, prep_kernel, kernel)
+}
+
+/// `LILY_GDN_CONV` (read once, for A/B runs): `separate` keeps the conv a pass of its own before the
+/// bf16 pair's prep (`gdn::conv_qk_with`, then [`delta_rule_chunked`]); otherwise the prep convolves
+/// its own inputs where [`conv_fits`] ([`delta_rule_conv`]).
+fn conv_env() -> &'static str {
+    static V: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    V.get_or_init(|| std::env::var("LILY_GDN_CONV").unwrap_or_default())
+}
+
+/// The bf16 pass [`delta_rule_conv`] runs for this shape, where the default kernels are the bf16 pair
+/// and `LILY_GDN_CONV` is not `separate`; None where the conv stays a pass of its own.
+pub fn fused_conv_pass(dev: &Device, dims: &GdnDims) -> Option<StateKernel> {
+    match default_kernels(dev, dims) {
+        (PrepKernel::Bf16, pass) if conv_env() != "separate" => Some(pass),
+        _ => None,
+    }
+}
+
+/// The most conv taps the fused prep takes (`GDC_CONV_KM` in `kernels/gdn_chunked.cu`).
+pub const MAX_FUSED_CONV_TAPS: usize = 4;
+
+/// Whether [`delta_rule_conv`] takes this shape: the tensor-core shapes (Dk a multiple of 16, Dv of 8,
+/// both ≤ [`MAX_D`]: a lane's 4 channels of a head of ≤ 128), 1..=[`MAX_FUSED_CONV_TAPS`] taps, x's rows
+/// a multiple of 4 floats apart (16-byte loads) and at least K − 1 tokens (the new conv state is x's
+/// last K − 1 rows).
+pub fn conv_fits(dims: &GdnDims, t_len: usize, ins: &ConvInputs) -> bool {
+    let k = dims.conv_kernel;
+    dims.is_valid()
+        && tensor_shape(dims)
+        && dims.head_k_dim <= MAX_D
+        && dims.head_v_dim <= MAX_D
+        && (1..=MAX_FUSED_CONV_TAPS).contains(&k)
+        && ins.x_stride >= dims.conv_dim()
+        && ins.x_stride.is_multiple_of(4)
+        && ins.ab_stride >= dims.num_v_heads
+        && t_len >= k - 1
+        && ins.x_stride.saturating_mul(t_len.max(1)) <= i32::MAX as usize
+}
+
+/// The conv and the gated delta rule of T prompt tokens in one prep and one pass: the projections x
+/// (before the conv: q | k | v, T rows `ins.x_stride` floats apart) and the gate inputs a, b (T rows
+/// `ins.ab_stride` apart) go straight to the bf16 pair's prep, which convolves, applies SiLU and the q/k
+/// norms and forms the gates as it stages each chunk (`gdn_chunk_prep_tc1_bf_conv`); `pass` (a bf16
+/// pass) follows, then `gdn_conv_finish` advances `conv_state`. The same outputs, recurrent state and
+/// conv state as [`super::gdn::conv_qk_with`] and [`delta_rule_chunked_with`] on ([`PrepKernel::Bf16`],
+/// `pass`), bit for bit, without the conv's [T, C] output written and read back (2 × 134 MB a layer
+/// at T = 4096 on the 35B shape). Refused (Shape) where [`conv_fits`] is false or `pass` is not bf16.
+#[allow(clippy::too_many_arguments)]
+pub fn delta_rule_conv<X, W, CS, A, B, AL, DB, S, O, SC>(
+    dev: &Device,
+    dims: &GdnDims,
+    t_len: usize,
+    x: &X,
+    conv_w: &W,
+    conv_state: &mut CS,
+    a: &A,
+    b: &B,
+    a_log: &AL,
+    dt_bias: &DB,
+    ins: ConvInputs,
+    state: &mut S,
+    out: &mut O,
+    scratch: &mut SC,
+    pass: StateKernel,
+) -> Result<()>
+where
+    X: DevicePtr<f32>,
+    W: DevicePtr<f32>,
+    CS: DevicePtrMut<f32>,
+    A: DevicePtr<f32>,
+    B: DevicePtr<f32>,
+    AL: DevicePtr<f32>,
+    DB: DevicePtr<f32>,
+    S: DevicePtrMut<f32>,
+    O: DevicePtrMut<f32>,
+    SC: DevicePtrMut<f32>,
+{
+    if !conv_fits(dims, t_len, &ins) || !pass.rounds_to_bf16() || dims.num_v_heads > u16::MAX as usize {
+        return Err(CudaError::Shape(format!(
+            "gdn chunked conv: unsupported {dims:?} with T = {t_len}, row strides {} and {}, pass {pass:?} (a bf16 pass, \
+             Dk a multiple of 16 and Dv of 8, both ≤ {MAX_D}, ≤ {MAX_FUSED_CONV_TAPS} taps, x's stride a multiple of 4, T ≥ K − 1)",
+            ins.x_stride, ins.ab_stride
+        )));
+    }
+    if t_len == 0 {
+        return Ok(());
+    }
+    let (c, hv, k) = (dims.conv_dim(), dims.num_v_heads, dims.conv_kernel);
+    let span = |stride: usize, width: usize| (t_len - 1) * stride + width;
+    let conv = ConvAddrs {
+        x: addr(dev, x, span(ins.x_stride, c), "gdn chunked conv x")?,
+        conv_w: addr(dev, conv_w, c * k, "gdn chunked conv_w")?,
+        conv_state: addr_mut(dev, conv_state, dims.conv_state_len(), "gdn chunked conv_state")?,
+        a: addr(dev, a, span(ins.ab_stride, hv), "gdn chunked a")?,
+        b: addr(dev, b, span(ins.ab_stride, hv), "gdn chunked b")?,
+        a_log: addr(dev, a_log, hv, "gdn chunked a_log")?,
+        dt_bias: addr(dev, dt_bias, hv, "gdn chunked dt_bias")?,
+        x_stride: ins.x_stride,
+        ab_stride: ins.ab_stride,
+    };
+    if !(conv.x.is_multiple_of(16) && conv.conv_state.is_multiple_of(16)) {
+        return Err(CudaError::Shape("gdn chunked conv: x and the conv state must start 16-byte aligned".into()));
+    }
+    let state = addr_mut(dev, state, dims.state_len(), "gdn chunked state")?;
+    let out = addr_mut(dev, out, t_len * dims.value_dim(), "gdn chunked out")?;
+    let scratch = addr_mut(dev, scratch, scratch_len(dims, t_len), "gdn chunked scratch")?;
+    run(dev, dims, t_len, Inputs::Projected(conv), state, out, scratch, PrepKernel::Bf16, pass)?;
+    // The prep read the old conv state (the first chunk's K − 1 rows before it); now x's last K − 1 rows.
+    super::gdn::conv_state_advance(dev, dims, t_len, conv.x, conv.x_stride, conv.conv_state)
+}
+
+/// What the prep reads, as device addresses.
+#[derive(Clone, Copy)]
+enum Inputs {
+    /// The conv's outputs: qkv [T, C], g and beta [T, Hv].
+    Convolved { qkv: u64, g: u64, beta: u64 },
+    /// The projections before the conv and the conv's and gates' parameters (the fused prep).
+    Projected(ConvAddrs),
+}
+
+#[derive(Clone, Copy)]
+struct ConvAddrs {
+    x: u64,
+    conv_w: u64,
+    conv_state: u64,
+    a: u64,
+    b: u64,
+    a_log: u64,
+    dt_bias: u64,
+    x_stride: usize,
+    ab_stride: usize,
+}
+
+/// The prep and the pass on checked shapes and buffers (t_len > 0).
+#[allow(clippy::too_many_arguments)]
+fn run(dev: &Device, dims: &GdnDims, t_len: usize, inputs: Inputs, state: u64, out: u64, base: u64, prep_kernel: PrepKernel, kernel: StateKernel) -> Result<()> {
+    let (name, tile, threads, smem) = kernel.launch_shape();
+    let (hv, dk, dv) = (dims.num_v_heads, dims.head_k_dim, dims.head_v_dim);
     let at = scratch_layout(dims, t_len, prep_kernel.writes_bf16());
     let (w, u, p, e) = (base + at.w, base + at.u, base + at.p, base + at.e);
     let (qt, kt) = if prep_kernel.writes_bf16() { (base + at.qt, base + at.kt) } else { (0, 0) };
     let (t_len_i, hk, hv_i, dk_i, dv_i) = (t_len as i32, dims.num_k_heads as i32, hv as i32, dk as i32, dv as i32);
 
-    let prep = GdnChunkPrepParams {
-        qkv,
-        g,
-        beta,
-        w,
-        u,
-        p,
-        e,
-        qt,
-        kt,
-        t_len: t_len_i,
-        hk,
-        hv: hv_i,
-        dk: dk_i,
-        dv: dv_i,
-        pad: 0,
-    };
-    let (prep_name, prep_smem) = match prep_kernel {
-        PrepKernel::Ffma => ("gdn_chunk_prep", 0),
-        PrepKernel::Tensor => ("gdn_chunk_prep_tc", PREP_TC_SMEM as u32),
-        PrepKernel::Tensor1 => ("gdn_chunk_prep_tc1", PREP_TC_SMEM as u32),
-        PrepKernel::Bf16 => ("gdn_chunk_prep_tc1_bf", PREP_TC_SMEM as u32),
+    let mut prep = GdnChunkPrepParams { w, u, p, e, qt, kt, t_len: t_len_i, hk, hv: hv_i, dk: dk_i, dv: dv_i, ..Default::default() };
+    let mut qkv = 0;
+    match inputs {
+        Inputs::Convolved { qkv: q, g, beta } => {
+            (prep.qkv, prep.g, prep.beta) = (q, g, beta);
+            qkv = q;
+        }
+        Inputs::Projected(c) => {
+            (prep.x, prep.conv_w, prep.conv_state, prep.a, prep.b, prep.a_log, prep.dt_bias) = (c.x, c.conv_w, c.conv_state, c.a, c.b, c.a_log, c.dt_bias);
+            (prep.k, prep.x_stride, prep.ab_stride) = (dims.conv_kernel as i32, c.x_stride as i64, c.ab_stride as i64);
+        }
+    }
+    let (prep_name, prep_smem) = match (prep_kernel, inputs) {
+        (PrepKernel::Bf16, Inputs::Projected(_)) => ("gdn_chunk_prep_tc1_bf_conv", PREP_TC_SMEM as u32),
+        (_, Inputs::Projected(_)) => return Err(CudaError::Shape(format!("gdn chunked: no {prep_kernel:?} prep convolves its inputs"))),
+        (PrepKernel::Ffma, _) => ("gdn_chunk_prep", 0),
+        (PrepKernel::Tensor, _) => ("gdn_chunk_prep_tc", PREP_TC_SMEM as u32),
+        (PrepKernel::Tensor1, _) => ("gdn_chunk_prep_tc1", PREP_TC_SMEM as u32),
+        (PrepKernel::Bf16, _) => ("gdn_chunk_prep_tc1_bf", PREP_TC_SMEM as u32),
     };
     let cfg = LaunchConfig {
         grid_dim: (t_len.div_ceil(CHUNK) as u32, hv as u32, 1),
@@ -419,23 +568,8 @@ where
     };
     launch(dev, prep_name, cfg, &prep)?;
 
-    let run = GdnChunkStateParams {
-        qkv,
-        w,
-        u,
-        p,
-        e,
-        state,
-        out,
-        qt,
-        kt,
-        t_len: t_len_i,
-        hk,
-        hv: hv_i,
-        dk: dk_i,
-        dv: dv_i,
-        pad: 0,
-    };
+    // The pass reads qkv only in the f32 forms (the bf16 ones read the prep's Q̃, K̃).
+    let run = GdnChunkStateParams { qkv, w, u, p, e, state, out, qt, kt, t_len: t_len_i, hk, hv: hv_i, dk: dk_i, dv: dv_i, pad: 0 };
     let cfg = LaunchConfig {
         grid_dim: (dv.div_ceil(tile) as u32, hv as u32, 1),
         block_dim: (threads, 1, 1),
