@@ -13,11 +13,13 @@
 //! `gdn_chunk_state_tc` on the tensor cores with 32; `_tc1` the same in 1xTF32, `_tc1_ldsmb` that with
 //! its shared loads by ldmatrix). The tensor-core kernels (mma.sync m16n8k8) need Dk a multiple of 16
 //! and Dv of 8, and are the default where the shape allows; the FFMA ones take any Dk, Dv ≤ [`MAX_D`].
-//! The default is the 1xTF32 prep with the ldmatrix pass; `LILY_GDN_CHUNK=tc1` takes the 1xTF32 pass
-//! without ldmatrix (the same bits), `=tf32x3` the 3xTF32 pair and `=ffma` the FFMA kernels, for A/B
-//! runs. The bf16 pair ([`PrepKernel::Bf16`] with a `StateKernel::Bf16*` pass, `=bf32`, `=bf32s3`,
-//! `=bf32s3l`) runs the pass on bf16 operands (m16n8k16, f32 sums and state) from a prep that writes W, P
-//! and the decayed Q and K in bf16 — fla-org's numerics; the three passes give the same bits.
+//! The default is the bf16 pair ([`PrepKernel::Bf16`] with [`StateKernel::Bf16x32S3`]): the pass on
+//! bf16 operands (m16n8k16, f32 sums and state) from a prep that writes W, P and the decayed Q and K in
+//! bf16 — fla-org's numerics; `LILY_GDN_CHUNK=bf32` and `=bf32s3l` take the other bf16 passes (the same
+//! bits). For A/B runs: `=ldsmb` the 1xTF32 prep with the ldmatrix pass, `=tc1` that pass without
+//! ldmatrix (the same bits), `=tf32x3` the 3xTF32 pair and `=ffma` the FFMA kernels.
+//! [`delta_rule_conv`] (opt-in, `LILY_GDN_CONV=fused`) runs the bf16 pair with a prep that convolves
+//! its own inputs (the conv, SiLU, q/k norms and gates of `gdn::conv_qk_with`, the same bits).
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -238,11 +240,12 @@ impl StateKernel {
 }
 
 /// `LILY_GDN_CHUNK` (read once, for A/B runs): `ffma` keeps the FFMA kernels, `tf32x3` takes the
-/// 3xTF32 tensor-core ones, `tc1` the 1xTF32 pass without ldmatrix ([`StateKernel::Tensor1`]);
-/// otherwise (the default) the 1xTF32 prep and the ldmatrix pass ([`StateKernel::Tensor1Ldsmb`]) where
-/// the shape allows (docs/PERF.md, 2026-12-03 sixth session: 1xTF32 20% faster a layer, 2.8e-4
-/// perplexity from MLX-LM float32 at full size where MLX-LM's own bf16 run is 1.6e-2; the fourteenth
-/// session: the ldmatrix pass 16% faster than the plain one, the same bits).
+/// 3xTF32 tensor-core ones, `tc1` the 1xTF32 pass without ldmatrix ([`StateKernel::Tensor1`]), `ldsmb`
+/// the 1xTF32 prep with the ldmatrix pass ([`StateKernel::Tensor1Ldsmb`], the default until the
+/// twenty-second session), `bf32` / `bf32s3l` the other bf16 passes; otherwise (the default) the bf16
+/// prep and the three-stage bf16 pass ([`StateKernel::Bf16x32S3`]) where the shape allows (docs/PERF.md,
+/// 2026-12-06 and 2026-12-07: prep + pass ~20% faster a layer than `ldsmb`, within MLX-LM's own bf16
+/// distance of the exact rule).
 fn chunk_env() -> &'static str {
     static V: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     V.get_or_init(|| std::env::var("LILY_GDN_CHUNK").unwrap_or_default())
@@ -257,7 +260,8 @@ pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel
             "bf32" => (PrepKernel::Bf16, StateKernel::Bf16x32),
             "bf32s3" => (PrepKernel::Bf16, StateKernel::Bf16x32S3),
             "bf32s3l" => (PrepKernel::Bf16, StateKernel::Bf16x32S3L),
-            _ => (PrepKernel::Tensor1, StateKernel::Tensor1Ldsmb),
+            "ldsmb" => (PrepKernel::Tensor1, StateKernel::Tensor1Ldsmb),
+            _ => (PrepKernel::Bf16, StateKernel::Bf16x32S3),
         };
     }
     // 32-column tiles read each chunk's W, Q, K and P from L2 half as often as 16-column ones; 16 only
@@ -399,19 +403,21 @@ where
     run(dev, dims, t_len, inputs, state, out, scratch, prep_kernel, kernel)
 }
 
-/// `LILY_GDN_CONV` (read once, for A/B runs): `separate` keeps the conv a pass of its own before the
-/// bf16 pair's prep (`gdn::conv_qk_with`, then [`delta_rule_chunked`]); otherwise the prep convolves
-/// its own inputs where [`conv_fits`] ([`delta_rule_conv`]).
+/// `LILY_GDN_CONV` (read once, opt-in): `fused` has the bf16 pair's prep convolve its own inputs where
+/// [`conv_fits`] ([`delta_rule_conv`]); otherwise the conv is a pass of its own before the prep
+/// (`gdn::conv_qk_with`, then [`delta_rule_chunked`]). The fused prep measured slower (docs/PERF.md,
+/// twenty-third session: its conv on the prep's critical path at two blocks an SM costs more than
+/// the separate pass's round trip).
 fn conv_env() -> &'static str {
     static V: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     V.get_or_init(|| std::env::var("LILY_GDN_CONV").unwrap_or_default())
 }
 
 /// The bf16 pass [`delta_rule_conv`] runs for this shape, where the default kernels are the bf16 pair
-/// and `LILY_GDN_CONV` is not `separate`; None where the conv stays a pass of its own.
+/// and `LILY_GDN_CONV=fused`; None where the conv stays a pass of its own.
 pub fn fused_conv_pass(dev: &Device, dims: &GdnDims) -> Option<StateKernel> {
     match default_kernels(dev, dims) {
-        (PrepKernel::Bf16, pass) if conv_env() != "separate" => Some(pass),
+        (PrepKernel::Bf16, pass) if conv_env() == "fused" => Some(pass),
         _ => None,
     }
 }
