@@ -6,6 +6,11 @@
 //! rows of its state columns, its head's b and a), with the tiles' weights copied into shared memory
 //! before the PDL wait; the blocks of a key head (one cluster) exchange their q and k through
 //! distributed shared memory. 4-bit group-64 in_proj only (the checkpoints' format).
+//!
+//! Opt-in (`LILY_GDN_STEP=in`) and measured slower than the two kernels it replaces: 34.8 µs a layer in
+//! the 4K decode graph against 18.1 on an H100 (docs/PERF.md, twenty-third session; ncu: one 8-warp
+//! block an SM, each warp a long dependent chain — one tile's whole K a warp — at ~7 cycles an
+//! instruction).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
