@@ -18,7 +18,8 @@
 //     the state alone: after gdn_chunked.cu's prep that convolves its own inputs).
 //   gdn_conv_qk_warp_k{4,8}: gdn_conv_qk_tiled's work with one warp per (head, 16 tokens), 4 channels
 //     a lane, for heads of ≤ 128 channels in multiples of 4 (the prompt path's stream of x; then
-//     gdn_conv_finish as above); its per-lane pieces are gdn_conv.cuh's. x, a and b may be column ranges of one wider row (x_stride, ab_stride).
+//     gdn_conv_finish as above); its per-lane pieces are gdn_conv.cuh's. x, a and b may be column
+//     ranges of one wider row (x_stride, ab_stride).
 //   gdn_recurrent_r{NR}: the delta rule. Per value head j and token: S *= exp(g); kv = Sᵀk;
 //     δ = β(v − kv); S += k⊗δ; o = Sᵀq. Block = (slice of Dv columns, value head); each warp owns 8
 //     consecutive columns (32-byte sectors of a state row) and spreads Dk over 4 row groups, lane =

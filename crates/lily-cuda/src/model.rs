@@ -938,7 +938,8 @@ fn gdn_gated_rule(
     }
     let ins = gdn::ConvInputs { x_stride: xs, ab_stride: abs, kernel: gdn::ConvKernel::Auto };
     let rule_bytes = state_bytes + 4 * tt * (c64 + vd64 + 2 * hv64);
-    let fused_pass = (t >= GDN_CHUNKED_MIN_TOKENS && gdn_chunked::conv_fits(&d, t, &ins)).then(|| gdn_chunked::fused_conv_pass(dev, &d)).flatten();
+    let chunked = t >= GDN_CHUNKED_MIN_TOKENS;
+    let fused_pass = if chunked && gdn_chunked::conv_fits(&d, t, &ins) { gdn_chunked::fused_conv_pass(dev, &d) } else { None };
     if let Some(pass) = fused_pass {
         // The bf16 pair's prep convolves x itself (conv, SiLU, q/k norms, gates), then the chunked rule.
         dev.mark("gdn.rule", rule_bytes, 6 * tt * hv64 * dk64 * dv64)?;
@@ -949,7 +950,7 @@ fn gdn_gated_rule(
         gdn::conv_qk_with(dev, &d, t, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, &mut a.qkv, &mut a.g, &mut a.beta, ins)?;
         // per token and value head: S·k, the rank-1 update and Sᵀq over [Dk, Dv] (recurrent form)
         dev.mark("gdn.rule", rule_bytes, 6 * tt * hv64 * dk64 * dv64)?;
-        if t >= GDN_CHUNKED_MIN_TOKENS {
+        if chunked {
             gdn_chunked::delta_rule_chunked(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule, &mut a.gdn_scratch)?; // [T, Hv, Dv]
         } else {
             gdn::delta_rule_recurrent(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule)?; // [T, Hv, Dv]

@@ -335,27 +335,12 @@ where
     if t_len == 0 {
         return Ok(());
     }
-    // Elements a strided operand of T rows spans.
-    let span = |stride: usize, width: usize| (t_len - 1) * stride + width;
+    let src = conv_source(dev, dims, t_len, x, conv_w, conv_state, a, b, a_log, dt_bias, &ins, "gdn conv_qk")?;
     let p = GdnConvQkParams {
-        x: addr(dev, x, span(ins.x_stride, c), "gdn conv_qk x")?,
-        conv_w: addr(dev, conv_w, c * k, "gdn conv_qk conv_w")?,
-        conv_state: addr_mut(dev, conv_state, dims.conv_state_len(), "gdn conv_qk conv_state")?,
         out: addr_mut(dev, out, t_len * c, "gdn conv_qk out")?,
-        a: addr(dev, a, span(ins.ab_stride, hv), "gdn conv_qk a")?,
-        b: addr(dev, b, span(ins.ab_stride, hv), "gdn conv_qk b")?,
-        a_log: addr(dev, a_log, hv, "gdn conv_qk a_log")?,
-        dt_bias: addr(dev, dt_bias, hv, "gdn conv_qk dt_bias")?,
         g: addr_mut(dev, g, t_len * hv, "gdn conv_qk g")?,
         beta: addr_mut(dev, beta, t_len * hv, "gdn conv_qk beta")?,
-        t_len: t_len as i32,
-        hk: dims.num_k_heads as i32,
-        hv: hv as i32,
-        dk: dims.head_k_dim as i32,
-        dv: dims.head_v_dim as i32,
-        k: k as i32,
-        x_stride: ins.x_stride as i64,
-        ab_stride: ins.ab_stride as i64,
+        ..src.params(dims, t_len)
     };
     let width = dims.head_k_dim.max(dims.head_v_dim);
     let threads = (width.div_ceil(32) * 32).clamp(32, 256) as u32;
@@ -383,27 +368,98 @@ where
     launch(dev, "gdn_conv_qk", cfg, &p)
 }
 
-/// The conv state's advance alone (`gdn_conv_finish` without the gates): conv_state [K-1, C] ← x's
-/// last K − 1 rows (x: T ≥ K − 1 rows `x_stride` floats apart, device addresses checked by the caller),
-/// after a kernel that read the old state (the prep of `gdn_chunked::delta_rule_conv`).
-pub(crate) fn conv_state_advance(dev: &Device, dims: &GdnDims, t_len: usize, x: u64, x_stride: usize, conv_state: u64) -> Result<()> {
-    let (c, k) = (dims.conv_dim(), dims.conv_kernel);
-    if t_len + 1 < k || x_stride < c {
-        return Err(CudaError::Shape(format!("gdn conv state: {t_len} tokens for {k} taps, x's stride {x_stride} for C = {c}")));
+/// A conv's inputs as device addresses, each checked against the T rows it spans: the projections x
+/// (T rows `x_stride` floats apart), the taps [C, K], the conv state [K-1, C], the gate inputs a and b
+/// (T rows `ab_stride` apart) and the gates' parameters [Hv]. [`conv_qk_with`] and
+/// `gdn_chunked::delta_rule_conv` (whose prep convolves its own inputs) read them.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct ConvSource {
+    pub x: u64,
+    pub conv_w: u64,
+    pub conv_state: u64,
+    pub a: u64,
+    pub b: u64,
+    pub a_log: u64,
+    pub dt_bias: u64,
+    pub x_stride: usize,
+    pub ab_stride: usize,
+}
+
+impl ConvSource {
+    /// `gdn_conv_*`'s parameters with these inputs (no outputs or gates: the caller adds those).
+    fn params(&self, dims: &GdnDims, t_len: usize) -> GdnConvQkParams {
+        GdnConvQkParams {
+            x: self.x,
+            conv_w: self.conv_w,
+            conv_state: self.conv_state,
+            a: self.a,
+            b: self.b,
+            a_log: self.a_log,
+            dt_bias: self.dt_bias,
+            t_len: t_len as i32,
+            hk: dims.num_k_heads as i32,
+            hv: dims.num_v_heads as i32,
+            dk: dims.head_k_dim as i32,
+            dv: dims.head_v_dim as i32,
+            k: dims.conv_kernel as i32,
+            x_stride: self.x_stride as i64,
+            ab_stride: self.ab_stride as i64,
+            ..Default::default()
+        }
     }
-    let p = GdnConvQkParams {
-        x,
-        conv_state,
-        t_len: t_len as i32,
-        hk: dims.num_k_heads as i32,
-        hv: dims.num_v_heads as i32,
-        dk: dims.head_k_dim as i32,
-        dv: dims.head_v_dim as i32,
-        k: k as i32,
-        x_stride: x_stride as i64,
-        ab_stride: dims.num_v_heads as i64,
-        ..Default::default()
-    };
+}
+
+/// The addresses of a conv's inputs for T ≥ 1 tokens (`what` names the caller in errors); the strides
+/// are the caller's to have checked.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn conv_source<X, W, CS, A, B, AL, DB>(
+    dev: &Device,
+    dims: &GdnDims,
+    t_len: usize,
+    x: &X,
+    conv_w: &W,
+    conv_state: &mut CS,
+    a: &A,
+    b: &B,
+    a_log: &AL,
+    dt_bias: &DB,
+    ins: &ConvInputs,
+    what: &str,
+) -> Result<ConvSource>
+where
+    X: DevicePtr<f32>,
+    W: DevicePtr<f32>,
+    CS: DevicePtrMut<f32>,
+    A: DevicePtr<f32>,
+    B: DevicePtr<f32>,
+    AL: DevicePtr<f32>,
+    DB: DevicePtr<f32>,
+{
+    let (c, hv) = (dims.conv_dim(), dims.num_v_heads);
+    // Elements a strided operand of T rows spans.
+    let span = |stride: usize, width: usize| (t_len - 1) * stride + width;
+    Ok(ConvSource {
+        x: addr(dev, x, span(ins.x_stride, c), &format!("{what} x"))?,
+        conv_w: addr(dev, conv_w, c * dims.conv_kernel, &format!("{what} conv_w"))?,
+        conv_state: addr_mut(dev, conv_state, dims.conv_state_len(), &format!("{what} conv_state"))?,
+        a: addr(dev, a, span(ins.ab_stride, hv), &format!("{what} a"))?,
+        b: addr(dev, b, span(ins.ab_stride, hv), &format!("{what} b"))?,
+        a_log: addr(dev, a_log, hv, &format!("{what} a_log"))?,
+        dt_bias: addr(dev, dt_bias, hv, &format!("{what} dt_bias"))?,
+        x_stride: ins.x_stride,
+        ab_stride: ins.ab_stride,
+    })
+}
+
+/// The conv state's advance alone (`gdn_conv_finish` without the gates): conv_state [K-1, C] ← x's
+/// last K − 1 rows (T ≥ K − 1), after a kernel that read the old state (the prep of
+/// `gdn_chunked::delta_rule_conv`).
+pub(crate) fn conv_state_advance(dev: &Device, dims: &GdnDims, t_len: usize, src: &ConvSource) -> Result<()> {
+    let (c, k) = (dims.conv_dim(), dims.conv_kernel);
+    if t_len + 1 < k || src.x_stride < c {
+        return Err(CudaError::Shape(format!("gdn conv state: {t_len} tokens for {k} taps, x's stride {} for C = {c}", src.x_stride)));
+    }
+    let p = GdnConvQkParams { a: 0, b: 0, a_log: 0, dt_bias: 0, ..src.params(dims, t_len) };
     let n = ((k - 1) * c).max(1);
     let cfg = LaunchConfig { grid_dim: (n.div_ceil(256).min(dev.sm_count() as usize * 8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     launch(dev, "gdn_conv_finish", cfg, &p)

@@ -24,7 +24,7 @@
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
-use super::gdn::ConvInputs;
+use super::gdn::{conv_source, ConvInputs, ConvSource};
 use super::{addr, addr_mut, launch};
 use crate::{CudaError, Device, Result};
 
@@ -491,19 +491,7 @@ where
     if t_len == 0 {
         return Ok(());
     }
-    let (c, hv, k) = (dims.conv_dim(), dims.num_v_heads, dims.conv_kernel);
-    let span = |stride: usize, width: usize| (t_len - 1) * stride + width;
-    let conv = ConvAddrs {
-        x: addr(dev, x, span(ins.x_stride, c), "gdn chunked conv x")?,
-        conv_w: addr(dev, conv_w, c * k, "gdn chunked conv_w")?,
-        conv_state: addr_mut(dev, conv_state, dims.conv_state_len(), "gdn chunked conv_state")?,
-        a: addr(dev, a, span(ins.ab_stride, hv), "gdn chunked a")?,
-        b: addr(dev, b, span(ins.ab_stride, hv), "gdn chunked b")?,
-        a_log: addr(dev, a_log, hv, "gdn chunked a_log")?,
-        dt_bias: addr(dev, dt_bias, hv, "gdn chunked dt_bias")?,
-        x_stride: ins.x_stride,
-        ab_stride: ins.ab_stride,
-    };
+    let conv = conv_source(dev, dims, t_len, x, conv_w, conv_state, a, b, a_log, dt_bias, &ins, "gdn chunked conv")?;
     if !(conv.x.is_multiple_of(16) && conv.conv_state.is_multiple_of(16)) {
         return Err(CudaError::Shape("gdn chunked conv: x and the conv state must start 16-byte aligned".into()));
     }
@@ -512,7 +500,7 @@ where
     let scratch = addr_mut(dev, scratch, scratch_len(dims, t_len), "gdn chunked scratch")?;
     run(dev, dims, t_len, Inputs::Projected(conv), state, out, scratch, PrepKernel::Bf16, pass)?;
     // The prep read the old conv state (the first chunk's K − 1 rows before it); now x's last K − 1 rows.
-    super::gdn::conv_state_advance(dev, dims, t_len, conv.x, conv.x_stride, conv.conv_state)
+    super::gdn::conv_state_advance(dev, dims, t_len, &conv)
 }
 
 /// What the prep reads, as device addresses.
@@ -521,20 +509,7 @@ enum Inputs {
     /// The conv's outputs: qkv [T, C], g and beta [T, Hv].
     Convolved { qkv: u64, g: u64, beta: u64 },
     /// The projections before the conv and the conv's and gates' parameters (the fused prep).
-    Projected(ConvAddrs),
-}
-
-#[derive(Clone, Copy)]
-struct ConvAddrs {
-    x: u64,
-    conv_w: u64,
-    conv_state: u64,
-    a: u64,
-    b: u64,
-    a_log: u64,
-    dt_bias: u64,
-    x_stride: usize,
-    ab_stride: usize,
+    Projected(ConvSource),
 }
 
 /// The prep and the pass on checked shapes and buffers (t_len > 0).
@@ -547,18 +522,26 @@ fn run(dev: &Device, dims: &GdnDims, t_len: usize, inputs: Inputs, state: u64, o
     let (qt, kt) = if prep_kernel.writes_bf16() { (base + at.qt, base + at.kt) } else { (0, 0) };
     let (t_len_i, hk, hv_i, dk_i, dv_i) = (t_len as i32, dims.num_k_heads as i32, hv as i32, dk as i32, dv as i32);
 
-    let mut prep = GdnChunkPrepParams { w, u, p, e, qt, kt, t_len: t_len_i, hk, hv: hv_i, dk: dk_i, dv: dv_i, ..Default::default() };
-    let mut qkv = 0;
-    match inputs {
-        Inputs::Convolved { qkv: q, g, beta } => {
-            (prep.qkv, prep.g, prep.beta) = (q, g, beta);
-            qkv = q;
-        }
+    let base_params = GdnChunkPrepParams { w, u, p, e, qt, kt, t_len: t_len_i, hk, hv: hv_i, dk: dk_i, dv: dv_i, ..Default::default() };
+    let (prep, qkv) = match inputs {
+        Inputs::Convolved { qkv, g, beta } => (GdnChunkPrepParams { qkv, g, beta, ..base_params }, qkv),
         Inputs::Projected(c) => {
-            (prep.x, prep.conv_w, prep.conv_state, prep.a, prep.b, prep.a_log, prep.dt_bias) = (c.x, c.conv_w, c.conv_state, c.a, c.b, c.a_log, c.dt_bias);
-            (prep.k, prep.x_stride, prep.ab_stride) = (dims.conv_kernel as i32, c.x_stride as i64, c.ab_stride as i64);
+            let prep = GdnChunkPrepParams {
+                x: c.x,
+                conv_w: c.conv_w,
+                conv_state: c.conv_state,
+                a: c.a,
+                b: c.b,
+                a_log: c.a_log,
+                dt_bias: c.dt_bias,
+                k: dims.conv_kernel as i32,
+                x_stride: c.x_stride as i64,
+                ab_stride: c.ab_stride as i64,
+                ..base_params
+            };
+            (prep, 0) // the bf16 passes read the prep's Q̃, K̃, not qkv
         }
-    }
+    };
     let (prep_name, prep_smem) = match (prep_kernel, inputs) {
         (PrepKernel::Bf16, Inputs::Projected(_)) => ("gdn_chunk_prep_tc1_bf_conv", PREP_TC_SMEM as u32),
         (_, Inputs::Projected(_)) => return Err(CudaError::Shape(format!("gdn chunked: no {prep_kernel:?} prep convolves its inputs"))),
@@ -574,7 +557,6 @@ fn run(dev: &Device, dims: &GdnDims, t_len: usize, inputs: Inputs, state: u64, o
     };
     launch(dev, prep_name, cfg, &prep)?;
 
-    // The pass reads qkv only in the f32 forms (the bf16 ones read the prep's Q̃, K̃).
     let run = GdnChunkStateParams { qkv, w, u, p, e, state, out, qt, kt, t_len: t_len_i, hk, hv: hv_i, dk: dk_i, dv: dv_i, pad: 0 };
     let cfg = LaunchConfig {
         grid_dim: (dv.div_ceil(tile) as u32, hv as u32, 1),
