@@ -27,6 +27,12 @@
 //     once and written once. Sums over Dk: in-lane, then two xor-shuffles. NR·4 ≥ Dk.
 //   gdn_gated_norm: y = w ⊙ x·rsqrt(mean(x²) + eps) ⊙ silu(z) per (token, value head) row of Dv,
 //     one warp per row (y may alias x).
+//   gdn_gated_norm_stage: the same y for a prompt chunk, written only as the output projection's
+//     staged x (the half numerics of gemm_wgmma.cu, stage_half.cuh): one 8-warp block per token, a
+//     warp taking heads w, w + 8, ... (gdn_gated_norm's row each; _d128_h4: Dv 128 and Hv 32, all of a
+//     warp's loads issued at once), the token's Hv·Dv outputs (a multiple of 64) in shared memory, its
+//     largest |y| setting its scale, 16-byte chunks of the f16 plane. The same bits as gdn_gated_norm
+//     followed by the GEMM's stager.
 //   gdn_step_r{NR}: one decode token through all of the above in one launch (the same maths and
 //     order of operations): S blocks per value head j, each with Dv/S of its state columns (8 per
 //     warp), which convolve the key head's q and k channels and their own v channels, compute the
@@ -43,6 +49,7 @@
 #include "reduce.cuh"
 #include "gdn_step.cuh"
 #include "gdn_conv.cuh"
+#include "stage_half.cuh"
 
 
 struct GdnConvQkParams {
@@ -113,6 +120,24 @@ struct GdnGatedNormParams {
     int hv;
     long long z_stride;  // floats between tokens of z (Hv·Dv when z is its own buffer)
 };
+
+// gdn_gated_norm_stage's: the norm's inputs as above (y unused), the staged output.
+struct GdnGatedNormStageParams {
+    GdnGatedNormParams n;
+    uint16_t* plane;  // [T, Hv·Dv] f16, permuted within each group of 64
+    float* scales;    // [T] 2^e
+};
+
+// One (token, value head) row's sum of squares over a warp (lane-strided, then the xor tree) and one
+// output: gdn_gated_norm's and gdn_gated_norm_stage's, the same operations in the same order.
+__device__ __forceinline__ float gated_norm_inv(const float* x, int dv, float eps, int lane) {
+    float ss = 0.0f;
+    for (int i = lane; i < dv; i += 32) ss += x[i] * x[i];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    return 1.0f / sqrtf(ss / (float)dv + eps);
+}
+__device__ __forceinline__ float gated_norm_out(float w, float x, float inv, float z) { return w * (x * inv) * silu_f(z); }
 
 // The channels of conv head `h` (q heads 0..Hk-1, k heads Hk..2Hk-1, then the Hv v heads): its first
 // channel, its width, whether it is L2-normed (q and k) and the q heads' extra 1/√Dk.
@@ -384,13 +409,82 @@ extern "C" __global__ void __launch_bounds__(1024) gdn_gated_norm(const GdnGated
     const float* x = p.x + r * p.dv;
     const float* z = p.z + (r / p.hv) * p.z_stride + (r % p.hv) * p.dv;
     float* y = p.y + r * p.dv;
-    float ss = 0.0f;
-    for (int i = lane; i < p.dv; i += 32) ss += x[i] * x[i];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float inv = 1.0f / sqrtf(ss / (float)p.dv + p.eps);
-    for (int i = lane; i < p.dv; i += 32) y[i] = p.w[i] * (x[i] * inv) * silu_f(z[i]);
+    const float inv = gated_norm_inv(x, p.dv, p.eps, lane);
+    for (int i = lane; i < p.dv; i += 32) y[i] = gated_norm_out(p.w[i], x[i], inv, z[i]);
 }
+
+// One token of gdn_gated_norm_stage: its outputs into ys (stage_smem_index's layout); returns this
+// thread's largest |y|. REGS (NJ = Dv/32 values a lane, HPW = Hv/8 heads a warp): every load of the
+// warp's heads issued at once into registers, then each head's sums and outputs; else a head at a time.
+// Either way each head's sum runs over the lanes' x[lane + 32j] in j order, then the xor tree: the
+// separate norm's order (gated_norm_inv), so the outputs are its bits.
+template <int NJ, int HPW>
+__device__ __forceinline__ float gated_norm_token(const GdnGatedNormParams& p, long long t, float* ys, int warp, int lane) {
+    float m = 0.0f;
+    if constexpr (NJ > 0) {
+        float xv[HPW][NJ], zv[HPW][NJ], wv[NJ];
+#pragma unroll
+        for (int a = 0; a < HPW; ++a) {
+            const int h = warp + 8 * a;
+            const float* x = p.x + (t * p.hv + h) * p.dv;
+            const float* z = p.z + t * p.z_stride + (long long)h * p.dv;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                xv[a][j] = x[lane + 32 * j];
+                zv[a][j] = z[lane + 32 * j];
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) wv[j] = p.w[lane + 32 * j];
+#pragma unroll
+        for (int a = 0; a < HPW; ++a) {
+            float ss = 0.0f;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) ss += xv[a][j] * xv[a][j];
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+            const float inv = 1.0f / sqrtf(ss / (float)p.dv + p.eps);
+            const int h = warp + 8 * a;
+#pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const float y = gated_norm_out(wv[j], xv[a][j], inv, zv[a][j]);
+                ys[stage_smem_index(h * p.dv + lane + 32 * j)] = y;
+                m = fmaxf(m, fabsf(y));
+            }
+        }
+    } else {
+        for (int h = warp; h < p.hv; h += 8) {
+            const float* x = p.x + (t * p.hv + h) * p.dv;
+            const float* z = p.z + t * p.z_stride + (long long)h * p.dv;
+            const float inv = gated_norm_inv(x, p.dv, p.eps, lane);
+            for (int i = lane; i < p.dv; i += 32) {
+                const float y = gated_norm_out(p.w[i], x[i], inv, z[i]);
+                ys[stage_smem_index(h * p.dv + i)] = y;
+                m = fmaxf(m, fabsf(y));
+            }
+        }
+    }
+    return m;
+}
+
+template <int NJ, int HPW>
+__device__ __forceinline__ void gated_norm_stage(const GdnGatedNormStageParams& q) {
+    extern __shared__ float ys[];  // [Hv·Dv]: the token's outputs, stage_smem_index's layout
+    __shared__ float red[8];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const long long t = blockIdx.x;
+    const int vd = q.n.hv * q.n.dv;
+    // The token's largest |y| (block_max's barrier also publishes ys).
+    const float m = block_max<8>(gated_norm_token<NJ, HPW>(q.n, t, ys, warp, lane), red);
+    const int e = stage_half_exponent(m);
+    const float down = stage_pow2(-e);
+    uint4* out = reinterpret_cast<uint4*>(q.plane + t * vd);
+    for (int i = threadIdx.x; i < (vd >> 3); i += 256) out[i] = stage_half_chunk(ys, i >> 3, i & 7, down);
+    if (threadIdx.x == 0) q.scales[t] = stage_pow2(e);
+}
+// 256 threads; _d128_h4: Dv = 128 and Hv = 32 (the 35B model: every load of a warp's 4 heads at once).
+extern "C" __global__ void __launch_bounds__(256) gdn_gated_norm_stage(const GdnGatedNormStageParams q) { pdl_enter(); gated_norm_stage<0, 0>(q); }
+extern "C" __global__ void __launch_bounds__(256) gdn_gated_norm_stage_d128_h4(const GdnGatedNormStageParams q) { pdl_enter(); gated_norm_stage<4, 4>(q); }
 
 template <int NR>
 __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {

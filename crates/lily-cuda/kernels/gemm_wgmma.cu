@@ -24,7 +24,7 @@
 // (s, s+4) of word 2q+1, so position kk of step s is code
 //   kk = 2q + e      ->  m = 16q + s + 4e
 //   kk = 8 + 2q + e  ->  m = 16q + 8 + s + 4e      (e = 0, 1)
-// and the stagers write x[m] at column 16s + kk of the group (stage_column below).
+// and the stagers write x[m] at column 16s + kk of the group (stage_column, stage_half.cuh).
 //
 // Block: WGS warpgroups (2, or 4 for the 256-row half tiles) of 64 weight rows each × BT tokens (SwiGLU:
 // half the rows as outputs, gate rows 16i..16i+7 and up rows 16i+8..16i+15 of output rows 8i..8i+7, so
@@ -65,6 +65,8 @@
 #include "async_copy.cuh"
 #include "bf16.cuh"
 #include "mbarrier.cuh"
+#include "reduce.cuh"
+#include "stage_half.cuh"
 
 struct WgStageParams {
     const float* x;      // [rows, cols]
@@ -261,11 +263,6 @@ __device__ __forceinline__ void steps_in_two_sets(int nk, Step& step) {
     if (kt < nk) step(kt, a0);
 }
 
-// The staged column (within its group) of code m of the group: see the header.
-__device__ __forceinline__ int stage_column(int m) {
-    const int q = m >> 4, rem = m & 15, half = rem >> 3, e = (rem >> 2) & 1, s = rem & 3;
-    return 16 * s + 8 * half + 2 * q + e;
-}
 
 // One warp per (row, group): lane l takes x[2l], x[2l + 1] of the group.
 extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_stage(const WgStageParams p) {
@@ -292,10 +289,14 @@ extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_stage(const WgStage
     if (lane == 0) p.sums[row * groups + g] = s;
 }
 
-// Half numerics: one warp per row. The row's largest |x| sets its scale 2^e (the largest scaled value in
-// [2^14, 2^15), well inside f16's range; e clamped to ±110 so both 2^e and 2^-e are normal f32): x·2^-e is
-// rounded to f16 into `hi` (permuted as above) and 2^e goes to sums[row] for the GEMM's epilogue. A NaN
-// or infinity in x reaches the plane (and so the output) as itself.
+// Half numerics (stage_half.cuh): the row's largest |x| sets its scale 2^e; x·2^-e is rounded to f16 into
+// `hi` (permuted as above) and 2^e goes to sums[row] for the GEMM's epilogue. A NaN or infinity in x
+// reaches the plane (and so the output) as itself. Two stagers, the same bits:
+//   gemm_wgmma_stage_half: one warp per row, 2-byte stores at the permuted columns (the first form;
+//     LILY_STAGE=warp, A/B runs);
+//   gemm_wgmma_stage_half_{rows, wrows}: one block a row (64–256 threads) or, for rows of up to 1,024
+//     columns, one warp a row; x read once as float4 into shared memory (cols floats a row), the row's
+//     max, then 16-byte stores of whole staged chunks.
 extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_stage_half(const WgStageParams p) {
     pdl_enter();
     const long long row = (long long)blockIdx.x * 8 + (threadIdx.x >> 5);
@@ -309,9 +310,8 @@ extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_stage_half(const Wg
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    int e = 0;
-    if (m > 0.0f && m <= 3.4e38f) e = min(max(ilogbf(m) - 14, -110), 110);
-    const float down = __int_as_float((127 - e) << 23), up = __int_as_float((127 + e) << 23);
+    const int e = stage_half_exponent(m);
+    const float down = stage_pow2(-e), up = stage_pow2(e);
     uint16_t* out = p.hi + row * p.cols;
     for (int c = 2 * lane; c < p.cols; c += 64) {
         const float2 v = *reinterpret_cast<const float2*>(xr + c);
@@ -321,6 +321,46 @@ extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_stage_half(const Wg
     }
     if (lane == 0) p.sums[row] = up;
 }
+
+// The row-held stager: WARP, one warp a row of up to 1,024 columns (8 rows a block); else one block a
+// row (64–256 threads). Rows in shared memory (dynamic: cols floats a row), stage_smem_index's layout.
+template <bool WARP>
+__device__ __forceinline__ void stage_half_held(const WgStageParams& p) {
+    extern __shared__ float4 stage_rows[];
+    __shared__ float red[8];
+    const int tid = threadIdx.x, lane = tid & 31;
+    const int part = WARP ? lane : tid, parts = WARP ? 32 : blockDim.x;
+    const long long row = WARP ? (long long)blockIdx.x * 8 + (tid >> 5) : blockIdx.x;
+    if (WARP && row >= p.rows) return;  // whole warps; no block barrier below in this form
+    float* xs = reinterpret_cast<float*>(stage_rows) + (WARP ? (tid >> 5) * p.cols : 0);
+    const float4* xr = reinterpret_cast<const float4*>(p.x + row * p.cols);
+    const int n4 = p.cols >> 2;
+    float m = 0.0f;
+    for (int i = part; i < n4; i += parts) {
+        const float4 v = xr[i];
+        *reinterpret_cast<float4*>(xs + stage_smem_index(4 * i)) = v;
+        m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+    }
+    if (WARP) {
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        __syncwarp();
+    } else {
+        // The barrier inside block_max also makes the row in shared memory visible to every thread.
+        switch (blockDim.x >> 5) {
+            case 2: m = block_max<2>(m, red); break;
+            case 4: m = block_max<4>(m, red); break;
+            default: m = block_max<8>(m, red); break;
+        }
+    }
+    const int e = stage_half_exponent(m);
+    const float down = stage_pow2(-e);
+    uint4* out = reinterpret_cast<uint4*>(p.hi + row * p.cols);
+    for (int i = part; i < (p.cols >> 3); i += parts) out[i] = stage_half_chunk(xs, i >> 3, i & 7, down);
+    if (part == 0) p.sums[row] = stage_pow2(e);
+}
+extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_stage_half_rows(const WgStageParams p) { pdl_enter(); stage_half_held<false>(p); }
+extern "C" __global__ void __launch_bounds__(256) gemm_wgmma_stage_half_wrows(const WgStageParams p) { pdl_enter(); stage_half_held<true>(p); }
 
 // The block's tile: which matrix and slots (tokens) it takes, or none. Grouped, blockIdx.x is the
 // weight-row tile and blockIdx.y the token tile, so the blocks of one token tile (all its row tiles)

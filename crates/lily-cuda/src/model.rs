@@ -851,7 +851,22 @@ fn gdn_mixer(
     conv: &mut CudaSlice<f32>,
     ssm: &mut CudaSlice<f32>,
 ) -> Result<()> {
-    gdn_gated_rule(dev, cfg, g, a, t, dec, in_norm_w, conv, ssm)?; // a.normed_rule [T, Hv·Dv]
+    let norm_in = gdn_gated_rule(dev, cfg, g, a, t, dec, in_norm_w, conv, ssm)?; // a.normed_rule [T, Hv·Dv], or a.rule
+    if let Some(NormIn { z_at, z_stride }) = norm_in {
+        // A prompt chunk: the gated norm of a.rule [T, Hv, Dv] with z, then the output projection;
+        // where the projection stages x in the half numerics, the norm writes that staging itself.
+        let d = GdnDims::from_config(cfg);
+        let z = a.in_proj.slice(z_at..);
+        dev.mark("gdn.norm", 12 * (t * d.value_dim()) as u64, 0)?;
+        let o = prefill_opts();
+        if t > 1 && gdn_norm_stages() && gemm::takes_prestaged_half(&g.out, o) && gdn::gated_norm_stage_fits(&d) {
+            let st = gemm_wgmma::prestage_half(dev, &a.normed_rule, t, d.value_dim())?;
+            gdn::gated_rmsnorm_staged(dev, &d, t, &a.rule, &z, z_stride, &g.norm, cfg.rms_norm_eps, &st)?;
+            mark_linear(dev, "gdn.out_proj", &g.out, t)?;
+            return gemm::gemm_with(dev, &g.out, 0, &a.normed_rule, t, &mut a.mix, gemm::Opts { x_staged_only: true, ..o }); // [T, H]
+        }
+        gdn::gated_rmsnorm_with(dev, &d, t, &a.rule, &z, z_stride, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
+    }
     mark_linear(dev, "gdn.out_proj", &g.out, t)?;
     if dec.is_some() {
         return affine_gemv::gemv_fused(dev, &g.out, Select::matrix(0), &a.normed_rule, false, &mut a.x, affine_gemv::Fuse::none().accumulate()); // x += [H]
@@ -859,8 +874,15 @@ fn gdn_mixer(
     linear(dev, &g.out, &a.normed_rule, t, &mut a.mix) // [T, H]
 }
 
+/// Where a prompt chunk's gated norm finds z: a.in_proj from float `z_at`, token rows `z_stride` apart.
+struct NormIn {
+    z_at: usize,
+    z_stride: usize,
+}
+
 /// [`gdn_mixer`] up to its output projection: the input projection, conv, gates, rule and gated norm
-/// into a.normed_rule [T, Hv·Dv].
+/// into a.normed_rule [T, Hv·Dv] — or, for a prompt chunk (no `dec`), up to the rule's output a.rule
+/// [T, Hv, Dv], returning where z is for the caller's gated norm.
 #[allow(clippy::too_many_arguments)]
 fn gdn_gated_rule(
     dev: &Device,
@@ -872,7 +894,7 @@ fn gdn_gated_rule(
     in_norm_w: &CudaSlice<f32>,
     conv: &mut CudaSlice<f32>,
     ssm: &mut CudaSlice<f32>,
-) -> Result<()> {
+) -> Result<Option<NormIn>> {
     let d = GdnDims::from_config(cfg);
     // One token, opted in (`LILY_GDN_STEP=in`) and where the layer fits it: the input projection and
     // the step in one launch (`ops::gdn_in_step`).
@@ -888,7 +910,8 @@ fn gdn_gated_rule(
             let state_bytes = 8 * hv * dk * dv; // read and written
             let flops = 2 * fw.rows as u64 * h + 6 * hv * dk * dv;
             dev.mark("gdn.in_step", fw.bytes_per_matrix() as u64 + state_bytes + 4 * (h + 2 * (kk - 1) * c + kk * c + vd), flops)?;
-            return gdn_in_step::decode_in_step(dev, &d, fw, &a.x, in_norm_w, cfg.rms_norm_eps, &g.conv_w, conv, &g.a_log, &g.dt_bias, ssm, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, copies);
+            gdn_in_step::decode_in_step(dev, &d, fw, &a.x, in_norm_w, cfg.rms_norm_eps, &g.conv_w, conv, &g.a_log, &g.dt_bias, ssm, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, copies)?;
+            return Ok(None);
         }
     }
     let (c, vd, hv) = (d.conv_dim(), d.value_dim(), d.num_v_heads);
@@ -934,7 +957,8 @@ fn gdn_gated_rule(
     if dec.is_some() && t == 1 && gdn_step_form() != GdnStepForm::Off && gdn::step_fits(&d) {
         // One token: conv, gates, rule and gated norm in one launch.
         dev.mark("gdn.step", state_bytes + 4 * (3 * c64 + 2 * (kk - 1) * c64 + kk * c64 + 3 * vd64 + 2 * hv64), 6 * hv64 * dk64 * dv64)?;
-        return gdn::decode_step(dev, &d, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, ssm, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, gdn_step_loads());
+        gdn::decode_step(dev, &d, &x, &g.conv_w, conv, &av, &b, &g.a_log, &g.dt_bias, ssm, &z, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule, gdn_step_loads())?;
+        return Ok(None);
     }
     let ins = gdn::ConvInputs { x_stride: xs, ab_stride: abs, kernel: gdn::ConvKernel::Auto };
     let rule_bytes = state_bytes + 4 * tt * (c64 + vd64 + 2 * hv64);
@@ -956,8 +980,12 @@ fn gdn_gated_rule(
             gdn::delta_rule_recurrent(dev, &d, t, &a.qkv, &a.g, &a.beta, ssm, &mut a.rule)?; // [T, Hv, Dv]
         }
     }
+    if dec.is_none() {
+        return Ok(Some(NormIn { z_at: off[1], z_stride: zs }));
+    }
     dev.mark("gdn.norm", 12 * tt * vd64, 0)?;
-    gdn::gated_rmsnorm_with(dev, &d, t, &a.rule, &z, zs, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)
+    gdn::gated_rmsnorm_with(dev, &d, t, &a.rule, &z, zs, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
+    Ok(None)
 }
 
 /// Gated attention on a.normed [T, H] at its positions → a.mix [T, H]; appends to the caches.
@@ -1345,6 +1373,14 @@ fn moe_norm_fused() -> bool {
 fn moe_out_bf16() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("LILY_MOE_OUT").map(|v| v != "f32").unwrap_or(true))
+}
+
+/// Whether a prompt chunk's gated norm writes the output projection's staged x itself (where the
+/// projection takes it): the default; `LILY_GDN_NORM=separate` writes its f32 output for the
+/// projection to stage (A/B runs; read once).
+fn gdn_norm_stages() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_GDN_NORM").map(|v| v != "separate").unwrap_or(true))
 }
 
 /// [`prefill_opts`] for a GEMM whose x is the previous GEMM's, unwritten since (its staged copy is

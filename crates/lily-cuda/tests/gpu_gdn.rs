@@ -509,6 +509,85 @@ fn gdn_rejects_bad_shapes() {
     assert!(gdn::gated_rmsnorm_with(&dev, &d, t, &o, &o, d.value_dim() + 1, &hvs, EPS, &mut y).is_err());
 }
 
+/// The gated norm that writes the output projection's staged x itself (`gdn::gated_rmsnorm_staged`)
+/// against the gated norm's f32 output staged by the GEMM's stager (`gemm_wgmma::stage_half`), bit for
+/// bit (the f16 plane and the tokens' scales), and that plane against the CPU's gated norm within f16
+/// rounding; z a column range of wider rows; token magnitudes spread over ±20 powers of ten. Then the
+/// output projection through `prestage_half` / `x_staged_only` equal to the one on the f32 output.
+#[test]
+fn gated_norm_staged_equals_norm_then_stage() {
+    use lily_cuda::ops::gemm::{self, Opts, Precision};
+    use lily_cuda::ops::gemm_wgmma::{self, HalfStage, Stager};
+    let Some(dev) = device() else { return };
+    for (i, (d, t)) in [(REAL, 37usize), (dims(2, 4, 16, 16, 4), 5), (dims(1, 3, 32, 64, 4), 9)].into_iter().enumerate() {
+        let (dv, vd) = (d.head_v_dim, d.value_dim());
+        assert!(gdn::gated_norm_stage_fits(&d), "{d:?}");
+        let mut rng = Rng::new(900 + i as u64);
+        let mut o = rng.normals(t * vd, 1.0);
+        for tok in 0..t {
+            let m = 10f32.powf(rng.range(-20.0, 20.0));
+            o[tok * vd..(tok + 1) * vd].iter_mut().for_each(|v| *v *= m);
+        }
+        let zs = vd + 24; // z a column range of wider rows
+        let zrows = rng.normals(t * zs, 2.0);
+        let nw: Vec<f32> = (0..dv).map(|_| rng.range(0.5, 1.5)).collect();
+        let (od, zd, nwd) = (dev.upload(&o).unwrap(), dev.upload(&zrows).unwrap(), dev.upload(&nw).unwrap());
+        let z = zd.slice(8..);
+        // The norm, then the stager.
+        let mut y = poisoned(&dev, t * vd);
+        gdn::gated_rmsnorm_with(&dev, &d, t, &od, &z, zs, &nwd, EPS, &mut y).unwrap();
+        let (want, want_s) = gemm_wgmma::stage_half(&dev, &y, t, vd, Stager::Rows).unwrap();
+        let (want, want_s) = (dev.download(&want).unwrap(), dev.download(&want_s).unwrap());
+        // The norm writing the staging.
+        let (mut plane, mut scales) = (dev.zeros::<u16>(t * vd).unwrap(), dev.zeros::<f32>(t).unwrap());
+        let st = HalfStage::into_buffers(&dev, &mut plane, &mut scales, t, vd).unwrap();
+        gdn::gated_rmsnorm_staged(&dev, &d, t, &od, &z, zs, &nwd, EPS, &st).unwrap();
+        let (got, got_s) = (dev.download(&plane).unwrap(), dev.download(&scales).unwrap());
+        assert_eq!(got_s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), want_s.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), "{d:?}: scales");
+        let bad = (0..t * vd).find(|&k| got[k] != want[k]);
+        assert!(bad.is_none(), "{d:?}: plane differs at {bad:?}");
+        // Against the CPU's gated norm (the plane unpermuted and unscaled), within f16's rounding.
+        let mut cpu_y = vec![0f32; t * vd];
+        let zc: Vec<f32> = (0..t).flat_map(|tok| zrows[tok * zs + 8..tok * zs + 8 + vd].to_vec()).collect();
+        cpu::gated_rmsnorm(&o, &zc, &nw, EPS, &d, &mut cpu_y);
+        let mut worst = 0f64;
+        for tok in 0..t {
+            let row_max = cpu_y[tok * vd..(tok + 1) * vd].iter().fold(0f32, |a, v| a.max(v.abs())) as f64;
+            for k in 0..vd {
+                let (g, mm) = (k / 64, k % 64);
+                let (q, rem) = (mm / 16, mm % 16);
+                let col = 64 * g + 16 * (rem % 4) + 8 * (rem / 8) + 2 * q + (rem / 4) % 2;
+                let v = half::f16::from_bits(got[tok * vd + col]).to_f64() * got_s[tok] as f64;
+                worst = worst.max((v - cpu_y[tok * vd + k] as f64).abs() / row_max);
+            }
+        }
+        assert!(worst < 1e-3, "{d:?}: staged norm vs CPU {worst:.2e} of each token's largest");
+        println!("{d:?} t {t}: staged gated norm bit for bit the norm + stager; vs CPU {worst:.1e}");
+        // The output projection on the staged x, as the model runs it, against the one staging y.
+        let (rows, cols) = (48, vd);
+        let wb: Vec<half::bf16> = rng.normals(rows * cols, 0.05).into_iter().map(half::bf16::from_f32).collect();
+        let (p, q) = (AffineParams::new(4, 64), quantize_bf16(&wb, cols, AffineParams::new(4, 64)));
+        let storage = Storage::Affine { params: p, packed: Buf::owned(q.packed), scales: FloatBuf::Bf16(Buf::owned(q.scales)), biases: FloatBuf::Bf16(Buf::owned(q.biases)) };
+        let dw = upload_matrix(&dev, &Matrix { count: 1, rows, cols, storage }).unwrap();
+        let o_half = Opts { precision: Precision::Half, ..Default::default() };
+        if t > 1 && gemm::takes_prestaged_half(&dw, o_half) {
+            let mut y_ref = poisoned(&dev, t * rows);
+            gemm::gemm_with(&dev, &dw, 0, &y, t, &mut y_ref, o_half).unwrap();
+            let x_unwritten = poisoned(&dev, t * vd);
+            let st = gemm_wgmma::prestage_half(&dev, &x_unwritten, t, vd).unwrap();
+            gdn::gated_rmsnorm_staged(&dev, &d, t, &od, &z, zs, &nwd, EPS, &st).unwrap();
+            let mut y_st = poisoned(&dev, t * rows);
+            gemm::gemm_with(&dev, &dw, 0, &x_unwritten, t, &mut y_st, Opts { x_staged_only: true, ..o_half }).unwrap();
+            assert_eq!(dev.download(&y_st).unwrap(), dev.download(&y_ref).unwrap(), "{d:?}: the projection on the staged x");
+            // Another x is not what the buffer holds: the call refuses rather than read it.
+            assert!(gemm::gemm_with(&dev, &dw, 0, &y, t, &mut y_st, Opts { x_staged_only: true, ..o_half }).is_err());
+        }
+    }
+    // Outputs a token of a size not a multiple of 64 are refused.
+    let d = dims(1, 3, 16, 16, 4);
+    assert!(!gdn::gated_norm_stage_fits(&d));
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Timing (run with `--ignored bench_gdn_decode`)
 

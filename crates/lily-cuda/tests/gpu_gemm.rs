@@ -817,6 +817,66 @@ fn half_scales_each_row_into_f16_range() {
     }
 }
 
+/// The half numerics' x staging (`gemm_wgmma::stage_half`), both stagers, against the layout computed
+/// here: each row's 2^e from its largest |x| (the largest scaled value in [2^14, 2^15), e within ±110,
+/// 0 for a zero row or one whose largest |x| is infinite; NaNs skipped), x·2^-e rounded to f16 at the
+/// permuted column 16s + 8h + 2q + e' of element 16q + 8h + 4e' + s of each group of 64. Bit for bit,
+/// on rows of 64 to 4,096 columns (a warp a row up to 1,024; 64, 128 and 256 threads a block past it) whose magnitudes span 1e-30 to
+/// 1e30, a zero row, rows with an infinity or a NaN, and random values (not zeros) elsewhere.
+#[test]
+fn half_stagers_match_the_layout_bit_for_bit() {
+    use lily_cuda::ops::gemm_wgmma::{stage_half, Stager};
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(311);
+    for (rows, cols) in [(9, 64), (7, 512), (5, 1024), (12, 2048), (3, 4096), (2, 320), (4, 1536), (17, 128)] {
+        let mut x = rng.normals(rows * cols, 1.0);
+        for r in 0..rows {
+            let row = &mut x[r * cols..(r + 1) * cols];
+            match r {
+                0 => row.iter_mut().for_each(|v| *v = 0.0),
+                1 => row[cols / 3] = f32::INFINITY,
+                2 => row[5] = f32::NAN,
+                _ => {
+                    let m = 10f32.powf(rng.range(-30.0, 30.0));
+                    row.iter_mut().for_each(|v| *v *= m);
+                }
+            }
+        }
+        // The layout, computed here.
+        let mut want = vec![0u16; rows * cols];
+        let mut want_s = vec![0f32; rows];
+        for r in 0..rows {
+            let row = &x[r * cols..(r + 1) * cols];
+            let m = row.iter().fold(0f32, |a, v| if v.is_nan() { a } else { a.max(v.abs()) });
+            let e: i32 = if m > 0.0 && m.is_finite() { ((m as f64).log2().floor() as i32 - 14).clamp(-110, 110) } else { 0 };
+            let down = 2f32.powi(-e);
+            want_s[r] = 2f32.powi(e);
+            for (k, &v) in row.iter().enumerate() {
+                let (g, mm) = (k / 64, k % 64);
+                let (q, rem) = (mm / 16, mm % 16);
+                let (h, ee, s4) = (rem / 8, (rem / 4) % 2, rem % 4);
+                want[r * cols + 64 * g + 16 * s4 + 8 * h + 2 * q + ee] = half::f16::from_f32(v * down).to_bits();
+            }
+        }
+        let xd = dev.upload(&x).unwrap();
+        for kind in [Stager::Warp, Stager::Rows] {
+            let (plane, scales) = stage_half(&dev, &xd, rows, cols, kind).unwrap();
+            let (got, got_s) = (dev.download(&plane).unwrap(), dev.download(&scales).unwrap());
+            for r in 0..rows {
+                assert_eq!(got_s[r].to_bits(), want_s[r].to_bits(), "{kind:?} [{rows} x {cols}] row {r}: scale {} vs {}", got_s[r], want_s[r]);
+                // A NaN as any f16 NaN (the half crate keeps the payload, the GPU's conversion does not).
+                let is_nan16 = |b: u16| b & 0x7c00 == 0x7c00 && b & 0x03ff != 0;
+                let same = |a: u16, b: u16| a == b || (is_nan16(a) && is_nan16(b));
+                let bad = (0..cols).find(|&c| !same(got[r * cols + c], want[r * cols + c]));
+                assert!(bad.is_none(), "{kind:?} [{rows} x {cols}] row {r}: column {bad:?} differs");
+            }
+        }
+    }
+    // Columns not a multiple of 64 are refused.
+    let xd = dev.upload(&vec![1.0f32; 96]).unwrap();
+    assert!(stage_half(&dev, &xd, 1, 96, Stager::Rows).is_err());
+}
+
 #[test]
 fn grouped_gather_past_x_gives_nan_rows_only() {
     let Some(dev) = device() else { return };

@@ -226,6 +226,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "gdn_recurrent_r32",
     "gdn_recurrent_r64",
     "gdn_gated_norm",
+    "gdn_gated_norm_stage",
+    "gdn_gated_norm_stage_d128_h4",
 ];
 
 /// Tokens per block of the tiled conv (prompt chunks of at least this many tokens use it).
@@ -608,6 +610,63 @@ where
         shared_mem_bytes: 0,
     };
     launch(dev, "gdn_gated_norm", cfg, &p)
+}
+
+/// Must match `struct GdnGatedNormStageParams` in `kernels/gdn.cu`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct GdnGatedNormStageParams {
+    n: GdnGatedNormParams,
+    plane: u64,
+    scales: u64,
+}
+// SAFETY: plain old data with the kernel's layout.
+unsafe impl DeviceRepr for GdnGatedNormStageParams {}
+
+/// Whether [`gated_rmsnorm_staged`] takes these dims: Hv·Dv a multiple of 64 whose f32 outputs of a
+/// token fit 48 KiB of shared memory.
+pub fn gated_norm_stage_fits(dims: &GdnDims) -> bool {
+    let vd = dims.value_dim();
+    vd > 0 && vd.is_multiple_of(64) && 4 * vd <= 48 * 1024
+}
+
+/// [`gated_rmsnorm_with`] for `t_len` tokens written only as a GEMM's staged x (`st`, from
+/// `gemm_wgmma::prestage_half` for the output projection: [t_len, Hv·Dv] in the half numerics, the
+/// same bits as the GEMM staging [`gated_rmsnorm_with`]'s output). Needs [`gated_norm_stage_fits`].
+#[allow(clippy::too_many_arguments)]
+pub fn gated_rmsnorm_staged<X, Z, W>(dev: &Device, dims: &GdnDims, t_len: usize, x: &X, z: &Z, z_stride: usize, w: &W, eps: f32, st: &super::gemm_wgmma::HalfStage) -> Result<()>
+where
+    X: DevicePtr<f32>,
+    Z: DevicePtr<f32>,
+    W: DevicePtr<f32>,
+{
+    let (hv, dv, vd) = (dims.num_v_heads, dims.head_v_dim, dims.value_dim());
+    let rows = t_len * hv;
+    if !gated_norm_stage_fits(dims) || st.rows != t_len || st.cols != vd || t_len == 0 || t_len > u32::MAX as usize / 2 {
+        return Err(CudaError::Shape(format!("gdn gated_rmsnorm_staged: {t_len} tokens of {hv}×{dv} into a staging of {} × {}", st.rows, st.cols)));
+    }
+    if rows * dv > i32::MAX as usize || z_stride < vd || z_stride.saturating_mul(t_len) > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("gdn gated_rmsnorm_staged: {rows} rows of {dv}, z rows {z_stride} apart")));
+    }
+    let p = GdnGatedNormStageParams {
+        n: GdnGatedNormParams {
+            x: addr(dev, x, rows * dv, "gdn gated_rmsnorm_staged x")?,
+            z: addr(dev, z, (t_len - 1) * z_stride + vd, "gdn gated_rmsnorm_staged z")?,
+            w: addr(dev, w, dv, "gdn gated_rmsnorm_staged w")?,
+            y: 0,
+            rows: rows as i32,
+            dv: dv as i32,
+            eps,
+            hv: hv as i32,
+            z_stride: z_stride as i64,
+        },
+        plane: st.plane,
+        scales: st.scales,
+    };
+    // 8 warps a token; Dv 128 and Hv 32 (the 35B model) with a warp's 4 heads' loads at once.
+    let name = if dv == 128 && hv == 32 { "gdn_gated_norm_stage_d128_h4" } else { "gdn_gated_norm_stage" };
+    let cfg = LaunchConfig { grid_dim: (t_len as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 4 * vd as u32 };
+    launch(dev, name, cfg, &p)
 }
 
 /// Whether [`decode_step`] takes these dims: Dv a multiple of 8 up to 128 (one block of Dv/8 warps per

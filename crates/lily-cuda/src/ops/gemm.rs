@@ -399,6 +399,50 @@ pub struct Opts {
     /// promise leaves the buffer holding its own x, or nothing when it did not stage (the mma.sync
     /// kernels), so a promise after such a call stages afresh.
     pub reuse_x: bool,
+    /// x's f32 values were never written: only its staged copy holds them, written by the caller
+    /// through [`super::gemm_wgmma::prestage_half`] (a producer kernel that stages its own output, for
+    /// a call [`takes_prestaged_half`] says yes to). The call fails rather than read x itself.
+    pub x_staged_only: bool,
+}
+
+impl Opts {
+    fn x_stage(&self) -> XStage {
+        if self.x_staged_only {
+            XStage::Only
+        } else if self.reuse_x {
+            XStage::Reuse
+        } else {
+            XStage::Fresh
+        }
+    }
+}
+
+/// Whether [`gemm_with`] of matrix `w` with `o` runs on the wgmma tiles in the half numerics, so that
+/// it takes x staged by its producer ([`super::gemm_wgmma::prestage_half`], then `x_staged_only`): 4-bit
+/// group-64 weights (a plain GEMM), [`Precision::Half`], the automatic tile, the wgmma kernels not
+/// switched off. `run` selects by the same test ([`half_on_wgmma`]).
+pub fn takes_prestaged_half(w: &DeviceMatrix, o: Opts) -> bool {
+    o.tile == Tile::Auto && o.experts.is_none() && w.cols.is_multiple_of(super::gemm_wgmma::GROUP) && half_on_wgmma(w, o.precision, false)
+}
+
+/// Whether `Tile::Auto` takes the wgmma kernels in the half numerics for `w` (not the 8-bit router's
+/// folded path, not `LILY_GEMM=mma`).
+fn half_on_wgmma(w: &DeviceMatrix, precision: Precision, q8_plain: bool) -> bool {
+    let g64 = w.group_size() == Some(super::gemm_wgmma::GROUP);
+    let half = precision == Precision::Half && !(q8_plain && router_path() != RouterPath::Half);
+    let bits_ok = w.bits() == 4 || (q8_plain && router_path() != RouterPath::Mma);
+    g64 && half && bits_ok && gemm_switch() != GemmSwitch::Mma
+}
+
+/// How a call gets x's staged copy on the wgmma tiles.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum XStage {
+    /// Stage x afresh.
+    Fresh,
+    /// Reuse the buffer's staging when it holds this x ([`Opts::reuse_x`]).
+    Reuse,
+    /// The buffer must hold this x's staging ([`Opts::x_staged_only`]); the call fails otherwise.
+    Only,
 }
 
 /// `Y[t, rows] = X[t, cols] · W[m]ᵀ` (matrix `m` of the stack; like `lily_cpu::linear::matmul(w, m, ..)`).
@@ -409,7 +453,7 @@ pub fn gemm<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMat
 
 /// [`gemm`] with chosen [`Opts`].
 pub fn gemm_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(dev: &Device, w: &DeviceMatrix, m: usize, x: &X, t: usize, y: &mut Y, o: Opts) -> Result<()> {
-    run(dev, w, None, Group::Plain(m), x, t, y, o.tile, o.precision, o.reuse_x)
+    run(dev, w, None, Group::Plain(m), x, t, y, o.tile, o.precision, o.x_stage())
 }
 
 /// `Y[t, rows] = silu(X · G[m]ᵀ) ⊙ (X · U[m]ᵀ)`: the first half of the SwiGLU MLP, `gate` and `up` of one
@@ -438,7 +482,7 @@ pub fn swiglu_gemm_with<X: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     y: &mut Y,
     o: Opts,
 ) -> Result<()> {
-    run(dev, gate, Some(up), Group::Plain(m), x, t, y, o.tile, o.precision, o.reuse_x)
+    run(dev, gate, Some(up), Group::Plain(m), x, t, y, o.tile, o.precision, o.x_stage())
 }
 
 /// Grouped GEMM (MoE prefill). `n` sorted slots; `offsets` is a device array of `E + 1` u32
@@ -480,7 +524,7 @@ pub fn grouped_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, E: super::Act, Y:
     o: Opts,
 ) -> Result<()> {
     let g = group(dev, w, o.experts.unwrap_or(w.count), offsets, rows, n)?;
-    run(dev, w, None, g, x, n, y, o.tile, o.precision, o.reuse_x)
+    run(dev, w, None, g, x, n, y, o.tile, o.precision, o.x_stage())
 }
 
 /// [`grouped_gemm`] with the fused SwiGLU of [`swiglu_gemm`]:
@@ -513,7 +557,7 @@ pub fn grouped_swiglu_gemm_with<O: DevicePtr<u32>, X: DevicePtr<f32>, Y: DeviceP
     o: Opts,
 ) -> Result<()> {
     let g = group(dev, gate, o.experts.unwrap_or(gate.count), offsets, rows, n)?;
-    run(dev, gate, Some(up), g, x, n, y, o.tile, o.precision, o.reuse_x)
+    run(dev, gate, Some(up), g, x, n, y, o.tile, o.precision, o.x_stage())
 }
 
 /// Whether [`grouped_gemm_with`] can write bf16 outputs for `w` under `o`: 4-bit group-64 weights in
@@ -605,7 +649,7 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
     y: &mut Y,
     tile: Tile,
     precision: Precision,
-    reuse_x: bool,
+    xs: XStage,
 ) -> Result<()> {
     let (rows, cols) = (w.rows, w.cols);
     let what = if w2.is_some() { "swiglu gemm" } else { "gemm" };
@@ -678,6 +722,7 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
     let g64 = w.group_size() == Some(super::gemm_wgmma::GROUP);
     // 8-bit codes on Tile::Auto in Half: the folded numerics unless `LILY_ROUTER_WGMMA=1` (router_path).
     let q8_plain = w.bits() == 8 && g64 && w2.is_none() && !grouped;
+    let asked = precision;
     let precision = if q8_plain && tile == Tile::Auto && precision == Precision::Half && router_path() != RouterPath::Half {
         Precision::Exact
     } else {
@@ -707,6 +752,7 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
     }
     let wg_tiles = rows.div_ceil(if w2.is_some() { super::gemm_wgmma::BW / 2 } else { super::gemm_wgmma::BW });
     let wg_auto = wg_ok && gemm_switch() != GemmSwitch::Mma && (w.bits() == 4 || router_path() != RouterPath::Mma);
+    debug_assert_eq!(wg_auto && precision == Precision::Half, half_on_wgmma(w, asked, q8_plain), "takes_prestaged_half's test drifted from run's");
     let tile = match tile {
         Tile::Auto if wg_auto && precision == Precision::Half => match half_tile(dev, grouped, t, experts, wg_tiles) {
             Tile::Wg128 if w.bits() == 4 && (!grouped || experts <= super::gemm_wgmma::WS_MAX_EXPERTS) => {
@@ -793,10 +839,13 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
             Precision::Bf16x => super::gemm_wgmma::Num::Bf16x,
             _ => super::gemm_wgmma::Num::Half,
         };
-        return super::gemm_wgmma::run(dev, &call, bt, num, wrows, tile.ws(), reuse_x);
+        return super::gemm_wgmma::run(dev, &call, bt, num, wrows, tile.ws(), xs);
+    }
+    if xs == XStage::Only {
+        return Err(CudaError::Shape(format!("{what}: x is only in its staged copy, but {} in {precision:?} on {tile:?} reads x itself", describe(w))));
     }
     // This call stages nothing: a later `reuse_x` call must not take an older staging for its x.
-    if !reuse_x {
+    if xs == XStage::Fresh {
         super::gemm_wgmma::forget_staged(dev)?;
     }
     let bm = if tile == Tile::M64 { 64 } else { 32 };

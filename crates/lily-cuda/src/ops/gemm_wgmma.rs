@@ -7,9 +7,9 @@
 //! pointers are checked by `gemm::run` before it comes here.
 
 use cudarc::driver::sys::CUfunction_attribute;
-use cudarc::driver::{DevicePtr, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
-use super::{launch, launch_cluster};
+use super::{addr, launch, launch_cluster};
 use crate::{CudaError, Device, Result};
 
 /// Must match `struct WgStageParams` in `kernels/gemm_wgmma.cu`.
@@ -257,8 +257,10 @@ impl Ws {
 pub(crate) const WS_MAX_EXPERTS: usize = 768;
 const STAGE_KERNEL: &str = "gemm_wgmma_stage";
 const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
+const STAGE_HALF_ROWS_KERNEL: &str = "gemm_wgmma_stage_half_rows";
+const STAGE_HALF_WROWS_KERNEL: &str = "gemm_wgmma_stage_half_wrows";
 
-const N_ALL: usize = 4 * VARIANTS + 2 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + NAMES_WS_O16.len() + NAMES_MC.len();
+const N_ALL: usize = 4 * VARIANTS + 4 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + NAMES_WS_O16.len() + NAMES_MC.len();
 const fn all_kernels() -> [&'static str; N_ALL] {
     let mut out = [""; N_ALL];
     let mut n = 0;
@@ -269,7 +271,9 @@ const fn all_kernels() -> [&'static str; N_ALL] {
     }
     out[n] = STAGE_KERNEL;
     out[n + 1] = STAGE_HALF_KERNEL;
-    n += 2;
+    out[n + 2] = STAGE_HALF_ROWS_KERNEL;
+    out[n + 3] = STAGE_HALF_WROWS_KERNEL;
+    n += 4;
     i = 0;
     while i < NAMES_Q8.len() {
         out[n] = NAMES_Q8[i];
@@ -481,6 +485,113 @@ fn reserve_in(dev: &Device, stage: &mut Stage, bytes: usize) -> Result<u64> {
     Ok(stage.buf.as_ref().map(|b| b.device_ptr(dev.stream()).0).unwrap_or(0))
 }
 
+/// The kernels that stage x for the half numerics (kernels/gemm_wgmma.cu; the same bits).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stager {
+    /// One warp a row, 2-byte stores at the permuted columns (the first form; `LILY_STAGE=warp`).
+    Warp,
+    /// Each row held in shared memory — one warp a row up to `STAGE_WARP_ROW_COLS` columns, else one
+    /// block a row (64–256 threads) — x read once, 16-byte stores (the default; rows of more than
+    /// `STAGE_ROWS_MAX_COLS` columns take `Warp`).
+    Rows,
+}
+
+/// Columns the one-block-a-row stager holds in shared memory (48 KiB of f32).
+const STAGE_ROWS_MAX_COLS: usize = 12 * 1024;
+/// Rows of up to this many columns are held one a warp, 8 a block (32 KiB): a block a row of 512
+/// columns measured slower than the first form (41.8 against 36.7 µs on [32768 × 512], H100 ncu).
+const STAGE_WARP_ROW_COLS: usize = 1024;
+
+/// The stager `run` uses: `LILY_STAGE=warp` the first form (A/B runs; read once), else `Rows`.
+fn stager() -> Stager {
+    static S: std::sync::OnceLock<Stager> = std::sync::OnceLock::new();
+    *S.get_or_init(|| if std::env::var("LILY_STAGE").is_ok_and(|v| v == "warp") { Stager::Warp } else { Stager::Rows })
+}
+
+/// Launches the half numerics' staging of `sp.rows` rows of `sp.cols` (a multiple of 64) columns: the
+/// f16 plane at `sp.hi`, the rows' scales 2^e at `sp.sums`.
+fn launch_stage_half(dev: &Device, sp: &StageParams, kind: Stager) -> Result<()> {
+    let cols = sp.cols as usize;
+    if kind == Stager::Rows && cols <= STAGE_WARP_ROW_COLS {
+        let cfg = LaunchConfig {
+            grid_dim: ((sp.rows as usize).div_ceil(THREADS / 32) as u32, 1, 1),
+            block_dim: (THREADS as u32, 1, 1),
+            shared_mem_bytes: (4 * cols * THREADS / 32) as u32,
+        };
+        return launch(dev, STAGE_HALF_WROWS_KERNEL, cfg, sp);
+    }
+    if kind == Stager::Rows && cols <= STAGE_ROWS_MAX_COLS {
+        // A thread per 16-byte chunk of the staged row where there are 64–256 of them.
+        let threads = match cols / 8 {
+            c if c >= 256 => 256,
+            c if c >= 128 => 128,
+            _ => 64,
+        };
+        let cfg = LaunchConfig { grid_dim: (sp.rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 4 * cols as u32 };
+        return launch(dev, STAGE_HALF_ROWS_KERNEL, cfg, sp);
+    }
+    let cfg = LaunchConfig { grid_dim: ((sp.rows as usize).div_ceil(THREADS / 32) as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+    launch(dev, STAGE_HALF_KERNEL, cfg, sp)
+}
+
+/// Stages `rows` rows of `cols` columns (a multiple of 64) of x for the half numerics with `kind`, into
+/// fresh buffers: the f16 plane's bits [rows, cols] (permuted within each group of 64) and the rows'
+/// scales 2^e [rows]. For tests of the stagers; the GEMMs stage into the device's buffer.
+pub fn stage_half<X: DevicePtr<f32>>(dev: &Device, x: &X, rows: usize, cols: usize, kind: Stager) -> Result<(CudaSlice<u16>, CudaSlice<f32>)> {
+    if rows == 0 || cols == 0 || !cols.is_multiple_of(GROUP) || rows > u32::MAX as usize / 2 || rows * cols > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("stage_half: {rows} rows of {cols} columns (a positive multiple of 64)")));
+    }
+    let xp = addr(dev, x, rows * cols, "stage_half x")?;
+    if xp % 16 != 0 {
+        return Err(CudaError::Shape("stage_half: x must be 16-byte aligned".into()));
+    }
+    let plane = dev.zeros::<u16>(rows * cols)?;
+    let scales = dev.zeros::<f32>(rows)?;
+    let (hi, sums) = (plane.device_ptr(dev.stream()).0, scales.device_ptr(dev.stream()).0);
+    launch_stage_half(dev, &StageParams { x: xp, hi, lo: 0, sums, rows: rows as i64, cols: cols as i32 }, kind)?;
+    Ok((plane, scales))
+}
+
+/// Where a producer kernel writes x's half-numerics staging itself ([`prestage_half`]): the f16 plane
+/// [rows, cols] (columns permuted within each group of 64, kernels/stage_half.cuh) and the rows' scales
+/// 2^e [rows].
+#[derive(Clone, Copy, Debug)]
+pub struct HalfStage {
+    pub plane: u64,
+    pub scales: u64,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl HalfStage {
+    /// Into caller-owned buffers (tests): `plane` [rows·cols], `scales` [rows].
+    pub fn into_buffers<P: DevicePtrMut<u16>, S: DevicePtrMut<f32>>(dev: &Device, plane: &mut P, scales: &mut S, rows: usize, cols: usize) -> Result<HalfStage> {
+        if rows == 0 || !cols.is_multiple_of(GROUP) || cols == 0 || plane.len() < rows * cols || scales.len() < rows {
+            return Err(CudaError::Shape(format!("half stage: {rows} rows of {cols} into a plane of {} and {} scales", plane.len(), scales.len())));
+        }
+        let (pp, sp) = (plane.device_ptr_mut(dev.stream()).0, scales.device_ptr_mut(dev.stream()).0);
+        if pp % 16 != 0 {
+            return Err(CudaError::Shape("half stage: the plane must be 16-byte aligned".into()));
+        }
+        Ok(HalfStage { plane: pp, scales: sp, rows, cols })
+    }
+}
+
+/// Makes the device's staging buffer hold x (`rows` × `cols`, a multiple of 64) in the half numerics
+/// and returns where its plane and scales go, for a kernel that produces x to write them instead of
+/// x's f32 values; the next GEMM on x must then run with `x_staged_only` (and
+/// [`super::gemm::takes_prestaged_half`]). Whatever the buffer held before is forgotten.
+pub fn prestage_half<X: DevicePtr<f32>>(dev: &Device, x: &X, rows: usize, cols: usize) -> Result<HalfStage> {
+    if rows == 0 || cols == 0 || !cols.is_multiple_of(GROUP) || rows as u128 * cols as u128 > u32::MAX as u128 - 2 {
+        return Err(CudaError::Shape(format!("prestage_half: {rows} rows of {cols} columns (a positive multiple of 64)")));
+    }
+    let xp = addr(dev, x, rows * cols, "prestage_half x")?;
+    let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
+    let base = reserve_in(dev, &mut stage, stage_bytes(rows, cols, 1))?;
+    stage.holds = Some((xp, rows, cols, Num::Half));
+    Ok(HalfStage { plane: base, scales: base + (rows * cols * 2).next_multiple_of(256) as u64, rows, cols })
+}
+
 /// Marks the staging buffer as holding no x (a GEMM call that stages nothing ran since).
 pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
     let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
@@ -490,9 +601,11 @@ pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
 
 /// Runs `c` with `bt` (64 or 128) tokens and `wrows` (128, or 256 in `Num::Half` only) weight rows a
 /// block in numerics `num`; `ws`: on the warp-specialised persistent tiles (4-bit, `Num::Half`, 128
-/// tokens, at most `WS_MAX_EXPERTS` experts). `reuse_x`: the caller promises x has not been written since the previous call that staged it; when
-/// the buffer still holds that staging (same x, shape and numerics), it is not staged again.
-pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws: Option<Ws>, reuse_x: bool) -> Result<()> {
+/// tokens, at most `WS_MAX_EXPERTS` experts). `xs`: `Reuse` — the caller promises x has not been written
+/// since the previous call that staged it; when the buffer still holds that staging (same x, shape and
+/// numerics), it is not staged again; `Only` — the buffer must hold it (x's f32 values were never
+/// written, [`prestage_half`]).
+pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws: Option<Ws>, xs: super::gemm::XStage) -> Result<()> {
     debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128 | 160 | 256) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
     debug_assert!(ws.is_none_or(|k| c.bits == 4 && num == Num::Half && bt == k.tokens() && k.rows() == wrows));
     let q8 = c.bits == 8;
@@ -523,7 +636,13 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     let (base, staged) = {
         let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
         let base = reserve_in(dev, &mut stage, stage_bytes(c.x_rows, c.cols, planes))?;
-        let staged = reuse_x && stage.holds == Some(key);
+        let staged = xs != super::gemm::XStage::Fresh && stage.holds == Some(key);
+        if xs == super::gemm::XStage::Only && !staged {
+            return Err(CudaError::Shape(format!(
+                "wgmma gemm: x is only in its staged copy, but the staging buffer holds {:?}, not {key:?}",
+                stage.holds
+            )));
+        }
         if !staged {
             stage.holds = None; // until the staging below has been launched
         }
@@ -533,11 +652,14 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
 
     if !staged {
         let sp = StageParams { x: c.x, hi, lo, sums, rows: c.x_rows as i64, cols: c.cols as i32 };
-        // One warp per (row, group), or per row (half).
-        let (kernel, warps) = if num == Num::Half { (STAGE_HALF_KERNEL, c.x_rows) } else { (STAGE_KERNEL, c.x_rows * groups) };
-        let cfg =
-            LaunchConfig { grid_dim: (warps.div_ceil(THREADS / 32) as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
-        launch(dev, kernel, cfg, &sp)?;
+        if num == Num::Half {
+            launch_stage_half(dev, &sp, stager())?;
+        } else {
+            // One warp per (row, group).
+            let warps = c.x_rows * groups;
+            let cfg = LaunchConfig { grid_dim: (warps.div_ceil(THREADS / 32) as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+            launch(dev, STAGE_KERNEL, cfg, &sp)?;
+        }
         dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?.holds = Some(key);
     }
 

@@ -1,0 +1,45 @@
+// The half numerics' staged x (gemm_wgmma.cu's header describes the layout): each row of x scaled by
+// its power of two 2^-e and rounded to f16, its columns permuted within each group of 64 into the order
+// the register-A tiles hold the codes. The pieces every writer of that layout shares: the permutation,
+// the row's exponent, and one 16-byte chunk of staged columns from the row's f32 values.
+#pragma once
+#include <stdint.h>
+#include <cuda_fp16.h>
+
+// The staged column (within its group) of element m of the group.
+__device__ __forceinline__ int stage_column(int m) {
+    const int q = m >> 4, rem = m & 15, half = rem >> 3, e = (rem >> 2) & 1, s = rem & 3;
+    return 16 * s + 8 * half + 2 * q + e;
+}
+
+// The row's exponent e from its largest |x| (NaNs skipped by fmaxf): the largest scaled value lands in
+// [2^14, 2^15), well inside f16's range; clamped to ±110 so that 2^e and 2^-e are normal f32; 0 for a
+// row of zeros or one whose largest |x| is infinite.
+__device__ __forceinline__ int stage_half_exponent(float m) {
+    return (m > 0.0f && m <= 3.4e38f) ? min(max(ilogbf(m) - 14, -110), 110) : 0;
+}
+__device__ __forceinline__ float stage_pow2(int e) { return __int_as_float((127 + e) << 23); }
+
+// A row held in shared memory for chunking: element k at stage_smem_index(k), element m of group g
+// XOR-ed within the group by bits 2 and 4 chosen by g mod 4 (float4 runs of 4 elements stay whole),
+// so that a warp's chunk reads below — 4 groups × 8 chunks, each read at the same offsets of its
+// group — fall on 32 banks instead of 8.
+__device__ __forceinline__ int stage_smem_index(int k) {
+    const int g = k >> 6;
+    return k ^ (((g & 1) << 2) | ((g & 2) << 3));
+}
+
+// Staged columns 8c .. 8c + 7 (c < 8) of group g of a row held at `row` (stage_smem_index's layout),
+// each times `down` (2^-e) rounded to f16: column 16s + 8h + 2q + e' holds element 16q + 8h + 4e' + s
+// (stage_column's inverse), for s = c / 2, h = c % 2.
+__device__ __forceinline__ uint4 stage_half_chunk(const float* row, int g, int c, float down) {
+    const int s = c >> 1, h = c & 1, sw = ((g & 1) << 2) | ((g & 2) << 3);
+    const float* gp = row + 64 * g;
+    uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const float lo = gp[(16 * q + 8 * h + s) ^ sw], hi = gp[(16 * q + 8 * h + 4 + s) ^ sw];
+        w[q] = (uint32_t)__half_as_ushort(__float2half_rn(lo * down)) | ((uint32_t)__half_as_ushort(__float2half_rn(hi * down)) << 16);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
