@@ -857,14 +857,16 @@ fn gdn_mixer(
         // where the projection stages x in the half numerics, the norm writes that staging itself.
         let d = GdnDims::from_config(cfg);
         let z = a.in_proj.slice(z_at..);
-        dev.mark("gdn.norm", 12 * (t * d.value_dim()) as u64, 0)?;
         let o = prefill_opts();
+        let n = (t * d.value_dim()) as u64;
         if t > 1 && gdn_norm_stages() && gemm::takes_prestaged_half(&g.out, o) && gdn::gated_norm_stage_fits(&d) {
+            dev.mark("gdn.norm", 10 * n, 0)?; // rule output and z in, f16 out
             let st = gemm_wgmma::prestage_half(dev, &a.normed_rule, t, d.value_dim())?;
             gdn::gated_rmsnorm_staged(dev, &d, t, &a.rule, &z, z_stride, &g.norm, cfg.rms_norm_eps, &st)?;
             mark_linear(dev, "gdn.out_proj", &g.out, t)?;
             return gemm::gemm_with(dev, &g.out, 0, &a.normed_rule, t, &mut a.mix, gemm::Opts { x_staged_only: true, ..o }); // [T, H]
         }
+        dev.mark("gdn.norm", 12 * n, 0)?;
         gdn::gated_rmsnorm_with(dev, &d, t, &a.rule, &z, z_stride, &g.norm, cfg.rms_norm_eps, &mut a.normed_rule)?;
     }
     mark_linear(dev, "gdn.out_proj", &g.out, t)?;

@@ -554,17 +554,19 @@ pub fn stage_half<X: DevicePtr<f32>>(dev: &Device, x: &X, rows: usize, cols: usi
 
 /// Where a producer kernel writes x's half-numerics staging itself ([`prestage_half`]): the f16 plane
 /// [rows, cols] (columns permuted within each group of 64, kernels/stage_half.cuh) and the rows' scales
-/// 2^e [rows].
+/// 2^e [rows]. Made only by [`prestage_half`] or [`HalfStage::into_buffers`], so its addresses are
+/// checked ones.
 #[derive(Clone, Copy, Debug)]
 pub struct HalfStage {
-    pub plane: u64,
-    pub scales: u64,
-    pub rows: usize,
-    pub cols: usize,
+    pub(crate) plane: u64,
+    pub(crate) scales: u64,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
 }
 
 impl HalfStage {
-    /// Into caller-owned buffers (tests): `plane` [rows·cols], `scales` [rows].
+    /// Into caller-owned buffers (tests): `plane` [rows·cols], `scales` [rows], which must outlive
+    /// every launch that writes through it.
     pub fn into_buffers<P: DevicePtrMut<u16>, S: DevicePtrMut<f32>>(dev: &Device, plane: &mut P, scales: &mut S, rows: usize, cols: usize) -> Result<HalfStage> {
         if rows == 0 || !cols.is_multiple_of(GROUP) || cols == 0 || plane.len() < rows * cols || scales.len() < rows {
             return Err(CudaError::Shape(format!("half stage: {rows} rows of {cols} into a plane of {} and {} scales", plane.len(), scales.len())));
