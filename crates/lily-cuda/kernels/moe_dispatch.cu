@@ -29,13 +29,17 @@
 // 32; rmsnorm.cu's launch), each thread its vectors c = tid, tid + blockDim, ...: out[t] += the sum as
 // above (accumulate), then normed[t] = out[t] · (1 / sqrt(mean(out[t]²) + eps)) · norm_w, the squares
 // summed and the product formed as rmsnorm.cu's kernel does for the same launch: bit for bit the
-// combine into a buffer followed by rmsnorm's residual add and norm.
+// combine into a buffer followed by rmsnorm's residual add and norm. moe_combine_norm_{f32,
+// bf16}_v4_stage: the normed rows written only as the next GEMM's staged x (the half numerics,
+// stage_half.cuh: the row in shared memory, its largest |value| setting its scale, 16-byte chunks of
+// the f16 plane into `normed`, the scales into `scales`): the same bits as the norm then the stager.
 
 #include <stdint.h>
 #include "pdl.cuh"
 #include "bf16.cuh"
 #include "reduce.cuh"
 #include "rms_vec.cuh"
+#include "stage_half.cuh"
 
 constexpr int PLAN_THREADS = 256;
 constexpr int PLAN_WARPS = PLAN_THREADS / 32;
@@ -166,9 +170,10 @@ struct MoeCombineParams {
     int gate_stride; // between tokens' gate logits (1, or E + 1 in the rows of a router fused with the gate)
     // moe_combine_norm* only: out is the residual stream (out += the sum), then normed = RMSNorm(out)·norm_w.
     const float* norm_w;  // [h]
-    float* normed;        // [t, h]
+    float* normed;        // [t, h] (the _stage kernels: the f16 plane's bits [t, h])
     float eps;
     int pad_;
+    float* scales;        // the _stage kernels: [t] 2^e
 };
 
 // glibc's expf (sysdeps/ieee754/flt-32/e_expf.c, the FMA build), every double op rounded as there.
@@ -311,7 +316,7 @@ __device__ __forceinline__ void moe_combine(const MoeCombineParams& p) {
 }
 
 // One token a block (blockIdx.x), vectors c = tid + i·blockDim (see the header).
-template <int V, bool YB16>
+template <int V, bool YB16, bool STAGE = false>
 __device__ __forceinline__ void moe_combine_norm(const MoeCombineParams& p) {
     using T = typename CVec<V>::T;
     __shared__ uint32_t key[MAX_K];
@@ -334,14 +339,40 @@ __device__ __forceinline__ void moe_combine_norm(const MoeCombineParams& p) {
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)p.h + p.eps);
     const T* w = reinterpret_cast<const T*>(p.norm_w);
-    T* y = reinterpret_cast<T*>(p.normed) + (long long)tok * nv;
-    for (int c = threadIdx.x; c < nv; c += blockDim.x) y[c] = RmsVec<V>::norm(o[c], inv, w[c]);
+    if constexpr (!STAGE) {
+        T* y = reinterpret_cast<T*>(p.normed) + (long long)tok * nv;
+        for (int c = threadIdx.x; c < nv; c += blockDim.x) y[c] = RmsVec<V>::norm(o[c], inv, w[c]);
+    } else {
+        static_assert(V == 4, "the staged form is the float4 one");
+        extern __shared__ float srow[];  // [h], stage_smem_index's layout
+        __shared__ float red[32];
+        float m = 0.0f;
+        for (int c = threadIdx.x; c < nv; c += blockDim.x) {
+            const float4 v = RmsVec<4>::norm(o[c], inv, w[c]);
+            *reinterpret_cast<float4*>(srow + stage_smem_index(4 * c)) = v;
+            m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        }
+#pragma unroll
+        for (int o2 = 16; o2 > 0; o2 >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o2));
+        const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+        if (lane == 0) red[threadIdx.x >> 5] = m;
+        __syncthreads();  // also publishes srow
+        m = red[0];
+        for (int i = 1; i < nw; ++i) m = fmaxf(m, red[i]);
+        const int e = stage_half_exponent(m);
+        const float down = stage_pow2(-e);
+        uint4* out = reinterpret_cast<uint4*>(p.normed) + (long long)tok * (p.h >> 3);
+        for (int i = threadIdx.x; i < (p.h >> 3); i += blockDim.x) out[i] = stage_half_chunk(srow, i >> 3, i & 7, down);
+        if (threadIdx.x == 0) p.scales[tok] = stage_pow2(e);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm_f32(const MoeCombineParams p) { moe_combine_norm<1, false>(p); }
 extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm_f32_v4(const MoeCombineParams p) { moe_combine_norm<4, false>(p); }
 extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm_bf16(const MoeCombineParams p) { moe_combine_norm<1, true>(p); }
 extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm_bf16_v4(const MoeCombineParams p) { moe_combine_norm<4, true>(p); }
+extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm_f32_v4_stage(const MoeCombineParams p) { moe_combine_norm<4, false, true>(p); }
+extern "C" __global__ void __launch_bounds__(1024) moe_combine_norm_bf16_v4_stage(const MoeCombineParams p) { moe_combine_norm<4, true, true>(p); }
 
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32(const MoeCombineParams p) { moe_combine<1, false>(p); }
 extern "C" __global__ void __launch_bounds__(COMBINE_THREADS) moe_combine_f32_v4(const MoeCombineParams p) { moe_combine<4, false>(p); }

@@ -165,6 +165,9 @@ struct Activations {
     step_pos: CudaSlice<i32>, // decode: [pos, pos + 1] (read by the captured graph)
     x: CudaSlice<f32>,      // [T, H] residual stream
     normed: CudaSlice<f32>, // [T, H]
+    /// A prompt chunk's a.normed was written only as the next GEMM's staged x (by the MoE combine,
+    /// `gemm_wgmma::prestage_half`): its first GEMM takes it with `x_staged_only` ([`normed_opts`]).
+    normed_staged: bool,
     mix: CudaSlice<f32>,    // [T, H] mixer output
     mlp: CudaSlice<f32>,    // [T, H] MLP output
     // Gated DeltaNet
@@ -683,8 +686,15 @@ impl CudaModel {
                     // The norm after this block: the next layer's input norm, or the final norm.
                     let next_norm = layers.get(li + 1).map_or(&*final_norm, |n| &n.input_norm);
                     let then_norm = moe_norm_fused().then_some((next_norm, eps));
-                    moe(dev, cfg, router, router_plus.as_ref(), experts, shared, a, t, then_norm)?;
+                    // The combine writes the next layer's first GEMM's staged x itself where it can.
+                    let stage = then_norm.is_some()
+                        && t > 1
+                        && moe_combine_stages()
+                        && moe_dispatch::combine_stage_fits(h as usize)
+                        && layers.get(li + 1).is_some_and(|n| takes_staged_normed(&n.mixer));
+                    moe(dev, cfg, router, router_plus.as_ref(), experts, shared, a, t, then_norm, stage)?;
                     normed_next = then_norm.is_some();
+                    a.normed_staged = stage;
                 }
                 DevMlp::Dense(m) => {
                     mark_swiglu(dev, "mlp.gate_up", &m.gate, 1, t)?;
@@ -939,13 +949,14 @@ fn gdn_gated_rule(
         }
         (None, Some(fw)) => {
             mark_linear(dev, "gdn.in_proj", fw, t)?;
-            linear(dev, fw, &a.normed, t, &mut a.in_proj)?; // [T, qkv | z | b | a]
+            let o = normed_opts(a);
+            linear_with(dev, fw, &a.normed, t, &mut a.in_proj, o)?; // [T, qkv | z | b | a]
         }
         (None, None) => {
             for (i, w) in [&g.qkv, &g.z, &g.b, &g.a].into_iter().enumerate() {
                 mark_linear(dev, "gdn.in_proj", w, t)?;
                 // The last three read the same a.normed: its staged copy is reused.
-                let o = if i == 0 { prefill_opts() } else { reuse_x() };
+                let o = if i == 0 { normed_opts(a) } else { reuse_x() };
                 linear_with(dev, w, &a.normed, t, &mut a.in_proj.slice_mut(off[i]..), o)?;
             }
         }
@@ -1005,11 +1016,12 @@ fn attn_mixer(
     cap: usize,
 ) -> Result<()> {
     let dims = attn_dims(cfg);
+    let first = normed_opts(a); // a prompt chunk's q projection
     let gate = if dims.gated { Some(&mut a.gate) } else { None };
     let Some(f) = dec.filter(|_| t == 1) else {
         let AtPos::Host(pos0) = at else { return Err(CudaError::Shape("a device-side position takes one token".into())) };
         mark_linear(dev, "attn.qkv", &w.q, t)?;
-        linear(dev, &w.q, &a.normed, t, &mut a.qg)?; // [T, nh·hd·(1+gate)]
+        linear_with(dev, &w.q, &a.normed, t, &mut a.qg, first)?; // [T, nh·hd·(1+gate)]
         mark_linear(dev, "attn.qkv", &w.k, t)?;
         linear_reuse(dev, &w.k, &a.normed, t, &mut a.k)?; // [T, kvh·hd]
         mark_linear(dev, "attn.qkv", &w.v, t)?;
@@ -1120,6 +1132,7 @@ fn moe(
     a: &mut Activations,
     t: usize,
     then_norm: Option<(&CudaSlice<f32>, f32)>,
+    stage: bool,
 ) -> Result<()> {
     let (h, e, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
     let router_plus = router_plus.filter(|_| !matches!(shared, Shared::None));
@@ -1175,7 +1188,7 @@ fn moe(
         shared: shared_mlp.map(|_| (&*shared_out, &gate_logits)),
         gate_stride,
         into: match then_norm {
-            Some((w, eps)) => CombineInto::Norm { x, w, eps, normed },
+            Some((w, eps)) => CombineInto::Norm { x, w, eps, normed, stage },
             None => CombineInto::Mlp(mlp),
         },
     };
@@ -1201,8 +1214,9 @@ struct Combine<'a, G: DevicePtr<f32>> {
 enum CombineInto<'a> {
     /// The MoE's output rows [T, H] (a.mlp).
     Mlp(&'a mut CudaSlice<f32>),
-    /// Added into the residual stream x [T, H], which the next RMSNorm (weight w) writes into `normed`.
-    Norm { x: &'a mut CudaSlice<f32>, w: &'a CudaSlice<f32>, eps: f32, normed: &'a mut CudaSlice<f32> },
+    /// Added into the residual stream x [T, H], which the next RMSNorm (weight w) writes into `normed`
+    /// — or, with `stage`, only into the next GEMM's staged copy of `normed` (`prestage_half`).
+    Norm { x: &'a mut CudaSlice<f32>, w: &'a CudaSlice<f32>, eps: f32, normed: &'a mut CudaSlice<f32>, stage: bool },
 }
 
 /// The routed experts' down projection of `act` [T·k, I] into the slots' rows y [T·k, H] (f32, or bf16
@@ -1221,12 +1235,23 @@ fn down_and_combine<E: crate::ops::Act, Y: DevicePtr<E> + DevicePtrMut<E>, G: De
     c: Combine<'_, G>,
 ) -> Result<()> {
     gemm::grouped_gemm_with(dev, down, offsets, None, act, t * k, y, routed)?; // [T·k, H]
-    let (y_bytes, extra) = (if E::BF16 { 2 } else { 4 }, if matches!(c.into, CombineInto::Norm { .. }) { 8 } else { 0 });
+    let (y_bytes, extra) = (
+        if E::BF16 { 2 } else { 4 },
+        match c.into {
+            CombineInto::Norm { stage: true, .. } => 6,
+            CombineInto::Norm { .. } => 8,
+            CombineInto::Mlp(_) => 0,
+        },
+    );
     // Bytes: y, shared, out (f32), and with the norm x read and normed written too.
     dev.mark("moe.combine", (y_bytes * (t * k) as u64 + (8 + extra) * t as u64) * h as u64, 2 * (t * (k + 1) * h) as u64)?;
     let (idx, slot_of, w) = (c.idx, Some(c.slot_of), c.route_w);
     match c.into {
-        CombineInto::Norm { x, w: nw, eps, normed } => moe_dispatch::combine_norm(dev, &*y, idx, slot_of, w, c.shared, c.gate_stride, t, k, h, x, nw, eps, normed),
+        CombineInto::Norm { x, w: nw, eps, normed, stage: true } => {
+            let st = gemm_wgmma::prestage_half(dev, &*normed, t, h)?;
+            moe_dispatch::combine_norm_staged(dev, &*y, idx, slot_of, w, c.shared, c.gate_stride, t, k, h, x, nw, eps, &st)
+        }
+        CombineInto::Norm { x, w: nw, eps, normed, stage: false } => moe_dispatch::combine_norm(dev, &*y, idx, slot_of, w, c.shared, c.gate_stride, t, k, h, x, nw, eps, normed),
         CombineInto::Mlp(out) => moe_dispatch::combine_with(dev, &*y, idx, slot_of, w, c.shared, c.gate_stride, t, k, h, out, false),
     }
 }
@@ -1375,6 +1400,31 @@ fn moe_norm_fused() -> bool {
 fn moe_out_bf16() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("LILY_MOE_OUT").map(|v| v != "f32").unwrap_or(true))
+}
+
+/// The options of a prompt chunk's first GEMM on a.normed: `x_staged_only` when the MoE combine
+/// before it wrote a.normed only as that GEMM's staged x (the flag is consumed).
+fn normed_opts(a: &mut Activations) -> gemm::Opts {
+    let staged = std::mem::take(&mut a.normed_staged);
+    gemm::Opts { x_staged_only: staged, ..prefill_opts() }
+}
+
+/// Whether a layer's first prompt-chunk GEMM on a.normed takes x staged by its producer: the GDN
+/// input projection (fused, or its qkv part) or the attention q projection, in the half numerics.
+fn takes_staged_normed(m: &DevMixer) -> bool {
+    let w = match m {
+        DevMixer::Gdn(g) => g.in_fused.as_ref().unwrap_or(&g.qkv),
+        DevMixer::Attn(at) => &at.q,
+    };
+    gemm::takes_prestaged_half(w, prefill_opts())
+}
+
+/// Whether a prompt chunk's MoE combine writes the next layer's staged x itself (where that layer's
+/// first GEMM takes it): the default; `LILY_COMBINE=separate` writes the f32 normed rows for the GEMM
+/// to stage (A/B runs; read once).
+fn moe_combine_stages() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_COMBINE").map(|v| v != "separate").unwrap_or(true))
 }
 
 /// Whether a prompt chunk's gated norm writes the output projection's staged x itself (where the
@@ -1631,6 +1681,7 @@ impl Activations {
                 moe_barrier,
                 pick_mask,
                 pick_mask_host: vec![0; v.div_ceil(32)],
+                normed_staged: false,
             },
             bytes,
         ))

@@ -60,14 +60,17 @@ struct MoeCombineParams {
     normed: u64,
     eps: f32,
     pad_: i32,
+    scales: u64,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for MoeCombineParams {}
 
 pub(crate) const KERNELS: &[&str] =
-    &["moe_plan_rank", "moe_plan_scan", "moe_plan_scatter", "moe_combine_f32", "moe_combine_f32_v4", "moe_combine_bf16", "moe_combine_bf16_v4", NORM_KERNELS[0], NORM_KERNELS[1], NORM_KERNELS[2], NORM_KERNELS[3]];
+    &["moe_plan_rank", "moe_plan_scan", "moe_plan_scatter", "moe_combine_f32", "moe_combine_f32_v4", "moe_combine_bf16", "moe_combine_bf16_v4", NORM_KERNELS[0], NORM_KERNELS[1], NORM_KERNELS[2], NORM_KERNELS[3], NORM_STAGE_KERNELS[0], NORM_STAGE_KERNELS[1]];
 /// The combine fused with the next RMSNorm: (f32, bf16 y) × (scalar, float4).
 const NORM_KERNELS: [&str; 4] = ["moe_combine_norm_f32", "moe_combine_norm_f32_v4", "moe_combine_norm_bf16", "moe_combine_norm_bf16_v4"];
+/// The same writing the normed rows as the next GEMM's staged x: (f32, bf16 y), float4.
+const NORM_STAGE_KERNELS: [&str; 2] = ["moe_combine_norm_f32_v4_stage", "moe_combine_norm_bf16_v4_stage"];
 
 /// The u32 scratch [`plan`] needs for `t` tokens, `k` experts each, of `e`: one count per expert
 /// for each block of 1024 slots, `ceil(t·k / 1024) · e` (at least `e`).
@@ -259,12 +262,98 @@ where
     N: DevicePtr<f32>,
     O: DevicePtrMut<f32>,
 {
-    let norm_w = addr(dev, norm_w, h, "moe combine norm weight")?;
     let normed = addr_mut(dev, normed, t * h, "moe combine normed")?;
+    combine_norm_into(dev, y, idx, slot_of, w, shared, gate_stride, t, k, h, x, norm_w, eps, normed, None)
+}
+
+/// [`combine_norm`] with the normed rows written only as the next GEMM's staged x (`st`, from
+/// `gemm_wgmma::prestage_half` for that GEMM: [t, h] in the half numerics, the same bits as staging
+/// [`combine_norm`]'s output). Needs [`combine_stage_fits`] and 16-byte aligned x, norm weight and
+/// shared rows.
+#[allow(clippy::too_many_arguments)]
+pub fn combine_norm_staged<E, Y, I, L, W, S, G, X, N>(
+    dev: &Device,
+    y: &Y,
+    idx: &I,
+    slot_of: Option<&L>,
+    w: &W,
+    shared: Option<(&S, &G)>,
+    gate_stride: usize,
+    t: usize,
+    k: usize,
+    h: usize,
+    x: &mut X,
+    norm_w: &N,
+    eps: f32,
+    st: &super::gemm_wgmma::HalfStage,
+) -> Result<()>
+where
+    E: super::Act,
+    Y: DevicePtr<E>,
+    I: DevicePtr<u32>,
+    L: DevicePtr<u32>,
+    W: DevicePtr<f32>,
+    S: DevicePtr<f32>,
+    G: DevicePtr<f32>,
+    X: DevicePtrMut<f32>,
+    N: DevicePtr<f32>,
+{
+    if !combine_stage_fits(h) || st.rows != t || st.cols != h {
+        return Err(CudaError::Shape(format!("moe combine_norm_staged: {t} rows of {h} into a staging of {} × {}", st.rows, st.cols)));
+    }
+    combine_norm_into(dev, y, idx, slot_of, w, shared, gate_stride, t, k, h, x, norm_w, eps, st.plane, Some(st.scales))
+}
+
+/// Whether [`combine_norm_staged`] takes rows of `h`: a multiple of 64 whose f32 row fits 48 KiB of
+/// shared memory.
+pub fn combine_stage_fits(h: usize) -> bool {
+    h > 0 && h.is_multiple_of(64) && 4 * h <= 48 * 1024
+}
+
+/// [`combine_norm`] into `normed` (f32 rows), or with `scales` into a staged x's plane at `normed`.
+#[allow(clippy::too_many_arguments)]
+fn combine_norm_into<E, Y, I, L, W, S, G, X, N>(
+    dev: &Device,
+    y: &Y,
+    idx: &I,
+    slot_of: Option<&L>,
+    w: &W,
+    shared: Option<(&S, &G)>,
+    gate_stride: usize,
+    t: usize,
+    k: usize,
+    h: usize,
+    x: &mut X,
+    norm_w: &N,
+    eps: f32,
+    normed: u64,
+    scales: Option<u64>,
+) -> Result<()>
+where
+    E: super::Act,
+    Y: DevicePtr<E>,
+    I: DevicePtr<u32>,
+    L: DevicePtr<u32>,
+    W: DevicePtr<f32>,
+    S: DevicePtr<f32>,
+    G: DevicePtr<f32>,
+    X: DevicePtrMut<f32>,
+    N: DevicePtr<f32>,
+{
+    let norm_w = addr(dev, norm_w, h, "moe combine norm weight")?;
     let Some(mut p) = combine_params(dev, y, idx, slot_of, w, shared, gate_stride, t, k, h, x, true)? else { return Ok(()) };
     (p.norm_w, p.normed, p.eps) = (norm_w, normed, eps);
     let aligned = p.y.is_multiple_of(if E::BF16 { 8 } else { 16 }) && [p.shared, p.out, p.norm_w, p.normed].iter().all(|a| a.is_multiple_of(16));
     let vec = h.is_multiple_of(4) && aligned;
+    if let Some(sc) = scales {
+        if !vec {
+            return Err(CudaError::Shape("moe combine_norm_staged: x, the norm weight, the shared rows and the plane must be 16-byte aligned".into()));
+        }
+        p.scales = sc;
+        let threads = (h / 4).div_ceil(32).clamp(1, 32) as u32 * 32;
+        let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 4 * h as u32 };
+        return launch(dev, NORM_STAGE_KERNELS[E::BF16 as usize], cfg, &p);
+    }
     let name = NORM_KERNELS[2 * E::BF16 as usize + vec as usize];
     // rmsnorm.cu's launch: one block a row, ceil(vectors / 32) warps, at most 32.
     let per = if vec { h / 4 } else { h };
