@@ -420,13 +420,14 @@ impl Opts {
 /// Whether [`gemm_with`] of matrix `w` with `o` runs on the wgmma tiles in the half numerics, so that
 /// it takes x staged by its producer ([`super::gemm_wgmma::prestage_half`], then `x_staged_only`): 4-bit
 /// group-64 weights (a plain GEMM), [`Precision::Half`], the automatic tile, the wgmma kernels not
-/// switched off. `run` selects by the same test ([`half_on_wgmma`]).
+/// switched off. `run` chooses those tiles by the same function ([`half_on_wgmma`]).
 pub fn takes_prestaged_half(w: &DeviceMatrix, o: Opts) -> bool {
-    o.tile == Tile::Auto && o.experts.is_none() && w.cols.is_multiple_of(super::gemm_wgmma::GROUP) && half_on_wgmma(w, o.precision, false)
+    o.tile == Tile::Auto && o.experts.is_none() && half_on_wgmma(w, o.precision, false)
 }
 
-/// Whether `Tile::Auto` takes the wgmma kernels in the half numerics for `w` (not the 8-bit router's
-/// folded path, not `LILY_GEMM=mma`).
+/// Whether `Tile::Auto` takes the wgmma kernels in the half numerics for `w` asked in `precision`
+/// (`q8_plain`: 8-bit codes in a plain GEMM, the router, which takes them only with
+/// `LILY_ROUTER_WGMMA=1`); not with `LILY_GEMM=mma`.
 fn half_on_wgmma(w: &DeviceMatrix, precision: Precision, q8_plain: bool) -> bool {
     let g64 = w.group_size() == Some(super::gemm_wgmma::GROUP);
     let half = precision == Precision::Half && !(q8_plain && router_path() != RouterPath::Half);
@@ -752,9 +753,9 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
     }
     let wg_tiles = rows.div_ceil(if w2.is_some() { super::gemm_wgmma::BW / 2 } else { super::gemm_wgmma::BW });
     let wg_auto = wg_ok && gemm_switch() != GemmSwitch::Mma && (w.bits() == 4 || router_path() != RouterPath::Mma);
-    debug_assert_eq!(wg_auto && precision == Precision::Half, half_on_wgmma(w, asked, q8_plain), "takes_prestaged_half's test drifted from run's");
     let tile = match tile {
-        Tile::Auto if wg_auto && precision == Precision::Half => match half_tile(dev, grouped, t, experts, wg_tiles) {
+        // The test `takes_prestaged_half` makes (on the precision asked: the router's Half is Exact here).
+        Tile::Auto if half_on_wgmma(w, asked, q8_plain) => match half_tile(dev, grouped, t, experts, wg_tiles) {
             Tile::Wg128 if w.bits() == 4 && (!grouped || experts <= super::gemm_wgmma::WS_MAX_EXPERTS) => {
                 wide_half_tile(dev, grouped, w2.is_some(), t, experts, wg_tiles)
             }

@@ -461,6 +461,13 @@ pub(crate) fn stage_bytes(x_rows: usize, cols: usize, planes: usize) -> usize {
     planes * (x_rows * cols * 2).next_multiple_of(256) + x_rows * (cols / GROUP) * 4
 }
 
+/// Where a staging of `x_rows` rows of `cols` in `planes` planes lies in the buffer at `base`: the hi
+/// plane, the lo plane (0 with one plane) and the sums or scales after the planes (stage_bytes's layout).
+fn stage_addrs(base: u64, x_rows: usize, cols: usize, planes: usize) -> (u64, u64, u64) {
+    let plane_bytes = (x_rows * cols * 2).next_multiple_of(256) as u64;
+    (base, if planes == 2 { base + plane_bytes } else { 0 }, base + planes as u64 * plane_bytes)
+}
+
 /// The device's staging buffer and the x it holds: (x address, rows, columns, numerics) of the last
 /// staging, `None` when the buffer is new.
 #[derive(Default)]
@@ -591,7 +598,8 @@ pub fn prestage_half<X: DevicePtr<f32>>(dev: &Device, x: &X, rows: usize, cols: 
     let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
     let base = reserve_in(dev, &mut stage, stage_bytes(rows, cols, 1))?;
     stage.holds = Some((xp, rows, cols, Num::Half));
-    Ok(HalfStage { plane: base, scales: base + (rows * cols * 2).next_multiple_of(256) as u64, rows, cols })
+    let (plane, _, scales) = stage_addrs(base, rows, cols, 1);
+    Ok(HalfStage { plane, scales, rows, cols })
 }
 
 /// Marks the staging buffer as holding no x (a GEMM call that stages nothing ran since).
@@ -633,7 +641,6 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     debug_assert!(ws.is_none() || experts <= WS_MAX_EXPERTS, "gemm::run refuses the warp-specialised tiles past WS_MAX_EXPERTS");
     let groups = c.cols / GROUP;
     let planes = num.planes();
-    let plane_bytes = (c.x_rows * c.cols * 2).next_multiple_of(256);
     let key = (c.x, c.x_rows, c.cols, num);
     let (base, staged) = {
         let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
@@ -650,7 +657,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         }
         (base, staged)
     };
-    let (hi, lo, sums) = (base, if planes == 2 { base + plane_bytes as u64 } else { 0 }, base + (planes * plane_bytes) as u64);
+    let (hi, lo, sums) = stage_addrs(base, c.x_rows, c.cols, planes);
 
     if !staged {
         let sp = StageParams { x: c.x, hi, lo, sums, rows: c.x_rows as i64, cols: c.cols as i32 };
