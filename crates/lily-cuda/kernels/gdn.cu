@@ -603,10 +603,14 @@ __device__ __forceinline__ void gdn_step(const GdnStepParams& p) {
 //     from shared memory by every block of the cluster (a 1/(blocks) share each);
 //   - the last cluster barrier (shared memory's lifetime only) arrives relaxed: no fence.
 // The same maths in the same order as gdn_step. Shared memory: the block's n = 2·Dk + Dv/S channels
-// (q | k | its v) as Y [n] (after the conv) | W [n, K] | H [K-1, n] | X [n].
-template <int NR>
+// (q | k | its v) as Y [n] (after the conv) | W [n, K] | H [K-1, n] | X [n]. WIDE (gdn_step_b_r*): those
+// copies 16 bytes each where the shapes allow (K = 4: a channel's taps one chunk; runs of channels in
+// multiples of 4), else, and in gdn_step_bn_r* (the first form, for A/B runs), 4 bytes each (the
+// twenty-fourth session's source view: the 4-byte copies and their index divisions, 28% of the step's
+// stall samples).
+template <int NR, bool WIDE>
 __device__ __forceinline__ void gdn_step_batched(const GdnStepParams& p) {
-    extern __shared__ float step_smem[];
+    extern __shared__ __align__(16) float step_smem[];  // 16-byte aligned for the wide copies
     __shared__ float ss_part;
     constexpr int RG = 4;
     const int S = p.slices;
@@ -634,15 +638,30 @@ __device__ __forceinline__ void gdn_step_batched(const GdnStepParams& p) {
     float* St = p.state + (long long)j * dk * dv;
     float s[NR];
 
+    // 16-byte copies where every run of channels and every row starts on 16 bytes (the model's shapes:
+    // K = 4, so a channel's taps are one chunk; q, k and the v columns in runs of multiples of 4), else 4.
+    const bool wide = WIDE && K == 4 && dk % 4 == 0 && cols % 4 == 0 && dv % 4 == 0 && (reinterpret_cast<uintptr_t>(p.x) & 15) == 0 &&
+                      (reinterpret_cast<uintptr_t>(p.conv_w) & 15) == 0 && (reinterpret_cast<uintptr_t>(p.conv_state) & 15) == 0;
+
     // Before the PDL wait: what no predecessor writes.
-    for (int e = tid; e < n * K; e += bd) cp_async4(smem_addr(W + e), p.conv_w + chan(e / K) * K + e % K, true);
-    for (int e = tid; e < hist * n; e += bd) cp_async4(smem_addr(H + e), p.conv_state + (e / n) * C + chan(e % n), true);
+    if (wide) {
+        for (int i = tid; i < n; i += bd) cp_async16(smem_addr(W + 4 * i), p.conv_w + chan(i) * 4, true);
+        for (int t = 0; t < hist; ++t)
+            for (int i = 4 * tid; i < n; i += 4 * bd) cp_async16(smem_addr(H + t * n + i), p.conv_state + t * C + chan(i), true);
+    } else {
+        for (int e = tid; e < n * K; e += bd) cp_async4(smem_addr(W + e), p.conv_w + chan(e / K) * K + e % K, true);
+        for (int e = tid; e < hist * n; e += bd) cp_async4(smem_addr(H + e), p.conv_state + (e / n) * C + chan(e % n), true);
+    }
     gdn_step_state<RG>(s, St, rg, col, active, dk, dv);
     const float a_log = p.a_log[j], dt_bias = p.dt_bias[j];
     const float nw = owner ? p.norm_w[col] : 0.0f;
     pdl_wait();
     pdl_launch_dependents();
-    for (int i = tid; i < n; i += bd) cp_async4(smem_addr(X + i), p.x + chan(i), true);
+    if (wide) {
+        for (int i = 4 * tid; i < n; i += 4 * bd) cp_async16(smem_addr(X + i), p.x + chan(i), true);
+    } else {
+        for (int i = tid; i < n; i += bd) cp_async4(smem_addr(X + i), p.x + chan(i), true);
+    }
     cp_async_commit_group();
     const float ga = p.a[j] + dt_bias, bv = p.b[j];
     const float zv = owner ? p.z[(long long)j * dv + col] : 0.0f;
@@ -706,7 +725,8 @@ __device__ __forceinline__ void gdn_step_batched(const GdnStepParams& p) {
 
 #define GDN_STEP_ENTRIES(NR)                                                                                                        \
     extern "C" __global__ void __launch_bounds__(512, 1) gdn_step_r##NR(const GdnStepParams p) { pdl_enter(); gdn_step<NR>(p); }      \
-    extern "C" __global__ void __launch_bounds__(256, 1) gdn_step_b_r##NR(const GdnStepParams p) { gdn_step_batched<NR>(p); }
+    extern "C" __global__ void __launch_bounds__(256, 1) gdn_step_b_r##NR(const GdnStepParams p) { gdn_step_batched<NR, true>(p); } \
+    extern "C" __global__ void __launch_bounds__(256, 1) gdn_step_bn_r##NR(const GdnStepParams p) { gdn_step_batched<NR, false>(p); }
 GDN_STEP_ENTRIES(2)
 GDN_STEP_ENTRIES(4)
 GDN_STEP_ENTRIES(8)

@@ -1466,11 +1466,13 @@ fn gdn_step_form() -> GdnStepForm {
 }
 
 /// How the one-kernel step issues its loads and stores (`gdn::StepLoads`): batched, or with
-/// `LILY_GDN_STEP=when_needed` each load where first needed (A/B runs; read once).
+/// `LILY_GDN_STEP=when_needed` each load where first needed, `narrow` batched with 4-byte copies (A/B
+/// runs; read once).
 fn gdn_step_loads() -> gdn::StepLoads {
     static LOADS: std::sync::OnceLock<gdn::StepLoads> = std::sync::OnceLock::new();
     *LOADS.get_or_init(|| match std::env::var("LILY_GDN_STEP").as_deref() {
         Ok("when_needed") => gdn::StepLoads::WhenNeeded,
+        Ok("narrow") => gdn::StepLoads::BatchedNarrow,
         _ => gdn::StepLoads::Batched,
     })
 }

@@ -159,6 +159,15 @@ const STEP_BATCHED: &[(usize, &str)] = &[
     (32, "gdn_step_b_r32"),
     (64, "gdn_step_b_r64"),
 ];
+/// The batched form with its copies 4 bytes each ([`StepLoads::BatchedNarrow`]).
+const STEP_BATCHED_NARROW: &[(usize, &str)] = &[
+    (2, "gdn_step_bn_r2"),
+    (4, "gdn_step_bn_r4"),
+    (8, "gdn_step_bn_r8"),
+    (16, "gdn_step_bn_r16"),
+    (32, "gdn_step_bn_r32"),
+    (64, "gdn_step_bn_r64"),
+];
 /// The most threads a block of the batched forms (their launch bound) and the dynamic shared memory
 /// they may ask for without opting in; shapes past either take [`StepLoads::WhenNeeded`].
 const BATCHED_THREADS: usize = 256;
@@ -174,14 +183,17 @@ pub enum StepLoads {
     /// Conv weights, conv state and the state columns loaded before the PDL wait, the token's inputs
     /// in one batch after it, the stores after the cluster's exchange, the q/k conv state shifted by
     /// every block of the cluster, the last cluster barrier without a fence (2026-12-06, seventeenth
-    /// session: the step's marginal 10.5 → 8.0 µs a layer at 4K on an H100).
+    /// session: the step's marginal 10.5 → 8.0 µs a layer at 4K on an H100); the conv weights, conv
+    /// state and x copied 16 bytes at a time where the shapes allow (K = 4, channel runs in fours).
     #[default]
     Batched,
+    /// `Batched` with every copy 4 bytes (its first form, for A/B runs).
+    BatchedNarrow,
 }
 
 impl StepLoads {
     /// Every form, for tests and A/B runs.
-    pub const ALL: [StepLoads; 2] = [StepLoads::WhenNeeded, StepLoads::Batched];
+    pub const ALL: [StepLoads; 3] = [StepLoads::WhenNeeded, StepLoads::Batched, StepLoads::BatchedNarrow];
 }
 
 /// Whether [`decode_step`] runs these dims in the batched form ([`StepLoads::Batched`]) rather than
@@ -214,6 +226,12 @@ pub(crate) const KERNELS: &[&str] = &[
     "gdn_step_b_r16",
     "gdn_step_b_r32",
     "gdn_step_b_r64",
+    "gdn_step_bn_r2",
+    "gdn_step_bn_r4",
+    "gdn_step_bn_r8",
+    "gdn_step_bn_r16",
+    "gdn_step_bn_r32",
+    "gdn_step_bn_r64",
     "gdn_conv_qk",
     "gdn_conv_qk_tiled",
     "gdn_conv_qk_warp_k4",
@@ -744,6 +762,7 @@ where
     let cols = dims.head_v_dim / slices;
     let (table, smem) = match loads {
         StepLoads::Batched if batched_takes(dims, cols) => (STEP_BATCHED, batched_smem(dims, cols)),
+        StepLoads::BatchedNarrow if batched_takes(dims, cols) => (STEP_BATCHED_NARROW, batched_smem(dims, cols)),
         _ => (STEP, 4 * (2 * dims.head_k_dim + cols)),
     };
     let &(_, name) = table.iter().find(|(nr, _)| 4 * nr >= dims.head_k_dim).expect("Dk ≤ MAX_DK checked");
