@@ -226,6 +226,54 @@ __device__ __forceinline__ void store_tile(const float (&acc)[MT][BT / 2], void*
     }
 }
 
+// store_tile's bf16 form without SwiGLU for a tile whose weight rows all exist, with rows a multiple of
+// 8 and y 16-byte aligned (the caller checks; store_tile otherwise): a warp's 16 rows (o0[m] − g ..
+// + 15) of 16 slots at a time go through `buf` (512 bytes of the warp's own shared memory) by one
+// transposing stmatrix, and leave as 16-byte stores of 8 consecutive outputs of one slot — 32 bytes a
+// slot a warp in two stores, where store_tile writes 2 bytes a store. The same values (each v = acc ·
+// scale(tok), rounded once to bf16), the same slots (those before m_end).
+// buf: 32 rows of 16 bytes, row 2·t + h holding slot t's outputs 8h .. 8h + 7, its halves swapped where
+// bit 2 of t is set (the eight rows one matrix writes then fall in distinct banks, as do the rows one
+// quarter-warp reads back).
+template <int MT, int BT, typename Scale, typename NanRow>
+__device__ __forceinline__ void store_tile16_rows(const float (&acc)[MT][BT / 2], void* y, int rows, int m_begin, int m_end, int lane,
+                                                  const int (&o0)[MT], uint32_t buf, Scale scale, NanRow nan_row) {
+    static_assert(BT % 16 == 0, "slots in pairs of 8-column fragments");
+    const int g = lane >> 2, q = lane & 3;
+    auto at = [&](int t, int h) { return buf + 16u * (uint32_t)(2 * t + (h ^ ((t >> 2) & 1))); };
+    const int wi = lane >> 3;  // stmatrix: lane 8i + c addresses column c of matrix i = (pair half i >> 1, output half i & 1)
+    const uint32_t waddr = at(8 * (wi >> 1) + (lane & 7), wi & 1);
+    const int rt = lane >> 1, rh = lane & 1;  // read back: slot rt of the 16, outputs 8·rh ..
+    const uint32_t raddr = at(rt, rh);
+    uint16_t* y16 = reinterpret_cast<uint16_t*>(y);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        const long long col = o0[m] - g + 8 * rh;
+#pragma unroll
+        for (int jp = 0; jp < BT / 16; ++jp) {
+            uint32_t r[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int j = 2 * jp + (i >> 1), h = i & 1;
+                uint32_t bits[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int tok = 8 * j + 2 * q + e;
+                    const float v = acc[m][4 * j + 2 * h + e] * scale(tok);
+                    bits[e] = bf16_bits(nan_row(tok) ? __int_as_float(0x7fc00000) : v);
+                }
+                r[i] = bits[0] | (bits[1] << 16);
+            }
+            __syncwarp();  // the previous round's reads of buf are done
+            stmatrix_x4_trans(waddr, r[0], r[1], r[2], r[3]);
+            __syncwarp();
+            const uint4 out = lds128(raddr);
+            const int slot = m_begin + 16 * jp + rt;
+            if (slot < m_end) *reinterpret_cast<uint4*>(y16 + (long long)slot * rows + col) = out;
+        }
+    }
+}
+
 // A persistent tile's slot `slot` (of those before m_end) in the epilogue: the 2^e of its staged row
 // (half numerics), NaN for a gathered row past x, 0 past the tile's slots.
 template <bool GROUPED>
@@ -380,7 +428,7 @@ __device__ __forceinline__ bool tile_slots(const WgParams& p, int& matrix, int& 
 // BT tokens × 64·WGS·MT weight rows (WGS warpgroups of 64·MT rows, MT m64 tiles each) in numerics NUM:
 // NUM_EXACT / NUM_BF16X fold each group (MT = 1, a ring of NS = STAGES); NUM_HALF accumulates across
 // groups in the MMA (a ring of NS stages, see the header).
-template <int BT, int MT, int NUM, int NS, int WGS, bool SWIGLU, bool GROUPED, int BITS = 4, bool OUT16 = false>
+template <int BT, int MT, int NUM, int NS, int WGS, bool SWIGLU, bool GROUPED, int BITS = 4, bool OUT16 = false, bool ROWS16 = false>
 __device__ __forceinline__ void wg_tile(const WgParams& p) {
     constexpr int NT = 128 * WGS;               // threads
     constexpr bool HALF = NUM == NUM_HALF;
@@ -405,6 +453,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     static_assert(NS >= 3, "the half ring needs a stage in use, one in flight and one filling");
     static_assert(BITS == 4 || (BITS == 8 && !SWIGLU && !GROUPED), "8-bit codes: the plain form");
     static_assert(!OUT16 || (HALF && GROUPED && !SWIGLU && BITS == 4), "bf16 outputs: the grouped 4-bit half form without SwiGLU");
+    static_assert(!ROWS16 || (OUT16 && STAGE >= NT / 32 * 512), "16-byte output rows: bf16 outputs, a ring stage holding every warp's 512 bytes");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned char bad[BT];           // gathered slot past x: a NaN output row
@@ -687,6 +736,15 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     }
     cp_async_wait_group<0>();
 
+    if constexpr (ROWS16) {
+        // Through the ring's stage of group nk: its last reader, group nk − NS, completed in every
+        // warpgroup before the last step's barrier, and no copy is in flight (each warp 512 bytes of it).
+        if ((rows & 7) == 0 && (n_tile + 1) * BW_OUT <= rows && (reinterpret_cast<uintptr_t>(p.y) & 15) == 0) {
+            store_tile16_rows<MT, BT>(acc, p.y, rows, m_begin, m_end, lane, o0, base + (nk % NSTAGE) * STAGE + (tid >> 5) * 512,
+                                      [&](int tok) { return tscale[tok]; }, [&](int tok) { return bad[tok] != 0; });
+            return;
+        }
+    }
     store_tile<MT, BT, SWIGLU, OUT16>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return HALF ? tscale[tok] : 1.0f; },
                                [&](int tok) { return bad[tok] != 0; });
 }
@@ -777,7 +835,7 @@ struct RingTile {
 // the consumers of both blocks have released it (each consumer warp arrives on both blocks' empty
 // barriers), so neither producer overwrites what the other block still reads.
 
-template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2, int N2 = 0, bool OUT16 = false, int CL = 1>
+template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2, int N2 = 0, bool OUT16 = false, int CL = 1, bool ROWS16 = false>
 __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xmap = nullptr) {
     constexpr int BH = 128;                      // tokens of the first part (an MMA's N)
     constexpr int BT = BH + N2;                  // tokens a tile
@@ -802,12 +860,14 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
     static_assert(CWG == 2 || (CWG == 4 && MT == 1), "two consumer warpgroups, or four of one m64 tile each");
     static_assert(N2 == 0 || ((N2 == 32 || N2 == 64 || N2 == 128) && MT == 1 && CWG == 2), "two-part tiles: two consumer warpgroups of one m64 tile");
     static_assert(!OUT16 || (GROUPED && !SWIGLU), "bf16 outputs: the grouped form without SwiGLU");
+    static_assert(!ROWS16 || (OUT16 && CWG == 2), "16-byte output rows: bf16 outputs, two consumer warpgroups");
     static_assert(CL == 1 || (CL == 2 && N2 == 128 && !GROUPED), "cluster pairs: the plain 256-token tiles"); 
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ __align__(8) uint64_t bars[2 * NS];   // full[s], then empty[s]
     __shared__ int tprefix[GROUPED ? 2 * THREADS + 1 : 1];
     __shared__ float tsc[2][BT];                 // the tile's slots' 2^e (NaN: a gathered row past x), by tile parity
+    __shared__ __align__(16) unsigned char obuf[ROWS16 ? 8 * 512 : 16];  // ROWS16: each consumer warp's output rows
     const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
     const uint32_t full0 = smem_addr(bars), empty0 = full0 + 8 * NS;
 
@@ -925,6 +985,8 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
         if (ct < BT) tsc[parity][ct] = slot_scale<GROUPED>(p, m_begin + ct, m_end);
         named_barrier_sync(1, 128 * CWG);
         const bool two = N2 > 0 && m_end - m_begin > BH;  // the second part's MMAs run
+        // ROWS16: the tile's outputs as 16-byte rows where its weight rows all exist (else one at a time).
+        const bool rows16 = ROWS16 && (rows & 7) == 0 && (n_tile + 1) * BW_OUT <= rows && (reinterpret_cast<uintptr_t>(p.y) & 15) == 0;
 
         int r0[MT], o0[MT], o1[MT];
         bool ok0[MT], ok1[MT];
@@ -1012,10 +1074,23 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
             }
 #pragma unroll
             for (int m = 0; m < MT; ++m) wgmma_pin(acc[m]);
+            if constexpr (BOTH) wgmma_pin(acc2[0]);
+            if constexpr (ROWS16) {
+                if (rows16) {
+                    const uint32_t buf = smem_addr(obuf) + (ct >> 5) * 512;
+                    store_tile16_rows<MT, BH>(acc, p.y, rows, m_begin, m_end, lane, o0, buf, [&](int tok) { return tsc[parity][tok]; },
+                                              [](int) { return false; });
+                    if constexpr (BOTH) {
+                        if (two)
+                            store_tile16_rows<1, N2>(acc2, p.y, rows, m_begin + BH, m_end, lane, o0, buf,
+                                                     [&](int tok) { return tsc[parity][BH + tok]; }, [](int) { return false; });
+                    }
+                    return;
+                }
+            }
             store_tile<MT, BH, SWIGLU, OUT16>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return tsc[parity][tok]; },
                                               [](int) { return false; });
             if constexpr (BOTH) {
-                wgmma_pin(acc2[0]);
                 if (two)
                     store_tile<1, N2, SWIGLU, OUT16>(acc2, p.y, rows, m_begin + BH, m_end, q, o0, o1, ok0, ok1,
                                                      [&](int tok) { return tsc[parity][BH + tok]; }, [](int) { return false; });
@@ -1264,10 +1339,11 @@ SS_ENTRY(gemm_wgmma_swiglu_ss256, true, false)
 SS_ENTRY(gemm_wgmma_grouped_ss256, false, true)
 SS_ENTRY(gemm_wgmma_grouped_swiglu_ss256, true, true)
 
-#define WS_ENTRY_T(name, MT, NS, SWIGLU, GROUPED, CWG, N2, OUT16)                                     \
+#define WS_ENTRY_T(name, MT, NS, SWIGLU, GROUPED, CWG, N2, OUT16) WS_ENTRY_R(name, MT, NS, SWIGLU, GROUPED, CWG, N2, OUT16, false)
+#define WS_ENTRY_R(name, MT, NS, SWIGLU, GROUPED, CWG, N2, OUT16, ROWS16)                             \
     extern "C" __global__ void __launch_bounds__(128 * (CWG + 1), 1) name(const WgParams p) {          \
         pdl_enter();                                                                                   \
-        wg_tile_ws<MT, NS, SWIGLU, GROUPED, CWG, N2, OUT16>(p);                                        \
+        wg_tile_ws<MT, NS, SWIGLU, GROUPED, CWG, N2, OUT16, 1, ROWS16>(p);                             \
     }
 #define WS_ENTRY(name, MT, NS, SWIGLU, GROUPED, CWG) WS_ENTRY_T(name, MT, NS, SWIGLU, GROUPED, CWG, 0, false)
 // _ws4: 256 weight rows as four consumer warpgroups of 64 (half the X traffic a FLOP of _ws128);
@@ -1282,9 +1358,12 @@ WS_FORM(gemm_wgmma_plain, false, false)
 WS_FORM(gemm_wgmma_swiglu, true, false)
 WS_FORM(gemm_wgmma_grouped, false, true)
 WS_FORM(gemm_wgmma_grouped_swiglu, true, true)
-// bf16 outputs (the MoE down projection) on the 256-token tile.
-WS_ENTRY_T(gemm_wgmma_grouped_ws128t256_o16, 1, 6, false, true, 2, 128, true)
-WS_ENTRY_T(gemm_wgmma_grouped_ws128t160_o16, 1, 9, false, true, 2, 32, true)
+// bf16 outputs (the MoE down projection) on the 256- and 160-token tiles: 16-byte rows through shared
+// memory (store_tile16_rows), and (_o16s) one output a store (store_tile; A/B runs).
+WS_ENTRY_R(gemm_wgmma_grouped_ws128t256_o16, 1, 6, false, true, 2, 128, true, true)
+WS_ENTRY_R(gemm_wgmma_grouped_ws128t160_o16, 1, 9, false, true, 2, 32, true, true)
+WS_ENTRY_R(gemm_wgmma_grouped_ws128t256_o16s, 1, 6, false, true, 2, 128, true, false)
+WS_ENTRY_R(gemm_wgmma_grouped_ws128t160_o16s, 1, 9, false, true, 2, 32, true, false)
 
 // The cluster pairs of 256-token tiles (plain forms): the staged plane's TMA descriptor beside the
 // parameters, in one __grid_constant__ parameter (a descriptor must sit in parameter, constant or global
@@ -1345,11 +1424,15 @@ WG_ENTRY8F(gemm_wgmma_plain_n64_p1_q8, 64, NUM_BF16X, 2)
 WG_ENTRY8F(gemm_wgmma_plain_n64_p2_q8, 64, NUM_EXACT, 2)
 
 // bf16 outputs (the MoE down projection's per-slot rows, which the combine reads back): the grouped
-// 4-bit half form on the 128- and 64-token tiles of 128 weight rows (variants n128_h128, n64_h128).
-#define WG_ENTRY16(name, BT, NS, MINB)                                                               \
+// 4-bit half form on the 128- and 64-token tiles of 128 weight rows (variants n128_h128, n64_h128),
+// written as 16-byte rows through shared memory (store_tile16_rows), and (_o16s) one output a store
+// (store_tile; A/B runs).
+#define WG_ENTRY16(name, BT, NS, MINB, ROWS16)                                                       \
     extern "C" __global__ void __launch_bounds__(256, MINB) name(const WgParams p) {                  \
         pdl_enter();                                                                                   \
-        wg_tile<BT, 1, NUM_HALF, NS, 2, false, true, 4, true>(p);                                      \
+        wg_tile<BT, 1, NUM_HALF, NS, 2, false, true, 4, true, ROWS16>(p);                              \
     }
-WG_ENTRY16(gemm_wgmma_grouped_n128_h128_o16, 128, 5, 2)
-WG_ENTRY16(gemm_wgmma_grouped_n64_h128_o16, 64, 4, 3)
+WG_ENTRY16(gemm_wgmma_grouped_n128_h128_o16, 128, 5, 2, true)
+WG_ENTRY16(gemm_wgmma_grouped_n64_h128_o16, 64, 4, 3, true)
+WG_ENTRY16(gemm_wgmma_grouped_n128_h128_o16s, 128, 5, 2, false)
+WG_ENTRY16(gemm_wgmma_grouped_n64_h128_o16s, 64, 4, 3, false)

@@ -106,3 +106,12 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a_de
                  : WG_D32(d)
                  : "l"(a_desc), "l"(b_desc), "r"(accumulate));
 }
+
+// Four 8×8 b16 matrices from D fragments into shared memory, each transposed: register i of lane
+// (g, q) holds elements (g, 2q) (low half) and (g, 2q + 1) of matrix i, and lane 8i + c names the
+// address of the 16 bytes that receive column c of matrix i (its elements (0..7, c) in row order).
+// For the epilogues that write rows of D's columns (a token's consecutive outputs) 16 bytes at a time.
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}

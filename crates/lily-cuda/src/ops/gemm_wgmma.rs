@@ -147,8 +147,11 @@ const NAMES_Q8: [&str; 6] = [
     "gemm_wgmma_plain_n64_p1_q8",
     "gemm_wgmma_plain_n64_p2_q8",
 ];
-/// The grouped half kernels writing bf16 outputs: variants 4 (128 tokens) and 5 (64) of the grouped form.
-const NAMES_O16: [&str; 2] = ["gemm_wgmma_grouped_n128_h128_o16", "gemm_wgmma_grouped_n64_h128_o16"];
+/// The grouped half kernels writing bf16 outputs: variants 4 (128 tokens) and 5 (64) of the grouped form,
+/// storing 16-byte rows through shared memory; then the same storing one output at a time
+/// (`LILY_STORE16=scalar`, see [`rows16`]).
+const NAMES_O16: [&str; 4] =
+    ["gemm_wgmma_grouped_n128_h128_o16", "gemm_wgmma_grouped_n64_h128_o16", "gemm_wgmma_grouped_n128_h128_o16s", "gemm_wgmma_grouped_n64_h128_o16s"];
 /// The warp-specialised persistent tiles (half numerics, 4-bit): per form (plain, swiglu, grouped,
 /// grouped swiglu) [`Ws::R128`], [`Ws::R256`], [`Ws::Four`], [`Ws::Ss256`], [`Ws::T256`], [`Ws::T160`].
 const NAMES_WS: [&str; 24] = [
@@ -177,8 +180,20 @@ const NAMES_WS: [&str; 24] = [
     "gemm_wgmma_grouped_swiglu_ws128t256",
     "gemm_wgmma_grouped_swiglu_ws128t160",
 ];
-/// [`Ws::T256`]'s and [`Ws::T160`]'s grouped forms writing bf16 outputs (the MoE down projection's slots).
-const NAMES_WS_O16: [&str; 2] = ["gemm_wgmma_grouped_ws128t256_o16", "gemm_wgmma_grouped_ws128t160_o16"];
+/// [`Ws::T256`]'s and [`Ws::T160`]'s grouped forms writing bf16 outputs (the MoE down projection's slots),
+/// as 16-byte rows; then one output at a time (`LILY_STORE16=scalar`).
+const NAMES_WS_O16: [&str; 4] =
+    ["gemm_wgmma_grouped_ws128t256_o16", "gemm_wgmma_grouped_ws128t160_o16", "gemm_wgmma_grouped_ws128t256_o16s", "gemm_wgmma_grouped_ws128t160_o16s"];
+/// [`NAMES_WS_O16`]'s tiles.
+const WS_O16_KINDS: [Ws; 4] = [Ws::T256, Ws::T160, Ws::T256, Ws::T160];
+
+/// Whether the bf16-output kernels write a tile's outputs as 16-byte rows of 8 consecutive outputs of a
+/// slot, staged through shared memory by a transposing `stmatrix` (the default), or one output a store
+/// (`LILY_STORE16=scalar`, the first form, for A/B runs): the same values either way. Read once.
+fn rows16() -> bool {
+    static ROWS16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ROWS16.get_or_init(|| std::env::var("LILY_STORE16").as_deref() != Ok("scalar"))
+}
 /// [`Ws::Mc256`]'s plain and SwiGLU forms (cluster pairs sharing each X tile by TMA multicast).
 const NAMES_MC: [&str; 2] = ["gemm_wgmma_plain_mc256", "gemm_wgmma_swiglu_mc256"];
 
@@ -289,8 +304,12 @@ const fn all_kernels() -> [&'static str; N_ALL] {
         out[n] = NAMES_O16[i];
         (i, n) = (i + 1, n + 1);
     }
-    (out[n], out[n + 1]) = (NAMES_WS_O16[0], NAMES_WS_O16[1]);
-    (out[n + 2], out[n + 3]) = (NAMES_MC[0], NAMES_MC[1]);
+    i = 0;
+    while i < NAMES_WS_O16.len() {
+        out[n] = NAMES_WS_O16[i];
+        (i, n) = (i + 1, n + 1);
+    }
+    (out[n], out[n + 1]) = (NAMES_MC[0], NAMES_MC[1]);
     out
 }
 const ALL: [&str; N_ALL] = all_kernels();
@@ -400,8 +419,9 @@ const SS_SLOTS: usize = 2;
 
 /// Dynamic shared memory of a warp-specialised tile: its ring (stages of the tile's X rows of 128
 /// bytes and its code rows of 32 bytes, each rounded to 1024 bytes) plus 1024 for aligning it. The
-/// kernel's static shared memory (barriers, the expert prefix, the slots' scales) comes on top: 6.4 KB
-/// at most (the four-consumer tile's expert prefix).
+/// kernel's static shared memory (barriers, the expert prefix, the slots' scales, and in the bf16-output
+/// forms 4 KB of output rows) comes on top: 6.4 KB at most (the four-consumer tile's expert prefix), 9.2
+/// KB in the bf16-output forms of [`Ws::T256`] and [`Ws::T160`] (0.9 KB short of the SM's 227 KB).
 const fn ws_smem_bytes(kind: Ws) -> usize {
     let weights = if matches!(kind, Ws::Ss256) { SS_SLOTS * 256 * 128 } else { 0 };
     kind.stages() * (kind.tokens() * 128 + kind.rows() * 32).div_ceil(1024) * 1024 + weights + 1024
@@ -412,7 +432,7 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
         let kind = WS_KINDS[i % WS_KINDS.len()];
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(kind) as i32)?;
     }
-    for (name, kind) in [(NAMES_WS_O16[0], Ws::T256), (NAMES_WS_O16[1], Ws::T160), (NAMES_MC[0], Ws::Mc256), (NAMES_MC[1], Ws::Mc256)] {
+    for (name, kind) in NAMES_WS_O16.iter().zip(WS_O16_KINDS).chain([(&NAMES_MC[0], Ws::Mc256), (&NAMES_MC[1], Ws::Mc256)]) {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(kind) as i32)?;
     }
     for (i, name) in NAMES.iter().enumerate() {
@@ -421,7 +441,7 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     }
     for (i, name) in NAMES_O16.iter().enumerate() {
         dev.function(name)?
-            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(4 + i)) as i32)?;
+            .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(4 + i % 2)) as i32)?;
     }
     for (i, name) in NAMES_Q8.iter().enumerate() {
         dev.function(name)?
@@ -718,8 +738,8 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (kind.threads(), 1, 1), shared_mem_bytes: ws_smem_bytes(kind) as u32 };
         let name = match (c.out16, kind) {
             (false, _) => NAMES_WS[WS_KINDS.len() * form + kind.index()],
-            (true, Ws::T160) => NAMES_WS_O16[1],
-            (true, _) => NAMES_WS_O16[0],
+            (true, Ws::T160) => NAMES_WS_O16[if rows16() { 1 } else { 3 }],
+            (true, _) => NAMES_WS_O16[if rows16() { 0 } else { 2 }],
         };
         return launch(dev, name, cfg, &p);
     }
@@ -728,7 +748,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         (NAMES_Q8[i], variant_q8(i))
     } else if c.out16 {
         let vi = variant_index(bt, num, wrows);
-        (NAMES_O16[vi - 4], variant(vi))
+        (NAMES_O16[vi - 4 + if rows16() { 0 } else { 2 }], variant(vi))
     } else {
         let vi = variant_index(bt, num, wrows);
         (NAMES[form * VARIANTS + vi], variant(vi))
@@ -759,10 +779,12 @@ mod tests {
             assert!(blocks[i] * smem_bytes(v) <= 227 * 1024, "variant {i}: {} blocks do not fit", blocks[i]);
             assert_eq!(variant_index(v.bt, v.num, v.rows()), i, "variant {i} is not the one its shape selects");
         }
-        // The warp-specialised tiles: one block an SM, with their static shared memory (6.4 KB at most).
+        // The warp-specialised tiles: one block an SM, with their static shared memory (6.4 KB at most;
+        // the bf16-output forms of the two-part tiles 9.2 KB, ptxas: 4 KB of them their warps' output rows).
         for (kind, want) in [(Ws::R128, 205_824), (Ws::R256, 197_632), (Ws::Four, 197_632), (Ws::Ss256, 189_440), (Ws::T256, 222_208), (Ws::T160, 222_208)] {
             assert_eq!(ws_smem_bytes(kind), want, "{kind:?}");
-            assert!(ws_smem_bytes(kind) + 6400 <= 227 * 1024, "{kind:?} does not fit");
+            let fixed = if WS_O16_KINDS.contains(&kind) { 9400 } else { 6400 };
+            assert!(ws_smem_bytes(kind) + fixed <= 227 * 1024, "{kind:?} does not fit");
             assert_eq!(WS_KINDS[kind.index()], kind);
         }
         // The 8-bit kernels: the half ones two blocks an SM; the folded ones as their 4-bit variants.
