@@ -3,12 +3,17 @@
 // The weight is already folded (Qwen's zero-centred (1+w) is added at load). One block per row.
 // residual_out may alias residual (the usual in-place residual stream) and y may alias x: each element is
 // read and written by the same thread, and the second pass re-reads h from residual_out when it exists.
-// Entry points: rmsnorm_f32 (scalar), rmsnorm_f32_v4 (float4; n % 4 == 0 and 16-byte aligned pointers).
+// Entry points: rmsnorm_f32 (scalar), rmsnorm_f32_v4 (float4; n % 4 == 0 and 16-byte aligned pointers),
+// rmsnorm_f32_v4_stage (rmsnorm_f32_v4 that also writes y as the next GEMM's staged x in the half
+// numerics, stage_half.cuh: the row in shared memory, its largest |y| setting its scale, 16-byte chunks
+// of the f16 plane into `plane`, 2^e into `scales`; n % 64 == 0, n floats of dynamic shared memory):
+// the same bits as the norm followed by gemm_wgmma_stage_half*.
 
 #include <stdint.h>
 #include "pdl.cuh"
 #include "reduce.cuh"
 #include "rms_vec.cuh"
+#include "stage_half.cuh"
 
 struct RmsNormParams {
     const float* x;         // [rows, n]
@@ -20,9 +25,11 @@ struct RmsNormParams {
     int n;
     float eps;
     int pad_;
+    uint4* plane;           // _stage: [rows, n / 8] 16-byte chunks of the staged f16 plane
+    float* scales;          // _stage: [rows] the rows' 2^e
 };
 
-template <int V>
+template <int V, bool STAGE = false>
 __device__ __forceinline__ void rmsnorm(const RmsNormParams& p) {
     using T = typename RmsVec<V>::T;
     const int row = blockIdx.x;
@@ -43,6 +50,8 @@ __device__ __forceinline__ void rmsnorm(const RmsNormParams& p) {
     }
     ss = block_sum(ss);
     const float inv = 1.0f / sqrtf(ss / (float)p.n + p.eps);
+    extern __shared__ __align__(16) float srow[];  // STAGE: the row of y [n], stage_smem_index's layout
+    float m = 0.0f;                                // STAGE: this thread's largest |y|
     for (int j = threadIdx.x; j < nv; j += blockDim.x) {
         T h;
         if (rout) {
@@ -51,9 +60,31 @@ __device__ __forceinline__ void rmsnorm(const RmsNormParams& p) {
             h = x[j];
             if (res) h = RmsVec<V>::add(h, res[j]);
         }
-        y[j] = RmsVec<V>::norm(h, inv, w[j]);
+        const T v = RmsVec<V>::norm(h, inv, w[j]);
+        y[j] = v;
+        if constexpr (STAGE) {
+            *reinterpret_cast<float4*>(srow + stage_smem_index(4 * j)) = v;
+            m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+        }
+    }
+    if constexpr (STAGE) {
+        static_assert(V == 4, "the staged form is the float4 one");
+        __shared__ float red[32];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+        if (lane == 0) red[threadIdx.x >> 5] = m;
+        __syncthreads();  // also publishes srow
+        m = red[0];
+        for (int i = 1; i < nw; ++i) m = fmaxf(m, red[i]);
+        const int e = stage_half_exponent(m);
+        const float down = stage_pow2(-e);
+        uint4* out = p.plane + (long long)row * (p.n >> 3);
+        for (int i = threadIdx.x; i < (p.n >> 3); i += blockDim.x) out[i] = stage_half_chunk(srow, i >> 3, i & 7, down);
+        if (threadIdx.x == 0) p.scales[row] = stage_pow2(e);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_f32(const RmsNormParams p) { pdl_enter(); rmsnorm<1>(p); }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_f32_v4(const RmsNormParams p) { pdl_enter(); rmsnorm<4>(p); }
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_f32_v4_stage(const RmsNormParams p) { pdl_enter(); rmsnorm<4, true>(p); }

@@ -457,15 +457,19 @@ impl CudaModel {
             (t, cfg.intermediate_size),
             (t * cfg.num_experts_per_tok.max(1), cfg.moe_intermediate_size),
         ];
-        let stage = inputs
-            .iter()
-            .filter(|(_, c)| *c > 0 && c.is_multiple_of(gemm_wgmma::GROUP))
-            .map(|&(r, c)| gemm_wgmma::stage_bytes(r, c, 2))
-            .max()
-            .unwrap_or(0);
-        if stage > 0 {
-            gemm_wgmma::reserve(&dev, stage)?;
-            activation_bytes += stage.next_multiple_of(16 << 20);
+        // Two buffers (gemm_wgmma::Stage): the half numerics' (one plane) and the folded numerics' (two).
+        let stage = |planes| {
+            inputs
+                .iter()
+                .filter(|(_, c)| *c > 0 && c.is_multiple_of(gemm_wgmma::GROUP))
+                .map(|&(r, c)| gemm_wgmma::stage_bytes(r, c, planes))
+                .max()
+                .unwrap_or(0)
+        };
+        let (half, folded) = (stage(1), stage(2));
+        if folded > 0 {
+            gemm_wgmma::reserve(&dev, half, folded)?;
+            activation_bytes += half.next_multiple_of(16 << 20) + folded.next_multiple_of(16 << 20);
         }
         let kv_per_token = cfg.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count()
             * 2
@@ -679,8 +683,20 @@ impl CudaModel {
                 }
                 continue;
             }
-            dev.mark("norm", 16 * tt * h, 0)?;
-            rmsnorm::add_rms_norm(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed)?;
+            // The post-mixer norm also writes its rows as the MoE's half-numerics GEMMs' staged x where they
+            // take it (the router, in the folded numerics, stages its own copy beside it).
+            let post_stage = t > 1
+                && post_norm_stages()
+                && rmsnorm::stage_fits(h as usize)
+                && matches!(&l.mlp, DevMlp::Moe { experts, .. } if gemm::takes_prestaged_half(&experts.gate, prefill_opts()));
+            if post_stage {
+                dev.mark("norm", 18 * tt * h, 0)?;
+                let st = gemm_wgmma::prestage_half(dev, &a.normed, t, h as usize)?;
+                rmsnorm::add_rms_norm_stage(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed, &st)?;
+            } else {
+                dev.mark("norm", 16 * tt * h, 0)?;
+                rmsnorm::add_rms_norm(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed)?;
+            }
             match &l.mlp {
                 DevMlp::Moe { router, router_plus, experts, shared } => {
                     // The norm after this block: the next layer's input norm, or the final norm.
@@ -692,7 +708,7 @@ impl CudaModel {
                         && moe_combine_stages()
                         && moe_dispatch::combine_stage_fits(h as usize)
                         && layers.get(li + 1).is_some_and(|n| takes_staged_normed(&n.mixer));
-                    moe(dev, cfg, router, router_plus.as_ref(), experts, shared, a, t, then_norm, stage)?;
+                    moe(dev, cfg, router, router_plus.as_ref(), experts, shared, a, t, post_stage, then_norm, stage)?;
                     normed_next = then_norm.is_some();
                     a.normed_staged = stage;
                 }
@@ -1120,7 +1136,8 @@ fn attn_dims(cfg: &ModelConfig) -> attn_prep::AttnDims {
 /// With `router_plus` (the router with the shared expert's gate as row E) and a shared expert, one GEMM
 /// writes both: a.router holds rows of E + 1, the gate logit last. With `then_norm` (the next norm's
 /// weight and eps) the combine adds the block's output into a.x and writes RMSNorm(a.x) to a.normed
-/// instead (a.mlp untouched).
+/// instead (a.mlp untouched). `prestaged`: the device's half-numerics staging holds a.normed (written by
+/// the norm with it), which the router's folded staging must leave in place.
 #[allow(clippy::too_many_arguments)]
 fn moe(
     dev: &Device,
@@ -1131,6 +1148,7 @@ fn moe(
     shared: &Shared,
     a: &mut Activations,
     t: usize,
+    prestaged: bool,
     then_norm: Option<(&CudaSlice<f32>, f32)>,
     stage: bool,
 ) -> Result<()> {
@@ -1139,7 +1157,8 @@ fn moe(
     let stride = if router_plus.is_some() { e + 1 } else { e };
     let rw = router_plus.unwrap_or(router);
     mark_linear(dev, "moe.router", rw, t)?;
-    linear(dev, rw, &a.normed, t, &mut a.router)?; // [T, E (+1)]
+    // prestaged: the norm wrote a.normed's half staging; the router's own staging leaves it in place.
+    linear_with(dev, rw, &a.normed, t, &mut a.router, if prestaged { reuse_x() } else { prefill_opts() })?; // [T, E (+1)]
     dev.mark("moe.route", 4 * (t * e + 2 * t * k) as u64, 0)?;
     moe_route::route_strided(dev, &a.router, stride, t, e, k, cfg.norm_topk_prob, &mut a.idx, &mut a.route_w)?; // [T, k]
     // The shared expert: [T, H] and its gate logit [T].
@@ -1437,6 +1456,13 @@ fn gdn_norm_stages() -> bool {
 
 /// [`prefill_opts`] for a GEMM whose x is the previous GEMM's, unwritten since (its staged copy is
 /// reused where the staging buffer still holds it).
+/// Whether a prompt chunk's post-mixer norm writes the MoE GEMMs' staged x itself (where they take
+/// it): the default; `LILY_POST_NORM=separate` leaves the staging to the first GEMM (A/B runs; read once).
+fn post_norm_stages() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_POST_NORM").map(|v| v != "separate").unwrap_or(true))
+}
+
 fn reuse_x() -> gemm::Opts {
     gemm::Opts { reuse_x: true, ..prefill_opts() }
 }

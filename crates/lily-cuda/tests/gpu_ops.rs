@@ -938,6 +938,80 @@ fn knockout_skips_only_the_named_op() {
     assert!(run("probe.off"), "a kernel was skipped after the knock-out ended");
 }
 
+/// The fused residual add and norm that also writes its rows as the half numerics' staged x
+/// (`rmsnorm::add_rms_norm_stage`) against `add_rms_norm` then the GEMM's stager (`gemm_wgmma::
+/// stage_half`), bit for bit: the residual stream, y, the f16 plane and the rows' scales (rows' sizes
+/// spread over ±20 powers of ten). Then the staging buffers as the MoE uses them: after the norm staged
+/// y through `prestage_half`, a GEMM on y in the folded numerics that promises y unwritten (the router)
+/// leaves the half staging in place, so a half GEMM that takes only the staged copy runs and equals
+/// the one that stages y itself; after a call without the promise it refuses.
+#[test]
+fn add_rms_norm_stage_equals_norm_then_stage() {
+    use lily_cuda::ops::gemm::{self, Opts, Precision};
+    use lily_cuda::ops::gemm_wgmma::{self, HalfStage, Stager};
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(77);
+    for (n, rows) in [(2048usize, 37usize), (512, 5), (4096, 3), (64, 2)] {
+        assert!(rmsnorm::stage_fits(n));
+        let eps = 1e-6;
+        let mut x = rng.vec(rows * n);
+        for r in 0..rows {
+            let m = 10f32.powf(20.0 * rng.f32());
+            x[r * n..(r + 1) * n].iter_mut().for_each(|v| *v *= m);
+        }
+        let (res, w) = (rng.vec(rows * n), (0..n).map(|_| 1.0 + 0.5 * rng.f32()).collect::<Vec<f32>>());
+        let (xd, wd) = (dev.upload(&x).unwrap(), dev.upload(&w).unwrap());
+        // The norm, then the stager.
+        let mut r_ref = dev.upload(&res).unwrap();
+        let mut y_ref = poisoned(&dev, rows * n);
+        rmsnorm::add_rms_norm(&dev, &xd, &mut r_ref, &wd, eps, rows, &mut y_ref).unwrap();
+        let (want, want_s) = gemm_wgmma::stage_half(&dev, &y_ref, rows, n, Stager::Rows).unwrap();
+        // The fused form.
+        let mut r = dev.upload(&res).unwrap();
+        let mut y = poisoned(&dev, rows * n);
+        let (mut plane, mut scales) = (dev.zeros::<u16>(rows * n).unwrap(), dev.zeros::<f32>(rows).unwrap());
+        let st = HalfStage::into_buffers(&dev, &mut plane, &mut scales, rows, n).unwrap();
+        rmsnorm::add_rms_norm_stage(&dev, &xd, &mut r, &wd, eps, rows, &mut y, &st).unwrap();
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        assert_eq!(bits(dev.download(&r).unwrap()), bits(dev.download(&r_ref).unwrap()), "n={n}: residual stream");
+        assert_eq!(bits(dev.download(&y).unwrap()), bits(dev.download(&y_ref).unwrap()), "n={n}: y");
+        assert_eq!(bits(dev.download(&scales).unwrap()), bits(dev.download(&want_s).unwrap()), "n={n}: scales");
+        assert_eq!(dev.download(&plane).unwrap(), dev.download(&want).unwrap(), "n={n}: plane");
+        println!("add_rms_norm_stage n={n} rows={rows}: bit for bit the norm + stager");
+        // A wrong staging shape is refused.
+        let st_bad = HalfStage::into_buffers(&dev, &mut plane, &mut scales, rows - 1, n).unwrap();
+        assert!(rmsnorm::add_rms_norm_stage(&dev, &xd, &mut r, &wd, eps, rows, &mut y, &st_bad).is_err());
+    }
+    assert!(!rmsnorm::stage_fits(100) && !rmsnorm::stage_fits(16 * 1024));
+
+    // The staging buffers between the norm and the MoE's GEMMs.
+    let (rows, n, m) = (40usize, 512usize, 96usize);
+    let wm = upload_matrix(&dev, &affine_matrix(&mut rng, 1, m, n, 4, 64, "bf16")).unwrap();
+    let half = Opts { precision: Precision::Half, ..Default::default() };
+    let exact = Opts { precision: Precision::Exact, ..Default::default() };
+    assert!(gemm::takes_prestaged_half(&wm, half), "the 4-bit matrix runs on the half wgmma tiles");
+    {
+        let (xd, wd) = (dev.upload(&rng.vec(rows * n)).unwrap(), dev.upload(&rng.vec(n)).unwrap());
+        let mut r = dev.upload(&rng.vec(rows * n)).unwrap();
+        let mut y = poisoned(&dev, rows * n);
+        let st = gemm_wgmma::prestage_half(&dev, &y, rows, n).unwrap();
+        rmsnorm::add_rms_norm_stage(&dev, &xd, &mut r, &wd, 1e-6, rows, &mut y, &st).unwrap();
+        let mut ye = poisoned(&dev, rows * m);
+        gemm::gemm_with(&dev, &wm, 0, &y, rows, &mut ye, Opts { reuse_x: true, ..exact }).unwrap();
+        let mut yh = poisoned(&dev, rows * m);
+        gemm::gemm_with(&dev, &wm, 0, &y, rows, &mut yh, Opts { x_staged_only: true, ..half }).unwrap();
+        // References, each staging y itself.
+        let (mut ye_ref, mut yh_ref) = (poisoned(&dev, rows * m), poisoned(&dev, rows * m));
+        gemm::gemm_with(&dev, &wm, 0, &y, rows, &mut ye_ref, exact).unwrap();
+        gemm::gemm_with(&dev, &wm, 0, &y, rows, &mut yh_ref, half).unwrap();
+        assert_eq!(dev.download(&ye).unwrap(), dev.download(&ye_ref).unwrap(), "the folded GEMM beside the half staging");
+        assert_eq!(dev.download(&yh).unwrap(), dev.download(&yh_ref).unwrap(), "the half GEMM on the norm's staging");
+        // A folded call without the promise leaves only its own staging.
+        gemm::gemm_with(&dev, &wm, 0, &y, rows, &mut ye, exact).unwrap();
+        assert!(gemm::gemm_with(&dev, &wm, 0, &y, rows, &mut yh, Opts { x_staged_only: true, ..half }).is_err());
+    }
+}
+
 #[test]
 fn rmsnorm_matches_cpu() {
     let Some(dev) = device() else { return };

@@ -488,28 +488,41 @@ fn stage_addrs(base: u64, x_rows: usize, cols: usize, planes: usize) -> (u64, u6
     (base, if planes == 2 { base + plane_bytes } else { 0 }, base + planes as u64 * plane_bytes)
 }
 
-/// The device's staging buffer and the x it holds: (x address, rows, columns, numerics) of the last
-/// staging, `None` when the buffer is new.
+/// What a staging is of: (x address, rows, columns, numerics).
+type StageKey = (u64, usize, usize, Num);
+
+/// The device's staging buffers, one for the half numerics and one for the folded ones, and the x each
+/// holds (`None` when new or forgotten). Two, so that a GEMM in the folded numerics (the MoE router)
+/// between two half-numerics GEMMs on the same x (the shared expert and the routed experts' gate/up,
+/// on x staged by the norm that wrote it) leaves the half staging in place.
 #[derive(Default)]
 pub(crate) struct Stage {
-    buf: Option<cudarc::driver::CudaSlice<u8>>,
-    holds: Option<(u64, usize, usize, Num)>,
+    bufs: [Option<cudarc::driver::CudaSlice<u8>>; 2],
+    holds: [Option<StageKey>; 2],
 }
 
-/// Makes the device's staging buffer at least `bytes` (grown in 16 MiB steps; the old one is freed in
-/// stream order) and returns its address. The model reserves its largest need at load, so that the
-/// memory it reports includes it and a prefill allocates nothing.
-pub(crate) fn reserve(dev: &Device, bytes: usize) -> Result<u64> {
+/// The buffer of `Stage` a numerics stages into.
+const fn slot(num: Num) -> usize {
+    if matches!(num, Num::Half) { 0 } else { 1 }
+}
+
+/// Makes the device's staging buffers at least `half` bytes (the half numerics) and `folded` bytes (grown
+/// in 16 MiB steps; an old one is freed in stream order). The model reserves its largest needs at load,
+/// so that the memory it reports includes them and a prefill allocates nothing.
+pub(crate) fn reserve(dev: &Device, half: usize, folded: usize) -> Result<()> {
     let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
-    reserve_in(dev, &mut stage, bytes)
+    reserve_in(dev, &mut stage, 0, half)?;
+    reserve_in(dev, &mut stage, 1, folded)?;
+    Ok(())
 }
 
-fn reserve_in(dev: &Device, stage: &mut Stage, bytes: usize) -> Result<u64> {
-    if stage.buf.as_ref().is_none_or(|b| b.len() < bytes) {
-        stage.buf = Some(dev.zeros::<u8>(bytes.max(1).next_multiple_of(16 << 20))?);
-        stage.holds = None;
+/// Makes buffer `slot` at least `bytes` and returns its address.
+fn reserve_in(dev: &Device, stage: &mut Stage, slot: usize, bytes: usize) -> Result<u64> {
+    if stage.bufs[slot].as_ref().is_none_or(|b| b.len() < bytes) {
+        stage.bufs[slot] = Some(dev.zeros::<u8>(bytes.max(1).next_multiple_of(16 << 20))?);
+        stage.holds[slot] = None;
     }
-    Ok(stage.buf.as_ref().map(|b| b.device_ptr(dev.stream()).0).unwrap_or(0))
+    Ok(stage.bufs[slot].as_ref().map(|b| b.device_ptr(dev.stream()).0).unwrap_or(0))
 }
 
 /// The kernels that stage x for the half numerics (kernels/gemm_wgmma.cu; the same bits).
@@ -616,25 +629,27 @@ pub fn prestage_half<X: DevicePtr<f32>>(dev: &Device, x: &X, rows: usize, cols: 
     }
     let xp = addr(dev, x, rows * cols, "prestage_half x")?;
     let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
-    let base = reserve_in(dev, &mut stage, stage_bytes(rows, cols, 1))?;
-    stage.holds = Some((xp, rows, cols, Num::Half));
+    let base = reserve_in(dev, &mut stage, slot(Num::Half), stage_bytes(rows, cols, 1))?;
+    stage.holds = [None, None];
+    stage.holds[slot(Num::Half)] = Some((xp, rows, cols, Num::Half));
     let (plane, _, scales) = stage_addrs(base, rows, cols, 1);
     Ok(HalfStage { plane, scales, rows, cols })
 }
 
-/// Marks the staging buffer as holding no x (a GEMM call that stages nothing ran since).
+/// Marks the staging buffers as holding no x (a GEMM call that stages nothing ran since).
 pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
     let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
-    stage.holds = None;
+    stage.holds = [None, None];
     Ok(())
 }
 
 /// Runs `c` with `bt` (64 or 128) tokens and `wrows` (128, or 256 in `Num::Half` only) weight rows a
 /// block in numerics `num`; `ws`: on the warp-specialised persistent tiles (4-bit, `Num::Half`, 128
 /// tokens, at most `WS_MAX_EXPERTS` experts). `xs`: `Reuse` — the caller promises x has not been written
-/// since the previous call that staged it; when the buffer still holds that staging (same x, shape and
-/// numerics), it is not staged again; `Only` — the buffer must hold it (x's f32 values were never
-/// written, [`prestage_half`]).
+/// since the previous call that staged it; when the numerics' buffer still holds that staging (same x,
+/// shape and numerics), it is not staged again, and a staging into it leaves the other buffer's
+/// staging of the same x in place; `Only` — the buffer must hold it (x's f32 values were never written,
+/// [`prestage_half`]); `Fresh` leaves only its own staging.
 pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws: Option<Ws>, xs: super::gemm::XStage) -> Result<()> {
     debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128 | 160 | 256) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
     debug_assert!(ws.is_none_or(|k| c.bits == 4 && num == Num::Half && bt == k.tokens() && k.rows() == wrows));
@@ -662,18 +677,24 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     let groups = c.cols / GROUP;
     let planes = num.planes();
     let key = (c.x, c.x_rows, c.cols, num);
+    let sl = slot(num);
     let (base, staged) = {
         let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
-        let base = reserve_in(dev, &mut stage, stage_bytes(c.x_rows, c.cols, planes))?;
-        let staged = xs != super::gemm::XStage::Fresh && stage.holds == Some(key);
+        let base = reserve_in(dev, &mut stage, sl, stage_bytes(c.x_rows, c.cols, planes))?;
+        let staged = xs != super::gemm::XStage::Fresh && stage.holds[sl] == Some(key);
         if xs == super::gemm::XStage::Only && !staged {
             return Err(CudaError::Shape(format!(
                 "wgmma gemm: x is only in its staged copy, but the staging buffer holds {:?}, not {key:?}",
-                stage.holds
+                stage.holds[sl]
             )));
         }
         if !staged {
-            stage.holds = None; // until the staging below has been launched
+            stage.holds[sl] = None; // until the staging below has been launched
+            // The other buffer keeps a staging only of this same x, unwritten since (a Reuse promise).
+            let same_x = |k: &StageKey| xs != super::gemm::XStage::Fresh && (k.0, k.1, k.2) == (c.x, c.x_rows, c.cols);
+            if !stage.holds[1 - sl].as_ref().is_some_and(same_x) {
+                stage.holds[1 - sl] = None;
+            }
         }
         (base, staged)
     };
@@ -689,7 +710,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
             let cfg = LaunchConfig { grid_dim: (warps.div_ceil(THREADS / 32) as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
             launch(dev, STAGE_KERNEL, cfg, &sp)?;
         }
-        dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?.holds = Some(key);
+        dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?.holds[sl] = Some(key);
     }
 
     let form = match (swiglu, c.grouped.is_some()) {

@@ -1,6 +1,7 @@
 //! RMSNorm of f32 rows (`kernels/rmsnorm.cu`): `y = h / sqrt(mean(h²) + eps) · w` with `h = x` or,
 //! fused, `h = x + residual` written back into the residual stream. `w` is the folded weight (Qwen's
-//! `1 + w` already added at load), as in `lily_cpu::norm::rms_norm`.
+//! `1 + w` already added at load), as in `lily_cpu::norm::rms_norm`. The fused form may also write y as
+//! the next GEMM's staged x in the half numerics ([`add_rms_norm_stage`]).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
@@ -20,11 +21,62 @@ struct RmsNormParams {
     n: i32,
     eps: f32,
     pad: i32,
+    plane: u64,
+    scales: u64,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for RmsNormParams {}
 
-pub(crate) const KERNELS: &[&str] = &["rmsnorm_f32", "rmsnorm_f32_v4"];
+pub(crate) const KERNELS: &[&str] = &["rmsnorm_f32", "rmsnorm_f32_v4", "rmsnorm_f32_v4_stage"];
+
+/// The most columns [`add_rms_norm_stage`] takes (the row in 48 KiB of shared memory).
+const STAGE_MAX_COLS: usize = 12 * 1024;
+
+/// Whether [`add_rms_norm_stage`] takes rows of `n` columns: a multiple of 64, at most 12 Ki.
+pub fn stage_fits(n: usize) -> bool {
+    n > 0 && n.is_multiple_of(super::gemm_wgmma::GROUP) && n <= STAGE_MAX_COLS
+}
+
+/// [`add_rms_norm`] that also writes y as the next GEMM's staged x in the half numerics, at `st`
+/// (`gemm_wgmma::prestage_half` of y, `rows` × `w.len()`): the same bits as the norm followed by the
+/// GEMM's own staging of y, which the GEMM then reuses (`Opts::reuse_x`). Rows of [`stage_fits`]
+/// columns, 16-byte aligned buffers.
+#[allow(clippy::too_many_arguments)]
+pub fn add_rms_norm_stage<X: DevicePtr<f32>, R: DevicePtrMut<f32>, W: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+    dev: &Device,
+    x: &X,
+    residual: &mut R,
+    w: &W,
+    eps: f32,
+    rows: usize,
+    y: &mut Y,
+    st: &super::gemm_wgmma::HalfStage,
+) -> Result<()> {
+    let n = w.len();
+    if !stage_fits(n) || rows == 0 || rows > i32::MAX as usize || st.rows != rows || st.cols != n {
+        return Err(CudaError::Shape(format!("add_rms_norm_stage: {rows} rows of {n} into a staging of {} × {}", st.rows, st.cols)));
+    }
+    let r = addr_mut(dev, residual, rows * n, "add_rms_norm_stage residual")?;
+    let p = RmsNormParams {
+        x: addr(dev, x, rows * n, "add_rms_norm_stage x")?,
+        residual: r,
+        residual_out: r,
+        w: addr(dev, w, n, "add_rms_norm_stage w")?,
+        y: addr_mut(dev, y, rows * n, "add_rms_norm_stage y")?,
+        rows: rows as i32,
+        n: n as i32,
+        eps,
+        pad: 0,
+        plane: st.plane,
+        scales: st.scales,
+    };
+    if [p.x, p.residual, p.w, p.y, p.plane].iter().any(|a| a % 16 != 0) {
+        return Err(CudaError::Shape("add_rms_norm_stage: buffers must be 16-byte aligned".into()));
+    }
+    let threads = (n / 4).div_ceil(32).clamp(1, 32) as u32 * 32;
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 4 * n as u32 };
+    launch(dev, "rmsnorm_f32_v4_stage", cfg, &p)
+}
 
 /// `y[r] = rms_norm(x[r]) · w` for each of the `rows` rows of `w.len()` elements.
 pub fn rms_norm<X: DevicePtr<f32>, W: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
