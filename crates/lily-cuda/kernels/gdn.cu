@@ -476,11 +476,7 @@ __device__ __forceinline__ void gated_norm_stage(const GdnGatedNormStageParams& 
     const int vd = q.n.hv * q.n.dv;
     // The token's largest |y| (block_max's barrier also publishes ys).
     const float m = block_max<8>(gated_norm_token<NJ, HPW>(q.n, t, ys, warp, lane), red);
-    const int e = stage_half_exponent(m);
-    const float down = stage_pow2(-e);
-    uint4* out = reinterpret_cast<uint4*>(q.plane + t * vd);
-    for (int i = threadIdx.x; i < (vd >> 3); i += 256) out[i] = stage_half_chunk(ys, i >> 3, i & 7, down);
-    if (threadIdx.x == 0) q.scales[t] = stage_pow2(e);
+    stage_half_row_out(ys, m, vd, reinterpret_cast<uint4*>(q.plane + t * vd), q.scales + t, 256);
 }
 // 256 threads; _d128_h4: Dv = 128 and Hv = 32 (the 35B model: every load of a warp's 4 heads at once).
 extern "C" __global__ void __launch_bounds__(256) gdn_gated_norm_stage(const GdnGatedNormStageParams q) { pdl_enter(); gated_norm_stage<0, 0>(q); }

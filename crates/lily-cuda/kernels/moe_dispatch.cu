@@ -352,18 +352,8 @@ __device__ __forceinline__ void moe_combine_norm(const MoeCombineParams& p) {
             *reinterpret_cast<float4*>(srow + stage_smem_index(4 * c)) = v;
             m = fmaxf(m, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
         }
-#pragma unroll
-        for (int o2 = 16; o2 > 0; o2 >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o2));
-        const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-        if (lane == 0) red[threadIdx.x >> 5] = m;
-        __syncthreads();  // also publishes srow
-        m = red[0];
-        for (int i = 1; i < nw; ++i) m = fmaxf(m, red[i]);
-        const int e = stage_half_exponent(m);
-        const float down = stage_pow2(-e);
-        uint4* out = reinterpret_cast<uint4*>(p.normed) + (long long)tok * (p.h >> 3);
-        for (int i = threadIdx.x; i < (p.h >> 3); i += blockDim.x) out[i] = stage_half_chunk(srow, i >> 3, i & 7, down);
-        if (threadIdx.x == 0) p.scales[tok] = stage_pow2(e);
+        m = block_max_any(m, red);  // its barrier also publishes srow
+        stage_half_row_out(srow, m, p.h, reinterpret_cast<uint4*>(p.normed) + (long long)tok * (p.h >> 3), p.scales + tok, blockDim.x);
     }
 }
 

@@ -36,3 +36,15 @@ __device__ __forceinline__ float block_max(float v, float* red) {
     for (int w = 1; w < NW; ++w) v = fmaxf(v, red[w]);
     return v;
 }
+
+// block_max over however many warps the block has (up to 32; `red`: 32 floats of shared memory).
+__device__ __forceinline__ float block_max_any(float v, float* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    const int tid = threadIdx.x, nw = (blockDim.x + 31) >> 5;
+    if ((tid & 31) == 0) red[tid >> 5] = v;
+    __syncthreads();
+    v = red[0];
+    for (int w = 1; w < nw; ++w) v = fmaxf(v, red[w]);
+    return v;
+}

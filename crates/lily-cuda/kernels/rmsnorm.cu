@@ -70,18 +70,8 @@ __device__ __forceinline__ void rmsnorm(const RmsNormParams& p) {
     if constexpr (STAGE) {
         static_assert(V == 4, "the staged form is the float4 one");
         __shared__ float red[32];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        const int lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-        if (lane == 0) red[threadIdx.x >> 5] = m;
-        __syncthreads();  // also publishes srow
-        m = red[0];
-        for (int i = 1; i < nw; ++i) m = fmaxf(m, red[i]);
-        const int e = stage_half_exponent(m);
-        const float down = stage_pow2(-e);
-        uint4* out = p.plane + (long long)row * (p.n >> 3);
-        for (int i = threadIdx.x; i < (p.n >> 3); i += blockDim.x) out[i] = stage_half_chunk(srow, i >> 3, i & 7, down);
-        if (threadIdx.x == 0) p.scales[row] = stage_pow2(e);
+        m = block_max_any(m, red);  // its barrier also publishes srow
+        stage_half_row_out(srow, m, p.n, p.plane + (long long)row * (p.n >> 3), p.scales + row, blockDim.x);
     }
 }
 

@@ -1,7 +1,7 @@
 // The half numerics' staged x (gemm_wgmma.cu's header describes the layout): each row of x scaled by
 // its power of two 2^-e and rounded to f16, its columns permuted within each group of 64 into the order
 // the register-A tiles hold the codes. The pieces every writer of that layout shares: the permutation,
-// the row's exponent, and one 16-byte chunk of staged columns from the row's f32 values.
+// the row's exponent, one 16-byte chunk of staged columns from the row's f32 values, and a row's writing.
 #pragma once
 #include <stdint.h>
 #include <cuda_fp16.h>
@@ -42,4 +42,15 @@ __device__ __forceinline__ uint4 stage_half_chunk(const float* row, int g, int c
         w[q] = (uint32_t)__half_as_ushort(__float2half_rn(lo * down)) | ((uint32_t)__half_as_ushort(__float2half_rn(hi * down)) << 16);
     }
     return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// The end of a kernel that stages one row a block: the row's n values held at `row` (stage_smem_index's
+// layout, published by the barrier that found `row_max`, their largest |value|) scaled by 2^-e and
+// written as the f16 plane's n / 8 16-byte chunks at `plane`, 2^e at `*scale`; `threads`: the block's
+// (a constant where the kernel's block size is one).
+__device__ __forceinline__ void stage_half_row_out(const float* row, float row_max, int n, uint4* plane, float* scale, int threads) {
+    const int e = stage_half_exponent(row_max);
+    const float down = stage_pow2(-e);
+    for (int i = threadIdx.x; i < (n >> 3); i += threads) plane[i] = stage_half_chunk(row, i >> 3, i & 7, down);
+    if (threadIdx.x == 0) *scale = stage_pow2(e);
 }
