@@ -56,19 +56,13 @@ pub fn add_rms_norm_stage<X: DevicePtr<f32>, R: DevicePtrMut<f32>, W: DevicePtr<
     if !stage_fits(n) || rows == 0 || rows > i32::MAX as usize || st.rows != rows || st.cols != n {
         return Err(CudaError::Shape(format!("add_rms_norm_stage: {rows} rows of {n} into a staging of {} × {}", st.rows, st.cols)));
     }
-    let r = addr_mut(dev, residual, rows * n, "add_rms_norm_stage residual")?;
     let p = RmsNormParams {
-        x: addr(dev, x, rows * n, "add_rms_norm_stage x")?,
-        residual: r,
-        residual_out: r,
-        w: addr(dev, w, n, "add_rms_norm_stage w")?,
-        y: addr_mut(dev, y, rows * n, "add_rms_norm_stage y")?,
         rows: rows as i32,
         n: n as i32,
         eps,
-        pad: 0,
         plane: st.plane,
         scales: st.scales,
+        ..fused_params(dev, x, residual, w, rows, y, "add_rms_norm_stage")?
     };
     if [p.x, p.residual, p.w, p.y, p.plane].iter().any(|a| a % 16 != 0) {
         return Err(CudaError::Shape("add_rms_norm_stage: buffers must be 16-byte aligned".into()));
@@ -107,17 +101,30 @@ pub fn add_rms_norm<X: DevicePtr<f32>, R: DevicePtrMut<f32>, W: DevicePtr<f32>, 
     rows: usize,
     y: &mut Y,
 ) -> Result<()> {
+    let p = fused_params(dev, x, residual, w, rows, y, "add_rms_norm")?;
+    run(dev, p, rows, w.len(), eps)
+}
+
+/// The addresses of the fused residual add's buffers (the residual read and written in place).
+fn fused_params<X: DevicePtr<f32>, R: DevicePtrMut<f32>, W: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
+    dev: &Device,
+    x: &X,
+    residual: &mut R,
+    w: &W,
+    rows: usize,
+    y: &mut Y,
+    what: &str,
+) -> Result<RmsNormParams> {
     let n = w.len();
-    let r = addr_mut(dev, residual, rows * n, "add_rms_norm residual")?;
-    let p = RmsNormParams {
-        x: addr(dev, x, rows * n, "add_rms_norm x")?,
+    let r = addr_mut(dev, residual, rows * n, &format!("{what} residual"))?;
+    Ok(RmsNormParams {
+        x: addr(dev, x, rows * n, &format!("{what} x"))?,
         residual: r,
         residual_out: r,
-        w: addr(dev, w, n, "add_rms_norm w")?,
-        y: addr_mut(dev, y, rows * n, "add_rms_norm y")?,
+        w: addr(dev, w, n, &format!("{what} w"))?,
+        y: addr_mut(dev, y, rows * n, &format!("{what} y"))?,
         ..Default::default()
-    };
-    run(dev, p, rows, n, eps)
+    })
 }
 
 fn run(dev: &Device, mut p: RmsNormParams, rows: usize, n: usize, eps: f32) -> Result<()> {
