@@ -1019,11 +1019,12 @@ fn grouped_bf16_outputs_are_the_f32_outputs_rounded() {
         let rows_arg = gather.then_some(&src);
         for tile in [Tile::Auto, Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws4, Tile::Ws128T256, Tile::Ws128T160] {
             // The f32 outputs of the tile that runs: a forced wide tile runs the 128-row one (not the
-            // two-part tiles, which take bf16 outputs themselves).
+            // two-part tiles, which take bf16 outputs themselves; Auto takes the 160-token one from 96
+            // slots an expert).
             let f32_tile = match tile {
                 Tile::Wg128x256 | Tile::Ws128 | Tile::Ws4 => Tile::Wg128,
                 Tile::Auto if n / e < 96 => Tile::Wg64,
-                Tile::Auto => Tile::Wg128,
+                Tile::Auto => Tile::Ws128T160,
                 t => t,
             };
             let mut y = poisoned(&dev, n * rows);

@@ -174,8 +174,8 @@ impl Tile {
 /// `LILY_GEMM`, read once (A/B runs): `mma` keeps gemm.cu's kernels where `Tile::Auto` would take the
 /// wgmma ones; `wg`, `ws128`, `ws256`, `ws4`, `ss256`, `t256` put that wgmma tile wherever `Tile::Auto`
 /// would take the 128 × 128 half tile; `t128` the choice before the two-part tiles, `mc256` the
-/// defaults with the cluster pairs, `no160` without the 160-token tiles, `down160` the defaults with
-/// the MoE down projection on `Ws128T160` (see `wide_half_tile`);
+/// defaults with the cluster pairs, `no160` without the 160-token tiles, `down128` the defaults with
+/// the MoE down projection on `Wg128` (its tile before the twenty-fifth session; see `wide_half_tile`);
 /// anything else, the defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum GemmSwitch {
@@ -185,8 +185,8 @@ enum GemmSwitch {
     Tokens128,
     Pairs,
     No160,
-    /// The defaults with the MoE down projection (grouped, no SwiGLU) on `Ws128T160`.
-    Down160,
+    /// The defaults with the MoE down projection (grouped, no SwiGLU) on `Wg128`.
+    Down128,
 }
 
 fn gemm_switch() -> GemmSwitch {
@@ -203,7 +203,7 @@ fn gemm_switch() -> GemmSwitch {
         Ok("no160") => GemmSwitch::No160,
         Ok("t128") => GemmSwitch::Tokens128,
         Ok("mc256") => GemmSwitch::Pairs,
-        Ok("down160") => GemmSwitch::Down160,
+        Ok("down128") => GemmSwitch::Down128,
         _ => GemmSwitch::Default,
     })
 }
@@ -241,13 +241,15 @@ fn router_path() -> RouterPath {
 ///   ~128 slots an expert `Ws128T256` is 6% slower than `Ws128`: its ring holds 6 groups where
 ///   `Ws128`'s holds 10; the 160-token tile holds 9 and takes an expert's tail past 128 slots, which
 ///   otherwise costs a tile of its own);
-/// - the grouped GEMMs without SwiGLU (the MoE down projection, K = 512): `Wg128` (`Ws128` 3.5%
-///   slower, fifteenth session; `Ws128T256` slower at a 4K chunk; `Ws128T160` 4.5% faster in
-///   isolation and even in the model, twentieth).
+/// - the grouped GEMMs without SwiGLU (the MoE down projection, K = 512): `Ws128T160` since its
+///   bf16 outputs leave as 16-byte rows (twenty-fifth session: 4K prefill +2.7%, 32K +1.0% against
+///   `Wg128`, whose second block an SM had hidden the one-output-a-store epilogue: `Ws128T160` was 4.5%
+///   faster in isolation and even in the model before, twentieth; `Ws128` 3.5% slower than `Wg128`,
+///   fifteenth; `Ws128T256` slower at a 4K chunk).
 ///
-/// `LILY_GEMM=t128` takes `Ws128` where this takes a two-part tile; `mc256` `Mc256` where this takes
-/// `Ws128T256` and the row tiles pair up; `no160` `Ws128` where this takes `Ws128T160`; `down160` puts
-/// the down projection on `Ws128T160`; `wg` keeps
+/// `LILY_GEMM=t128` takes `Ws128` where this takes a two-part tile (the down projection `Wg128`, as
+/// then); `mc256` `Mc256` where this takes `Ws128T256` and the row tiles pair up; `no160` `Ws128` where
+/// this takes `Ws128T160`; `down128` puts the down projection on `Wg128`; `wg` keeps
 /// `Wg128` everywhere, `ws128` / `ws256` / `ws4` / `ss256` / `t256` / `t160` take that tile everywhere
 /// (A/B runs).
 fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, experts: usize, wg_tiles: usize) -> Tile {
@@ -255,8 +257,7 @@ fn wide_half_tile(dev: &Device, grouped: bool, swiglu: bool, t: usize, experts: 
     let pairs = !grouped && wg_tiles.is_multiple_of(2);
     match gemm_switch() {
         GemmSwitch::Wide(tile) => tile,
-        GemmSwitch::Down160 if grouped && !swiglu => Tile::Ws128T160,
-        _ if grouped && !swiglu => Tile::Wg128,
+        GemmSwitch::Down128 | GemmSwitch::Tokens128 if grouped && !swiglu => Tile::Wg128,
         GemmSwitch::Tokens128 => Tile::Ws128,
         GemmSwitch::Pairs if t256 && pairs => Tile::Mc256,
         _ if t256 => Tile::Ws128T256,
