@@ -44,8 +44,8 @@ pub struct Device {
     pub(crate) knocking: std::sync::atomic::AtomicBool,
     /// Kernel launches skipped by knock-outs so far.
     pub(crate) knocked: std::sync::atomic::AtomicU64,
-    /// The wgmma GEMM's staged x (`ops::gemm_wgmma`): grown on demand, reused by every call in stream
-    /// order, with what it holds.
+    /// The wgmma GEMM's staged x (`ops::gemm_wgmma`), a buffer for the half numerics and one for the
+    /// folded ones: grown on demand, reused by every call in stream order, with what each holds.
     pub(crate) gemm_stage: Mutex<crate::ops::gemm_wgmma::Stage>,
 }
 

@@ -445,9 +445,9 @@ impl CudaModel {
 
         let weight_bytes = (done.get() + extra.get()) as usize;
         let (act, mut activation_bytes) = Activations::new(&dev, &cfg, max_chunk)?;
-        // The wgmma GEMMs' staged x (two planes, exact) for the widest input of a chunk: [T, H] (the
-        // input projections, the experts' gate/up, lm_head when scoring), the output projections'
-        // inputs, and the routed experts' down input [T·k, I].
+        // The wgmma GEMMs' staged x for the widest input of a chunk: [T, H] (the input projections,
+        // the experts' gate/up, lm_head when scoring), the output projections' inputs, and the routed
+        // experts' down input [T·k, I].
         let t = max_chunk;
         let inputs = [
             (t, cfg.hidden_size),
@@ -1454,8 +1454,6 @@ fn gdn_norm_stages() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_GDN_NORM").map(|v| v != "separate").unwrap_or(true))
 }
 
-/// [`prefill_opts`] for a GEMM whose x is the previous GEMM's, unwritten since (its staged copy is
-/// reused where the staging buffer still holds it).
 /// Whether a prompt chunk's post-mixer norm writes the MoE GEMMs' staged x itself (where they take
 /// it): the default; `LILY_POST_NORM=separate` leaves the staging to the first GEMM (A/B runs; read once).
 fn post_norm_stages() -> bool {
@@ -1463,6 +1461,8 @@ fn post_norm_stages() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_POST_NORM").map(|v| v != "separate").unwrap_or(true))
 }
 
+/// [`prefill_opts`] for a GEMM whose x is the previous GEMM's, unwritten since (its staged copy is
+/// reused where the staging buffer still holds it).
 fn reuse_x() -> gemm::Opts {
     gemm::Opts { reuse_x: true, ..prefill_opts() }
 }

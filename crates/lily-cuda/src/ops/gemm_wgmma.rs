@@ -3,7 +3,8 @@
 //! `Bf16x` with the same numerics as gemm.cu's kernels, and in `Half`); and for 8-bit group-64 weights
 //! (the MoE router) in `Half`, the plain form with 128 weight rows a block. This module launches them: one
 //! pass stages x (16-bit planes in the kernel's column order, and the f32 sums per group or the
-//! per-row scales) into a device buffer the [`Device`] keeps, then the GEMM runs on it. Shapes and
+//! per-row scales) into a buffer the [`Device`] keeps for the numerics (one for the half numerics, one
+//! for the folded ones; see `Stage`), then the GEMM runs on it. Shapes and
 //! pointers are checked by `gemm::run` before it comes here.
 
 use cudarc::driver::sys::CUfunction_attribute;
