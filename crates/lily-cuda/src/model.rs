@@ -655,7 +655,7 @@ impl CudaModel {
                     rmsnorm::rms_norm(dev, &a.x, &l.input_norm, eps, t, &mut a.normed)?;
                 } else if !normed_next {
                     dev.mark("norm", 16 * tt * h, 0)?;
-                    rmsnorm::add_rms_norm(dev, &a.mlp, &mut a.x, &l.input_norm, eps, t, &mut a.normed)?;
+                    rmsnorm::add_rms_norm(dev, &a.mlp, &mut a.x, &l.input_norm, eps, t, &mut a.normed, None)?;
                 }
                 None
             };
@@ -689,14 +689,9 @@ impl CudaModel {
                 && post_norm_stages()
                 && rmsnorm::stage_fits(h as usize)
                 && matches!(&l.mlp, DevMlp::Moe { experts, .. } if gemm::takes_prestaged_half(&experts.gate, prefill_opts()));
-            if post_stage {
-                dev.mark("norm", 18 * tt * h, 0)?;
-                let st = gemm_wgmma::prestage_half(dev, &a.normed, t, h as usize)?;
-                rmsnorm::add_rms_norm_stage(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed, &st)?;
-            } else {
-                dev.mark("norm", 16 * tt * h, 0)?;
-                rmsnorm::add_rms_norm(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed)?;
-            }
+            dev.mark("norm", if post_stage { 18 } else { 16 } * tt * h, 0)?;
+            let st = if post_stage { Some(gemm_wgmma::prestage_half(dev, &a.normed, t, h as usize)?) } else { None };
+            rmsnorm::add_rms_norm(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed, st.as_ref())?;
             match &l.mlp {
                 DevMlp::Moe { router, router_plus, experts, shared } => {
                     // The norm after this block: the next layer's input norm, or the final norm.
@@ -729,7 +724,7 @@ impl CudaModel {
             return Ok(());
         }
         dev.mark("norm", 16 * tt * h, 0)?;
-        rmsnorm::add_rms_norm(dev, &a.mlp, &mut a.x, final_norm, eps, t, &mut a.normed)
+        rmsnorm::add_rms_norm(dev, &a.mlp, &mut a.x, final_norm, eps, t, &mut a.normed, None)
     }
 
     /// Logits of normed rows `r0..r1` of the last chunk into `act.logits` ([r1-r0, V]).
@@ -1266,11 +1261,14 @@ fn down_and_combine<E: crate::ops::Act, Y: DevicePtr<E> + DevicePtrMut<E>, G: De
     dev.mark("moe.combine", (y_bytes * (t * k) as u64 + (8 + extra) * t as u64) * h as u64, 2 * (t * (k + 1) * h) as u64)?;
     let (idx, slot_of, w) = (c.idx, Some(c.slot_of), c.route_w);
     match c.into {
-        CombineInto::Norm { x, w: nw, eps, normed, stage: true } => {
-            let st = gemm_wgmma::prestage_half(dev, &*normed, t, h)?;
-            moe_dispatch::combine_norm_staged(dev, &*y, idx, slot_of, w, c.shared, c.gate_stride, t, k, h, x, nw, eps, &st)
+        CombineInto::Norm { x, w: nw, eps, normed, stage } => {
+            let st = if stage { Some(gemm_wgmma::prestage_half(dev, &*normed, t, h)?) } else { None };
+            let out = match &st {
+                Some(st) => moe_dispatch::NormOut::Staged(st),
+                None => moe_dispatch::NormOut::Rows(normed),
+            };
+            moe_dispatch::combine_norm(dev, &*y, idx, slot_of, w, c.shared, c.gate_stride, t, k, h, x, nw, eps, out)
         }
-        CombineInto::Norm { x, w: nw, eps, normed, stage: false } => moe_dispatch::combine_norm(dev, &*y, idx, slot_of, w, c.shared, c.gate_stride, t, k, h, x, nw, eps, normed),
         CombineInto::Mlp(out) => moe_dispatch::combine_with(dev, &*y, idx, slot_of, w, c.shared, c.gate_stride, t, k, h, out, false),
     }
 }

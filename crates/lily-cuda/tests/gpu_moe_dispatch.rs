@@ -22,6 +22,7 @@ use common::{device, Rng, time_op};
 use cudarc::driver::CudaSlice;
 use lily_cuda::ops::gemm_wgmma::{stage_half, HalfStage, Stager};
 use lily_cuda::ops::{moe_dispatch, rmsnorm, util};
+use lily_cuda::ops::moe_dispatch::NormOut;
 use lily_cuda::Device;
 
 // ---------------------------------------------------------------------------------------------------
@@ -322,7 +323,7 @@ fn moe_plan_and_combine_match_cpu() {
 /// vector kernel (one and two vectors a thread) and the scalar one; x also bit for bit the CPU's
 /// x + `cpu_combine`, and the normed rows within 2e-5 of `lily_cpu::norm::rms_norm` on it (its sequential f32 sum of
 /// squares is the larger error; a wrong weight, row or eps is > 1e-3). Where the rows are a multiple of
-/// 64 wide, the form writing them only as the next GEMM's staged x (`combine_norm_staged`): x the same
+/// 64 wide, the form writing them only as the next GEMM's staged x (`NormOut::Staged`): x the same
 /// bits, the plane and scales the stager's on the normed rows.
 #[test]
 fn combine_norm_matches_combine_then_norm() {
@@ -354,12 +355,12 @@ fn combine_norm_matches_combine_then_norm() {
                 let (mut x_got, mut nr_got) = (dev.upload(&x0).unwrap(), poisoned_f32(&dev, t * h));
                 if bf16_y {
                     moe_dispatch::combine_with(&dev, &d_y16, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut mlp, false).unwrap();
-                    moe_dispatch::combine_norm(&dev, &d_y16, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut x_got, &d_nw, eps, &mut nr_got).unwrap();
+                    moe_dispatch::combine_norm(&dev, &d_y16, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut x_got, &d_nw, eps, NormOut::Rows(&mut nr_got)).unwrap();
                 } else {
                     moe_dispatch::combine_with(&dev, &d_y, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut mlp, false).unwrap();
-                    moe_dispatch::combine_norm(&dev, &d_y, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut x_got, &d_nw, eps, &mut nr_got).unwrap();
+                    moe_dispatch::combine_norm(&dev, &d_y, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut x_got, &d_nw, eps, NormOut::Rows(&mut nr_got)).unwrap();
                 }
-                rmsnorm::add_rms_norm(&dev, &mlp, &mut x_ref, &d_nw, eps, t, &mut nr_ref).unwrap();
+                rmsnorm::add_rms_norm(&dev, &mlp, &mut x_ref, &d_nw, eps, t, &mut nr_ref, None).unwrap();
                 // The normed rows written only as the next GEMM's staged x: x the same bits, the plane
                 // and scales those of the stager on the normed rows.
                 if moe_dispatch::combine_stage_fits(h) {
@@ -367,9 +368,9 @@ fn combine_norm_matches_combine_then_norm() {
                     let (mut plane, mut scales) = (dev.zeros::<u16>(t * h).unwrap(), dev.zeros::<f32>(t).unwrap());
                     let st = HalfStage::into_buffers(&dev, &mut plane, &mut scales, t, h).unwrap();
                     if bf16_y {
-                        moe_dispatch::combine_norm_staged(&dev, &d_y16, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut x_st, &d_nw, eps, &st).unwrap();
+                        moe_dispatch::combine_norm(&dev, &d_y16, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut x_st, &d_nw, eps, NormOut::Staged(&st)).unwrap();
                     } else {
-                        moe_dispatch::combine_norm_staged(&dev, &d_y, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut x_st, &d_nw, eps, &st).unwrap();
+                        moe_dispatch::combine_norm(&dev, &d_y, &d_idx, Some(&d_slot), &d_w, sht, 1, t, k, h, &mut x_st, &d_nw, eps, NormOut::Staged(&st)).unwrap();
                     }
                     let (want_p, want_s) = stage_half(&dev, &nr_got, t, h, Stager::Rows).unwrap();
                     assert_bits(&dev.download(&x_st).unwrap(), &dev.download(&x_got).unwrap(), h, &format!("{case}: staged form's x"));

@@ -939,7 +939,7 @@ fn knockout_skips_only_the_named_op() {
 }
 
 /// The fused residual add and norm that also writes its rows as the half numerics' staged x
-/// (`rmsnorm::add_rms_norm_stage`) against `add_rms_norm` then the GEMM's stager (`gemm_wgmma::
+/// (`rmsnorm::add_rms_norm` with a staging) against it without one, then the GEMM's stager (`gemm_wgmma::
 /// stage_half`), bit for bit: the residual stream, y, the f16 plane and the rows' scales (rows' sizes
 /// spread over ±20 powers of ten). Then the staging buffers as the MoE uses them: after the norm staged
 /// y through `prestage_half`, a GEMM on y in the folded numerics that promises y unwritten (the router)
@@ -964,23 +964,23 @@ fn add_rms_norm_stage_equals_norm_then_stage() {
         // The norm, then the stager.
         let mut r_ref = dev.upload(&res).unwrap();
         let mut y_ref = poisoned(&dev, rows * n);
-        rmsnorm::add_rms_norm(&dev, &xd, &mut r_ref, &wd, eps, rows, &mut y_ref).unwrap();
+        rmsnorm::add_rms_norm(&dev, &xd, &mut r_ref, &wd, eps, rows, &mut y_ref, None).unwrap();
         let (want, want_s) = gemm_wgmma::stage_half(&dev, &y_ref, rows, n, Stager::Rows).unwrap();
         // The fused form.
         let mut r = dev.upload(&res).unwrap();
         let mut y = poisoned(&dev, rows * n);
         let (mut plane, mut scales) = (dev.zeros::<u16>(rows * n).unwrap(), dev.zeros::<f32>(rows).unwrap());
         let st = HalfStage::into_buffers(&dev, &mut plane, &mut scales, rows, n).unwrap();
-        rmsnorm::add_rms_norm_stage(&dev, &xd, &mut r, &wd, eps, rows, &mut y, &st).unwrap();
+        rmsnorm::add_rms_norm(&dev, &xd, &mut r, &wd, eps, rows, &mut y, Some(&st)).unwrap();
         let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
         assert_eq!(bits(dev.download(&r).unwrap()), bits(dev.download(&r_ref).unwrap()), "n={n}: residual stream");
         assert_eq!(bits(dev.download(&y).unwrap()), bits(dev.download(&y_ref).unwrap()), "n={n}: y");
         assert_eq!(bits(dev.download(&scales).unwrap()), bits(dev.download(&want_s).unwrap()), "n={n}: scales");
         assert_eq!(dev.download(&plane).unwrap(), dev.download(&want).unwrap(), "n={n}: plane");
-        println!("add_rms_norm_stage n={n} rows={rows}: bit for bit the norm + stager");
+        println!("add_rms_norm with a staging n={n} rows={rows}: bit for bit the norm + stager");
         // A wrong staging shape is refused.
         let st_bad = HalfStage::into_buffers(&dev, &mut plane, &mut scales, rows - 1, n).unwrap();
-        assert!(rmsnorm::add_rms_norm_stage(&dev, &xd, &mut r, &wd, eps, rows, &mut y, &st_bad).is_err());
+        assert!(rmsnorm::add_rms_norm(&dev, &xd, &mut r, &wd, eps, rows, &mut y, Some(&st_bad)).is_err());
     }
     assert!(!rmsnorm::stage_fits(100) && !rmsnorm::stage_fits(16 * 1024));
 
@@ -995,7 +995,7 @@ fn add_rms_norm_stage_equals_norm_then_stage() {
         let mut r = dev.upload(&rng.vec(rows * n)).unwrap();
         let mut y = poisoned(&dev, rows * n);
         let st = gemm_wgmma::prestage_half(&dev, &y, rows, n).unwrap();
-        rmsnorm::add_rms_norm_stage(&dev, &xd, &mut r, &wd, 1e-6, rows, &mut y, &st).unwrap();
+        rmsnorm::add_rms_norm(&dev, &xd, &mut r, &wd, 1e-6, rows, &mut y, Some(&st)).unwrap();
         let mut ye = poisoned(&dev, rows * m);
         gemm::gemm_with(&dev, &wm, 0, &y, rows, &mut ye, Opts { reuse_x: true, ..exact }).unwrap();
         let mut yh = poisoned(&dev, rows * m);
@@ -1032,7 +1032,7 @@ fn rmsnorm_matches_cpu() {
             // Fused residual, in place.
             let mut rd = dev.upload(&r).unwrap();
             let mut y = poisoned(&dev, rows * n);
-            rmsnorm::add_rms_norm(&dev, &xd, &mut rd, &wd, eps, rows, &mut y).unwrap();
+            rmsnorm::add_rms_norm(&dev, &xd, &mut rd, &wd, eps, rows, &mut y, None).unwrap();
             let h: Vec<f32> = x.iter().zip(&r).map(|(a, b)| a + b).collect();
             assert_eq!(dev.download(&rd).unwrap(), h, "residual stream n={n}");
             lily_cpu::norm::rms_norm(&h, &w, eps, &mut want);
@@ -1494,7 +1494,7 @@ fn bench_ops() {
             let x = dev.upload(&rng.vec(rows * n)).unwrap();
             let mut r = dev.upload(&rng.vec(rows * n)).unwrap();
             let mut y = dev.zeros::<f32>(rows * n).unwrap();
-            let (t, s) = time_op(&dev, 25, 20, |_| rmsnorm::add_rms_norm(&dev, &x, &mut r, &w, 1e-6, rows, &mut y).unwrap());
+            let (t, s) = time_op(&dev, 25, 20, |_| rmsnorm::add_rms_norm(&dev, &x, &mut r, &w, 1e-6, rows, &mut y, None).unwrap());
             rows_out.push(Row { kernel: "add_rmsnorm".into(), shape: format!("{rows}x{n}"), bytes: (4 * rows * n * 4 + 4 * n) as f64, t, spread: s });
         }
         let table = bench_affine(&mut up, &mut rng, 1, 248320, 2048, 4, 64);

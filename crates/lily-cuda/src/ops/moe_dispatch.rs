@@ -6,7 +6,7 @@
 //! to it given the same expert outputs, which [`combine_with`] also takes in bf16); [`combine_norm`]
 //! adds that into the residual stream and applies the next RMSNorm in the same kernel.
 
-use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
 use super::{addr, addr_mut, launch};
 use crate::{CudaError, Device, Result};
@@ -228,13 +228,23 @@ where
     launch(dev, name, cfg, &p)
 }
 
+/// Where [`combine_norm`] writes the normed rows.
+pub enum NormOut<'a> {
+    /// f32 rows [t, h].
+    Rows(&'a mut CudaSlice<f32>),
+    /// Only as the next GEMM's staged x (from `gemm_wgmma::prestage_half` for that GEMM: [t, h] in the
+    /// half numerics, the same bits as staging the f32 rows); needs [`combine_stage_fits`] and 16-byte
+    /// aligned x, norm weight and shared rows.
+    Staged(&'a super::gemm_wgmma::HalfStage),
+}
+
 /// [`combine_with`] into the residual stream `x` [t, h] (`x += the sum`), then
 /// `normed = RMSNorm(x) · norm_w` (`norm_w` [h], the next layer's input norm or the final norm, with
-/// `eps`): a prompt chunk's combine and the residual add and norm after it in one kernel, bit for bit
-/// the combine into a buffer followed by [`super::rmsnorm::add_rms_norm`] (the same sums and products,
-/// and the same launch shape for the norm's reduction).
+/// `eps`) into `out`: a prompt chunk's combine and the residual add and norm after it in one kernel, bit
+/// for bit the combine into a buffer followed by [`super::rmsnorm::add_rms_norm`] (the same sums and
+/// products, and the same launch shape for the norm's reduction).
 #[allow(clippy::too_many_arguments)]
-pub fn combine_norm<E, Y, I, L, W, S, G, X, N, O>(
+pub fn combine_norm<E, Y, I, L, W, S, G, X, N>(
     dev: &Device,
     y: &Y,
     idx: &I,
@@ -248,44 +258,7 @@ pub fn combine_norm<E, Y, I, L, W, S, G, X, N, O>(
     x: &mut X,
     norm_w: &N,
     eps: f32,
-    normed: &mut O,
-) -> Result<()>
-where
-    E: super::Act,
-    Y: DevicePtr<E>,
-    I: DevicePtr<u32>,
-    L: DevicePtr<u32>,
-    W: DevicePtr<f32>,
-    S: DevicePtr<f32>,
-    G: DevicePtr<f32>,
-    X: DevicePtrMut<f32>,
-    N: DevicePtr<f32>,
-    O: DevicePtrMut<f32>,
-{
-    let normed = addr_mut(dev, normed, t * h, "moe combine normed")?;
-    combine_norm_into(dev, y, idx, slot_of, w, shared, gate_stride, t, k, h, x, norm_w, eps, normed, None)
-}
-
-/// [`combine_norm`] with the normed rows written only as the next GEMM's staged x (`st`, from
-/// `gemm_wgmma::prestage_half` for that GEMM: [t, h] in the half numerics, the same bits as staging
-/// [`combine_norm`]'s output). Needs [`combine_stage_fits`] and 16-byte aligned x, norm weight and
-/// shared rows.
-#[allow(clippy::too_many_arguments)]
-pub fn combine_norm_staged<E, Y, I, L, W, S, G, X, N>(
-    dev: &Device,
-    y: &Y,
-    idx: &I,
-    slot_of: Option<&L>,
-    w: &W,
-    shared: Option<(&S, &G)>,
-    gate_stride: usize,
-    t: usize,
-    k: usize,
-    h: usize,
-    x: &mut X,
-    norm_w: &N,
-    eps: f32,
-    st: &super::gemm_wgmma::HalfStage,
+    out: NormOut<'_>,
 ) -> Result<()>
 where
     E: super::Act,
@@ -298,48 +271,15 @@ where
     X: DevicePtrMut<f32>,
     N: DevicePtr<f32>,
 {
-    if !combine_stage_fits(h) || st.rows != t || st.cols != h {
-        return Err(CudaError::Shape(format!("moe combine_norm_staged: {t} rows of {h} into a staging of {} × {}", st.rows, st.cols)));
-    }
-    combine_norm_into(dev, y, idx, slot_of, w, shared, gate_stride, t, k, h, x, norm_w, eps, st.plane, Some(st.scales))
-}
-
-/// Whether [`combine_norm_staged`] takes rows of `h`: a multiple of 64 whose f32 row fits 48 KiB of
-/// shared memory.
-pub fn combine_stage_fits(h: usize) -> bool {
-    h > 0 && h.is_multiple_of(64) && 4 * h <= 48 * 1024
-}
-
-/// [`combine_norm`] into `normed` (f32 rows), or with `scales` into a staged x's plane at `normed`.
-#[allow(clippy::too_many_arguments)]
-fn combine_norm_into<E, Y, I, L, W, S, G, X, N>(
-    dev: &Device,
-    y: &Y,
-    idx: &I,
-    slot_of: Option<&L>,
-    w: &W,
-    shared: Option<(&S, &G)>,
-    gate_stride: usize,
-    t: usize,
-    k: usize,
-    h: usize,
-    x: &mut X,
-    norm_w: &N,
-    eps: f32,
-    normed: u64,
-    scales: Option<u64>,
-) -> Result<()>
-where
-    E: super::Act,
-    Y: DevicePtr<E>,
-    I: DevicePtr<u32>,
-    L: DevicePtr<u32>,
-    W: DevicePtr<f32>,
-    S: DevicePtr<f32>,
-    G: DevicePtr<f32>,
-    X: DevicePtrMut<f32>,
-    N: DevicePtr<f32>,
-{
+    let (normed, scales) = match out {
+        NormOut::Rows(r) => (addr_mut(dev, r, t * h, "moe combine normed")?, None),
+        NormOut::Staged(st) => {
+            if !combine_stage_fits(h) || st.rows != t || st.cols != h {
+                return Err(CudaError::Shape(format!("moe combine_norm: {t} rows of {h} into a staging of {} × {}", st.rows, st.cols)));
+            }
+            (st.plane, Some(st.scales))
+        }
+    };
     let norm_w = addr(dev, norm_w, h, "moe combine norm weight")?;
     let Some(mut p) = combine_params(dev, y, idx, slot_of, w, shared, gate_stride, t, k, h, x, true)? else { return Ok(()) };
     (p.norm_w, p.normed, p.eps) = (norm_w, normed, eps);
@@ -347,7 +287,7 @@ where
     let vec = h.is_multiple_of(4) && aligned;
     if let Some(sc) = scales {
         if !vec {
-            return Err(CudaError::Shape("moe combine_norm_staged: x, the norm weight, the shared rows and the plane must be 16-byte aligned".into()));
+            return Err(CudaError::Shape("moe combine_norm into a staging: x, the norm weight, the shared rows and the plane must be 16-byte aligned".into()));
         }
         p.scales = sc;
         let threads = (h / 4).div_ceil(32).clamp(1, 32) as u32 * 32;
@@ -360,6 +300,12 @@ where
     let threads = per.div_ceil(32).clamp(1, 32) as u32 * 32;
     let cfg = LaunchConfig { grid_dim: (t as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
     launch(dev, name, cfg, &p)
+}
+
+/// Whether [`combine_norm`] takes rows of `h` into a staging ([`NormOut::Staged`]): a multiple of 64
+/// whose f32 row fits 48 KiB of shared memory.
+pub fn combine_stage_fits(h: usize) -> bool {
+    h > 0 && h.is_multiple_of(64) && 4 * h <= 48 * 1024
 }
 
 /// The checked parameters of a combine (`None`: nothing to do, t = 0 or h = 0).

@@ -1,7 +1,7 @@
 //! RMSNorm of f32 rows (`kernels/rmsnorm.cu`): `y = h / sqrt(mean(h²) + eps) · w` with `h = x` or,
 //! fused, `h = x + residual` written back into the residual stream. `w` is the folded weight (Qwen's
 //! `1 + w` already added at load), as in `lily_cpu::norm::rms_norm`. The fused form may also write y as
-//! the next GEMM's staged x in the half numerics ([`add_rms_norm_stage`]).
+//! the next GEMM's staged x in the half numerics ([`add_rms_norm`] with a staging).
 
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
 
@@ -29,47 +29,12 @@ unsafe impl DeviceRepr for RmsNormParams {}
 
 pub(crate) const KERNELS: &[&str] = &["rmsnorm_f32", "rmsnorm_f32_v4", "rmsnorm_f32_v4_stage"];
 
-/// The most columns [`add_rms_norm_stage`] takes (the row in 48 KiB of shared memory).
+/// The most columns [`add_rms_norm`] stages (the row in 48 KiB of shared memory).
 const STAGE_MAX_COLS: usize = 12 * 1024;
 
-/// Whether [`add_rms_norm_stage`] takes rows of `n` columns: a multiple of 64, at most 12 Ki.
+/// Whether [`add_rms_norm`] stages rows of `n` columns: a multiple of 64, at most 12 Ki.
 pub fn stage_fits(n: usize) -> bool {
     n > 0 && n.is_multiple_of(super::gemm_wgmma::GROUP) && n <= STAGE_MAX_COLS
-}
-
-/// [`add_rms_norm`] that also writes y as the next GEMM's staged x in the half numerics, at `st`
-/// (`gemm_wgmma::prestage_half` of y, `rows` × `w.len()`): the same bits as the norm followed by the
-/// GEMM's own staging of y, which the GEMM then reuses (`Opts::reuse_x`). Rows of [`stage_fits`]
-/// columns, 16-byte aligned buffers.
-#[allow(clippy::too_many_arguments)]
-pub fn add_rms_norm_stage<X: DevicePtr<f32>, R: DevicePtrMut<f32>, W: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
-    dev: &Device,
-    x: &X,
-    residual: &mut R,
-    w: &W,
-    eps: f32,
-    rows: usize,
-    y: &mut Y,
-    st: &super::gemm_wgmma::HalfStage,
-) -> Result<()> {
-    let n = w.len();
-    if !stage_fits(n) || rows == 0 || rows > i32::MAX as usize || st.rows != rows || st.cols != n {
-        return Err(CudaError::Shape(format!("add_rms_norm_stage: {rows} rows of {n} into a staging of {} × {}", st.rows, st.cols)));
-    }
-    let p = RmsNormParams {
-        rows: rows as i32,
-        n: n as i32,
-        eps,
-        plane: st.plane,
-        scales: st.scales,
-        ..fused_params(dev, x, residual, w, rows, y, "add_rms_norm_stage")?
-    };
-    if [p.x, p.residual, p.w, p.y, p.plane].iter().any(|a| a % 16 != 0) {
-        return Err(CudaError::Shape("add_rms_norm_stage: buffers must be 16-byte aligned".into()));
-    }
-    let threads = (n / 4).div_ceil(32).clamp(1, 32) as u32 * 32;
-    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 4 * n as u32 };
-    launch(dev, "rmsnorm_f32_v4_stage", cfg, &p)
 }
 
 /// `y[r] = rms_norm(x[r]) · w` for each of the `rows` rows of `w.len()` elements.
@@ -91,7 +56,12 @@ pub fn rms_norm<X: DevicePtr<f32>, W: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     run(dev, p, rows, n, eps)
 }
 
-/// Fused residual add: `residual += x`, then `y = rms_norm(residual) · w` (rows of `w.len()`).
+/// Fused residual add: `residual += x`, then `y = rms_norm(residual) · w` (rows of `w.len()`). With
+/// `stage`, y is also written as the next GEMM's staged x in the half numerics (`gemm_wgmma::
+/// prestage_half` of y, `rows` × `w.len()`): the same bits as the norm followed by the GEMM's own
+/// staging of y, which the GEMM then reuses (`Opts::reuse_x`); rows of [`stage_fits`] columns,
+/// 16-byte aligned buffers.
+#[allow(clippy::too_many_arguments)]
 pub fn add_rms_norm<X: DevicePtr<f32>, R: DevicePtrMut<f32>, W: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
     dev: &Device,
     x: &X,
@@ -100,31 +70,29 @@ pub fn add_rms_norm<X: DevicePtr<f32>, R: DevicePtrMut<f32>, W: DevicePtr<f32>, 
     eps: f32,
     rows: usize,
     y: &mut Y,
+    stage: Option<&super::gemm_wgmma::HalfStage>,
 ) -> Result<()> {
-    let p = fused_params(dev, x, residual, w, rows, y, "add_rms_norm")?;
-    run(dev, p, rows, w.len(), eps)
-}
-
-/// The addresses of the fused residual add's buffers (the residual read and written in place).
-fn fused_params<X: DevicePtr<f32>, R: DevicePtrMut<f32>, W: DevicePtr<f32>, Y: DevicePtrMut<f32>>(
-    dev: &Device,
-    x: &X,
-    residual: &mut R,
-    w: &W,
-    rows: usize,
-    y: &mut Y,
-    what: &str,
-) -> Result<RmsNormParams> {
     let n = w.len();
-    let r = addr_mut(dev, residual, rows * n, &format!("{what} residual"))?;
-    Ok(RmsNormParams {
-        x: addr(dev, x, rows * n, &format!("{what} x"))?,
+    let r = addr_mut(dev, residual, rows * n, "add_rms_norm residual")?;
+    let p = RmsNormParams {
+        x: addr(dev, x, rows * n, "add_rms_norm x")?,
         residual: r,
         residual_out: r,
-        w: addr(dev, w, n, &format!("{what} w"))?,
-        y: addr_mut(dev, y, rows * n, &format!("{what} y"))?,
+        w: addr(dev, w, n, "add_rms_norm w")?,
+        y: addr_mut(dev, y, rows * n, "add_rms_norm y")?,
         ..Default::default()
-    })
+    };
+    let Some(st) = stage else { return run(dev, p, rows, n, eps) };
+    if !stage_fits(n) || rows == 0 || rows > i32::MAX as usize || st.rows != rows || st.cols != n {
+        return Err(CudaError::Shape(format!("add_rms_norm: {rows} rows of {n} into a staging of {} × {}", st.rows, st.cols)));
+    }
+    let p = RmsNormParams { rows: rows as i32, n: n as i32, eps, plane: st.plane, scales: st.scales, ..p };
+    if [p.x, p.residual, p.w, p.y, p.plane].iter().any(|a| a % 16 != 0) {
+        return Err(CudaError::Shape("add_rms_norm into a staging: buffers must be 16-byte aligned".into()));
+    }
+    let threads = (n / 4).div_ceil(32).clamp(1, 32) as u32 * 32;
+    let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 4 * n as u32 };
+    launch(dev, "rmsnorm_f32_v4_stage", cfg, &p)
 }
 
 fn run(dev: &Device, mut p: RmsNormParams, rows: usize, n: usize, eps: f32) -> Result<()> {
