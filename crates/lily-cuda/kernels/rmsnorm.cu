@@ -7,7 +7,9 @@
 // rmsnorm_f32_v4_stage (rmsnorm_f32_v4 that also writes y as the next GEMM's staged x in the half
 // numerics, stage_half.cuh: the row in shared memory, its largest |y| setting its scale, 16-byte chunks
 // of the f16 plane into `plane`, 2^e into `scales`; n % 64 == 0, n floats of dynamic shared memory):
-// the same bits as the norm followed by gemm_wgmma_stage_half*.
+// the same bits as the norm followed by gemm_wgmma_stage_half*; rmsnorm_f32_v4_stage2: also the folded
+// (exact) numerics' staging of y (two bf16 planes and the group sums, stage_exact_row_out), the same bits
+// as gemm_wgmma_stage.
 
 #include <stdint.h>
 #include "pdl.cuh"
@@ -27,9 +29,12 @@ struct RmsNormParams {
     int pad_;
     uint4* plane;           // _stage: [rows, n / 8] 16-byte chunks of the staged f16 plane
     float* scales;          // _stage: [rows] the rows' 2^e
+    uint4* hi2;             // _stage2: [rows, n / 8] 16-byte chunks of the folded staging's hi plane
+    uint4* lo2;             // _stage2: its lo plane
+    float* sums2;           // _stage2: [rows, n / 64] its group sums
 };
 
-template <int V, bool STAGE = false>
+template <int V, bool STAGE = false, bool EXACT = false>
 __device__ __forceinline__ void rmsnorm(const RmsNormParams& p) {
     using T = typename RmsVec<V>::T;
     const int row = blockIdx.x;
@@ -72,9 +77,13 @@ __device__ __forceinline__ void rmsnorm(const RmsNormParams& p) {
         __shared__ float red[32];
         m = block_max_any(m, red);  // its barrier also publishes srow
         stage_half_row_out(srow, m, p.n, p.plane + (long long)row * (p.n >> 3), p.scales + row, blockDim.x);
+        if constexpr (EXACT)
+            stage_exact_row_out(srow, p.n, p.hi2 + (long long)row * (p.n >> 3), p.lo2 + (long long)row * (p.n >> 3), p.sums2 + (long long)row * (p.n >> 6),
+                                blockDim.x);
     }
 }
 
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_f32(const RmsNormParams p) { pdl_enter(); rmsnorm<1>(p); }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_f32_v4(const RmsNormParams p) { pdl_enter(); rmsnorm<4>(p); }
 extern "C" __global__ void __launch_bounds__(1024) rmsnorm_f32_v4_stage(const RmsNormParams p) { pdl_enter(); rmsnorm<4, true>(p); }
+extern "C" __global__ void __launch_bounds__(1024) rmsnorm_f32_v4_stage2(const RmsNormParams p) { pdl_enter(); rmsnorm<4, true, true>(p); }

@@ -1,10 +1,12 @@
 // The half numerics' staged x (gemm_wgmma.cu's header describes the layout): each row of x scaled by
 // its power of two 2^-e and rounded to f16, its columns permuted within each group of 64 into the order
 // the register-A tiles hold the codes. The pieces every writer of that layout shares: the permutation,
-// the row's exponent, one 16-byte chunk of staged columns from the row's f32 values, and a row's writing.
+// the row's exponent, one 16-byte chunk of staged columns from the row's f32 values, and a row's writing;
+// and the folded (exact) numerics' two bf16 planes and group sums of a row held the same way.
 #pragma once
 #include <stdint.h>
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 
 // The staged column (within its group) of element m of the group.
 __device__ __forceinline__ int stage_column(int m) {
@@ -53,4 +55,44 @@ __device__ __forceinline__ void stage_half_row_out(const float* row, float row_m
     const float down = stage_pow2(-e);
     for (int i = threadIdx.x; i < (n >> 3); i += threads) plane[i] = stage_half_chunk(row, i >> 3, i & 7, down);
     if (threadIdx.x == 0) *scale = stage_pow2(e);
+}
+
+// The folded (exact) numerics' staging of the same row, as gemm_wgmma_stage writes it (gemm_wgmma.cu):
+// the bf16 planes hi = bf16(x), lo = bf16(x − hi) at the same permuted columns (unscaled), and each
+// group's f32 sum of the unrounded x, added as that stager adds it (lane l: x[2l] + x[2l + 1], then the
+// xor butterfly 16, 8, 4, 2, 1), so the bits are its own. Chunk c of group g of both planes:
+__device__ __forceinline__ void stage_exact_chunk(const float* row, int g, int c, uint4& hi, uint4& lo) {
+    const int s = c >> 1, h = c & 1, sw = ((g & 1) << 2) | ((g & 2) << 3);
+    const float* gp = row + 64 * g;
+    uint32_t wh[4], wl[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+        const float a = gp[(16 * q + 8 * h + s) ^ sw], b = gp[(16 * q + 8 * h + 4 + s) ^ sw];
+        const __nv_bfloat16 ah = __float2bfloat16_rn(a), bh = __float2bfloat16_rn(b);
+        wh[q] = (uint32_t)__bfloat16_as_ushort(ah) | ((uint32_t)__bfloat16_as_ushort(bh) << 16);
+        wl[q] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(a - __bfloat162float(ah))) |
+                ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(b - __bfloat162float(bh))) << 16);
+    }
+    hi = make_uint4(wh[0], wh[1], wh[2], wh[3]);
+    lo = make_uint4(wl[0], wl[1], wl[2], wl[3]);
+}
+
+// stage_half_row_out's folded counterpart: the row held at `row` (published by a block barrier) as the
+// hi and lo planes' n / 8 16-byte chunks and the n / 64 group sums. `threads`: the block's, whole warps.
+__device__ __forceinline__ void stage_exact_row_out(const float* row, int n, uint4* hi, uint4* lo, float* sums, int threads) {
+    for (int i = threadIdx.x; i < (n >> 3); i += threads) {
+        uint4 h, l;
+        stage_exact_chunk(row, i >> 3, i & 7, h, l);
+        hi[i] = h;
+        lo[i] = l;
+    }
+    const int lane = threadIdx.x & 31;
+    for (int g = threadIdx.x >> 5; g < (n >> 6); g += threads >> 5) {
+        const int sw = ((g & 1) << 2) | ((g & 2) << 3);
+        const float* gp = row + 64 * g;
+        float s = gp[(2 * lane) ^ sw] + gp[(2 * lane + 1) ^ sw];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (lane == 0) sums[g] = s;
+    }
 }

@@ -684,14 +684,27 @@ impl CudaModel {
                 continue;
             }
             // The post-mixer norm also writes its rows as the MoE's half-numerics GEMMs' staged x where they
-            // take it (the router, in the folded numerics, stages its own copy beside it).
+            // take it, and the router's folded staging beside it where the router takes that.
+            let post = post_norm_stage();
             let post_stage = t > 1
-                && post_norm_stages()
+                && post != PostNormStage::Neither
                 && rmsnorm::stage_fits(h as usize)
                 && matches!(&l.mlp, DevMlp::Moe { experts, .. } if gemm::takes_prestaged_half(&experts.gate, prefill_opts()));
-            dev.mark("norm", if post_stage { 18 } else { 16 } * tt * h, 0)?;
-            let st = if post_stage { Some(gemm_wgmma::prestage_half(dev, &a.normed, t, h as usize)?) } else { None };
-            rmsnorm::add_rms_norm(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed, st.as_ref())?;
+            let router_stage = post_stage
+                && post == PostNormStage::HalfAndRouter
+                && matches!(&l.mlp, DevMlp::Moe { router, router_plus, shared, .. }
+                    if gemm::takes_prestaged_exact(router_matrix(router, router_plus.as_ref(), shared), prefill_opts()));
+            dev.mark("norm", (16 + if router_stage { 6 } else if post_stage { 2 } else { 0 }) * tt * h, 0)?;
+            let (half, exact) = match (post_stage, router_stage) {
+                (true, true) => {
+                    let (hs, es) = gemm_wgmma::prestage_half_exact(dev, &a.normed, t, h as usize)?;
+                    (Some(hs), Some(es))
+                }
+                (true, false) => (Some(gemm_wgmma::prestage_half(dev, &a.normed, t, h as usize)?), None),
+                _ => (None, None),
+            };
+            let staging = half.as_ref().map(|half| rmsnorm::Staging { half, exact: exact.as_ref() });
+            rmsnorm::add_rms_norm(dev, &a.mix, &mut a.x, &l.post_norm, eps, t, &mut a.normed, staging)?;
             match &l.mlp {
                 DevMlp::Moe { router, router_plus, experts, shared } => {
                     // The norm after this block: the next layer's input norm, or the final norm.
@@ -1148,11 +1161,12 @@ fn moe(
     stage: bool,
 ) -> Result<()> {
     let (h, e, k) = (cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok);
+    let rw = router_matrix(router, router_plus, shared);
     let router_plus = router_plus.filter(|_| !matches!(shared, Shared::None));
     let stride = if router_plus.is_some() { e + 1 } else { e };
-    let rw = router_plus.unwrap_or(router);
     mark_linear(dev, "moe.router", rw, t)?;
-    // prestaged: the norm wrote a.normed's half staging; the router's own staging leaves it in place.
+    // prestaged: the norm wrote a.normed's half staging (and maybe the router's folded one beside it);
+    // the router's own staging, where it stages, leaves the half one in place.
     linear_with(dev, rw, &a.normed, t, &mut a.router, if prestaged { reuse_x() } else { prefill_opts() })?; // [T, E (+1)]
     dev.mark("moe.route", 4 * (t * e + 2 * t * k) as u64, 0)?;
     moe_route::route_strided(dev, &a.router, stride, t, e, k, cfg.norm_topk_prob, &mut a.idx, &mut a.route_w)?; // [T, k]
@@ -1213,6 +1227,12 @@ fn moe(
     } else {
         down_and_combine(dev, &ex.down, offsets, act, expert_out, routed, t, k, h, combine)
     }
+}
+
+/// The router's matrix of a prompt chunk's MoE block: with a shared expert, the router with the shared
+/// expert's gate as row E where the model has it; else the router.
+fn router_matrix<'a>(router: &'a DeviceMatrix, router_plus: Option<&'a DeviceMatrix>, shared: &Shared) -> &'a DeviceMatrix {
+    router_plus.filter(|_| !matches!(shared, Shared::None)).unwrap_or(router)
 }
 
 /// The combine's inputs besides the slots' outputs, and where its sums go.
@@ -1452,11 +1472,25 @@ fn gdn_norm_stages() -> bool {
     *ON.get_or_init(|| std::env::var("LILY_GDN_NORM").map(|v| v != "separate").unwrap_or(true))
 }
 
-/// Whether a prompt chunk's post-mixer norm writes the MoE GEMMs' staged x itself (where they take
-/// it): the default; `LILY_POST_NORM=separate` leaves the staging to the first GEMM (A/B runs; read once).
-fn post_norm_stages() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_POST_NORM").map(|v| v != "separate").unwrap_or(true))
+/// What a prompt chunk's post-mixer norm writes as the MoE GEMMs' staged x (where they take it).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PostNormStage {
+    /// Nothing: the first GEMM of each numerics stages x (`LILY_POST_NORM=separate`).
+    Neither,
+    /// The half numerics' staging (the experts'); the router stages its own (`LILY_POST_NORM=half`).
+    Half,
+    /// Both, the router's folded staging beside the experts' (the default).
+    HalfAndRouter,
+}
+
+/// [`PostNormStage`] from `LILY_POST_NORM` (A/B runs; read once).
+fn post_norm_stage() -> PostNormStage {
+    static S: std::sync::OnceLock<PostNormStage> = std::sync::OnceLock::new();
+    *S.get_or_init(|| match std::env::var("LILY_POST_NORM").as_deref() {
+        Ok("separate") => PostNormStage::Neither,
+        Ok("half") => PostNormStage::Half,
+        _ => PostNormStage::HalfAndRouter,
+    })
 }
 
 /// [`prefill_opts`] for a GEMM whose x is the previous GEMM's, unwritten since (its staged copy is

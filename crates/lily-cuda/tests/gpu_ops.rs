@@ -948,7 +948,8 @@ fn knockout_skips_only_the_named_op() {
 #[test]
 fn add_rms_norm_stage_equals_norm_then_stage() {
     use lily_cuda::ops::gemm::{self, Opts, Precision};
-    use lily_cuda::ops::gemm_wgmma::{self, HalfStage, Stager};
+    use lily_cuda::ops::gemm_wgmma::{self, ExactStage, HalfStage, Stager};
+    use rmsnorm::Staging;
     let Some(dev) = device() else { return };
     let mut rng = Rng::new(77);
     for (n, rows) in [(2048usize, 37usize), (512, 5), (4096, 3), (64, 2)] {
@@ -966,21 +967,41 @@ fn add_rms_norm_stage_equals_norm_then_stage() {
         let mut y_ref = poisoned(&dev, rows * n);
         rmsnorm::add_rms_norm(&dev, &xd, &mut r_ref, &wd, eps, rows, &mut y_ref, None).unwrap();
         let (want, want_s) = gemm_wgmma::stage_half(&dev, &y_ref, rows, n, Stager::Rows).unwrap();
-        // The fused form.
-        let mut r = dev.upload(&res).unwrap();
-        let mut y = poisoned(&dev, rows * n);
-        let (mut plane, mut scales) = (dev.zeros::<u16>(rows * n).unwrap(), dev.zeros::<f32>(rows).unwrap());
-        let st = HalfStage::into_buffers(&dev, &mut plane, &mut scales, rows, n).unwrap();
-        rmsnorm::add_rms_norm(&dev, &xd, &mut r, &wd, eps, rows, &mut y, Some(&st)).unwrap();
+        let (want_hi, want_lo, want_sums) = gemm_wgmma::stage_exact(&dev, &y_ref, rows, n).unwrap();
         let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
-        assert_eq!(bits(dev.download(&r).unwrap()), bits(dev.download(&r_ref).unwrap()), "n={n}: residual stream");
-        assert_eq!(bits(dev.download(&y).unwrap()), bits(dev.download(&y_ref).unwrap()), "n={n}: y");
-        assert_eq!(bits(dev.download(&scales).unwrap()), bits(dev.download(&want_s).unwrap()), "n={n}: scales");
-        assert_eq!(dev.download(&plane).unwrap(), dev.download(&want).unwrap(), "n={n}: plane");
-        println!("add_rms_norm with a staging n={n} rows={rows}: bit for bit the norm + stager");
-        // A wrong staging shape is refused.
-        let st_bad = HalfStage::into_buffers(&dev, &mut plane, &mut scales, rows - 1, n).unwrap();
-        assert!(rmsnorm::add_rms_norm(&dev, &xd, &mut r, &wd, eps, rows, &mut y, Some(&st_bad)).is_err());
+        // The fused form: the half staging alone, then with the folded one beside it.
+        for with_exact in [false, true] {
+            let mut r = dev.upload(&res).unwrap();
+            let mut y = poisoned(&dev, rows * n);
+            let (mut plane, mut scales) = (dev.zeros::<u16>(rows * n).unwrap(), dev.zeros::<f32>(rows).unwrap());
+            // The folded buffers start as garbage (not zeros), so that an unwritten element shows.
+            let mut hi = dev.upload(&vec![0xA5A5u16; rows * n]).unwrap();
+            let mut lo = dev.upload(&vec![0x5A5Au16; rows * n]).unwrap();
+            let mut sums = poisoned(&dev, rows * n / 64);
+            let st = HalfStage::into_buffers(&dev, &mut plane, &mut scales, rows, n).unwrap();
+            let es = ExactStage::into_buffers(&dev, &mut hi, &mut lo, &mut sums, rows, n).unwrap();
+            let staging = Staging { half: &st, exact: with_exact.then_some(&es) };
+            rmsnorm::add_rms_norm(&dev, &xd, &mut r, &wd, eps, rows, &mut y, Some(staging)).unwrap();
+            assert_eq!(bits(dev.download(&r).unwrap()), bits(dev.download(&r_ref).unwrap()), "n={n}: residual stream");
+            assert_eq!(bits(dev.download(&y).unwrap()), bits(dev.download(&y_ref).unwrap()), "n={n}: y");
+            assert_eq!(bits(dev.download(&scales).unwrap()), bits(dev.download(&want_s).unwrap()), "n={n}: scales");
+            assert_eq!(dev.download(&plane).unwrap(), dev.download(&want).unwrap(), "n={n}: plane");
+            if with_exact {
+                assert_eq!(dev.download(&hi).unwrap(), dev.download(&want_hi).unwrap(), "n={n}: folded hi plane");
+                assert_eq!(dev.download(&lo).unwrap(), dev.download(&want_lo).unwrap(), "n={n}: folded lo plane");
+                assert_eq!(bits(dev.download(&sums).unwrap()), bits(dev.download(&want_sums).unwrap()), "n={n}: folded group sums");
+            } else {
+                assert!(dev.download(&hi).unwrap().iter().all(|&b| b == 0xA5A5), "n={n}: the half form wrote the folded plane");
+            }
+            println!("add_rms_norm with a staging n={n} rows={rows} (folded too: {with_exact}): bit for bit the norm + stagers");
+            // A wrong staging shape is refused, the half's or the folded one's.
+            let st_bad = HalfStage::into_buffers(&dev, &mut plane, &mut scales, rows - 1, n).unwrap();
+            let bad = Staging { half: &st_bad, exact: None };
+            assert!(rmsnorm::add_rms_norm(&dev, &xd, &mut r, &wd, eps, rows, &mut y, Some(bad)).is_err());
+            let es_bad = ExactStage::into_buffers(&dev, &mut hi, &mut lo, &mut sums, rows - 1, n).unwrap();
+            let bad = Staging { half: &st, exact: Some(&es_bad) };
+            assert!(rmsnorm::add_rms_norm(&dev, &xd, &mut r, &wd, eps, rows, &mut y, Some(bad)).is_err());
+        }
     }
     assert!(!rmsnorm::stage_fits(100) && !rmsnorm::stage_fits(16 * 1024));
 
@@ -995,7 +1016,7 @@ fn add_rms_norm_stage_equals_norm_then_stage() {
         let mut r = dev.upload(&rng.vec(rows * n)).unwrap();
         let mut y = poisoned(&dev, rows * n);
         let st = gemm_wgmma::prestage_half(&dev, &y, rows, n).unwrap();
-        rmsnorm::add_rms_norm(&dev, &xd, &mut r, &wd, 1e-6, rows, &mut y, Some(&st)).unwrap();
+        rmsnorm::add_rms_norm(&dev, &xd, &mut r, &wd, 1e-6, rows, &mut y, Some(Staging { half: &st, exact: None })).unwrap();
         let mut ye = poisoned(&dev, rows * m);
         gemm::gemm_with(&dev, &wm, 0, &y, rows, &mut ye, Opts { reuse_x: true, ..exact }).unwrap();
         let mut yh = poisoned(&dev, rows * m);
@@ -1009,6 +1030,39 @@ fn add_rms_norm_stage_equals_norm_then_stage() {
         // A folded call without the promise leaves only its own staging.
         gemm::gemm_with(&dev, &wm, 0, &y, rows, &mut ye, exact).unwrap();
         assert!(gemm::gemm_with(&dev, &wm, 0, &y, rows, &mut yh, Opts { x_staged_only: true, ..half }).is_err());
+    }
+    // Both stagings written by the norm (the post-mixer norm before the router and the experts): an
+    // 8-bit router in its folded numerics and the 4-bit experts in the half ones each run on the norm's
+    // staging alone — the buffers are filled with a decoy x's staging first, then y's f32 values are
+    // overwritten, so a GEMM that staged y itself would read the decoy.
+    {
+        let router = upload_matrix(&dev, &affine_matrix(&mut rng, 1, m + 1, n, 8, 64, "bf16")).unwrap();
+        assert!(gemm::takes_prestaged_exact(&router, half), "the 8-bit router runs on the folded wgmma tiles");
+        assert!(!gemm::takes_prestaged_exact(&wm, half) && gemm::takes_prestaged_exact(&wm, exact));
+        let (xd, wd, res) = (dev.upload(&rng.vec(rows * n)).unwrap(), dev.upload(&rng.vec(n)).unwrap(), rng.vec(rows * n));
+        let mut r = dev.upload(&res).unwrap();
+        let mut y = poisoned(&dev, rows * n);
+        let (hs, es) = gemm_wgmma::prestage_half_exact(&dev, &y, rows, n).unwrap();
+        rmsnorm::add_rms_norm(&dev, &xd, &mut r, &wd, 1e-6, rows, &mut y, Some(Staging { half: &hs, exact: Some(&es) })).unwrap();
+        // References on y, each staging it itself (Fresh), into their own outputs.
+        let y_host = dev.download(&y).unwrap();
+        let (mut yr_ref, mut yh_ref) = (poisoned(&dev, rows * (m + 1)), poisoned(&dev, rows * m));
+        gemm::gemm_with(&dev, &router, 0, &y, rows, &mut yr_ref, half).unwrap();
+        gemm::gemm_with(&dev, &wm, 0, &y, rows, &mut yh_ref, half).unwrap();
+        // Again from the norm's stagings: restage both by the norm, then make y's f32 values a decoy.
+        let mut r = dev.upload(&res).unwrap();
+        let (hs, es) = gemm_wgmma::prestage_half_exact(&dev, &y, rows, n).unwrap();
+        rmsnorm::add_rms_norm(&dev, &xd, &mut r, &wd, 1e-6, rows, &mut y, Some(Staging { half: &hs, exact: Some(&es) })).unwrap();
+        assert_eq!(dev.download(&y).unwrap(), y_host);
+        let decoy: Vec<f32> = y_host.iter().map(|v| -2.0 * v).collect();
+        dev.upload_into(&decoy, &mut y).unwrap();
+        let (mut yr, mut yh) = (poisoned(&dev, rows * (m + 1)), poisoned(&dev, rows * m));
+        gemm::gemm_with(&dev, &router, 0, &y, rows, &mut yr, Opts { reuse_x: true, ..half }).unwrap();
+        gemm::gemm_with(&dev, &wm, 0, &y, rows, &mut yh, Opts { reuse_x: true, ..half }).unwrap();
+        let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+        assert_eq!(bits(dev.download(&yr).unwrap()), bits(dev.download(&yr_ref).unwrap()), "the router on the norm's folded staging");
+        assert_eq!(bits(dev.download(&yh).unwrap()), bits(dev.download(&yh_ref).unwrap()), "the experts on the norm's half staging");
+        println!("the router and the experts on the post-mixer norm's two stagings: bit for bit their own stagings");
     }
 }
 

@@ -426,6 +426,19 @@ pub fn takes_prestaged_half(w: &DeviceMatrix, o: Opts) -> bool {
     o.tile == Tile::Auto && o.experts.is_none() && half_on_wgmma(w, o.precision, false)
 }
 
+/// Whether [`gemm_with`] of matrix `w` with `o` runs on the wgmma tiles in the folded exact numerics, so
+/// that x's producer may write that staging beside the half one
+/// ([`super::gemm_wgmma::prestage_half_exact`], then `reuse_x`): the 8-bit router asked in Half (which
+/// runs Exact on the folded path, the default) or a group-64 matrix asked in Exact, a plain GEMM on the
+/// automatic tile, the wgmma kernels not switched off. `gemm_with` chooses by the same conditions.
+pub fn takes_prestaged_exact(w: &DeviceMatrix, o: Opts) -> bool {
+    let g64 = w.group_size() == Some(super::gemm_wgmma::GROUP);
+    let q8_plain = w.bits() == 8 && g64;
+    let exact = o.precision == Precision::Exact || (q8_plain && o.precision == Precision::Half && router_path() == RouterPath::Folded);
+    let bits_ok = w.bits() == 4 || (q8_plain && router_path() != RouterPath::Mma);
+    o.tile == Tile::Auto && o.experts.is_none() && g64 && exact && bits_ok && gemm_switch() != GemmSwitch::Mma
+}
+
 /// Whether `Tile::Auto` takes the wgmma kernels in the half numerics for `w` asked in `precision`
 /// (`q8_plain`: 8-bit codes in a plain GEMM, the router, which takes them only with
 /// `LILY_ROUTER_WGMMA=1`); not with `LILY_GEMM=mma`.

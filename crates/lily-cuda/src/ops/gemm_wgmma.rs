@@ -637,6 +637,94 @@ pub fn prestage_half<X: DevicePtr<f32>>(dev: &Device, x: &X, rows: usize, cols: 
     Ok(HalfStage { plane, scales, rows, cols })
 }
 
+/// Where a producer kernel writes x's folded (exact) numerics' staging itself, beside its half one
+/// ([`prestage_half_exact`]): the hi and lo bf16 planes [rows, cols] (columns permuted within each group
+/// of 64 as the half plane's) and x's f32 sums per group [rows, cols / 64], as `gemm_wgmma_stage` writes
+/// them. Made only by [`prestage_half_exact`] or [`ExactStage::into_buffers`], so its addresses are
+/// checked ones.
+#[derive(Clone, Copy, Debug)]
+pub struct ExactStage {
+    pub(crate) hi: u64,
+    pub(crate) lo: u64,
+    pub(crate) sums: u64,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+}
+
+impl ExactStage {
+    /// Into caller-owned buffers (tests): `hi`, `lo` [rows·cols], `sums` [rows·cols/64], which must
+    /// outlive every launch that writes through it.
+    pub fn into_buffers<H: DevicePtrMut<u16>, L: DevicePtrMut<u16>, S: DevicePtrMut<f32>>(
+        dev: &Device,
+        hi: &mut H,
+        lo: &mut L,
+        sums: &mut S,
+        rows: usize,
+        cols: usize,
+    ) -> Result<ExactStage> {
+        if rows == 0 || cols == 0 || !cols.is_multiple_of(GROUP) || hi.len() < rows * cols || lo.len() < rows * cols || sums.len() < rows * (cols / GROUP) {
+            return Err(CudaError::Shape(format!(
+                "exact stage: {rows} rows of {cols} into planes of {} and {} and {} sums",
+                hi.len(),
+                lo.len(),
+                sums.len()
+            )));
+        }
+        let (h, l, s) = (hi.device_ptr_mut(dev.stream()).0, lo.device_ptr_mut(dev.stream()).0, sums.device_ptr_mut(dev.stream()).0);
+        if h % 16 != 0 || l % 16 != 0 {
+            return Err(CudaError::Shape("exact stage: the planes must be 16-byte aligned".into()));
+        }
+        Ok(ExactStage { hi: h, lo: l, sums: s, rows, cols })
+    }
+}
+
+/// [`prestage_half`] and the folded exact numerics' staging of the same x, each in its own buffer, for
+/// a kernel that produces x to write both: the next GEMMs on x in either numerics (the MoE router in
+/// the folded numerics, the experts in the half ones) reuse them (`Opts::reuse_x`), x's f32 values
+/// still written. Whatever the buffers held before is forgotten.
+pub fn prestage_half_exact<X: DevicePtr<f32>>(dev: &Device, x: &X, rows: usize, cols: usize) -> Result<(HalfStage, ExactStage)> {
+    if rows == 0 || cols == 0 || !cols.is_multiple_of(GROUP) || rows as u128 * cols as u128 > u32::MAX as u128 - 2 {
+        return Err(CudaError::Shape(format!("prestage_half_exact: {rows} rows of {cols} columns (a positive multiple of 64)")));
+    }
+    let xp = addr(dev, x, rows * cols, "prestage_half_exact x")?;
+    let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
+    let hb = reserve_in(dev, &mut stage, slot(Num::Half), stage_bytes(rows, cols, 1))?;
+    let eb = reserve_in(dev, &mut stage, slot(Num::Exact), stage_bytes(rows, cols, 2))?;
+    stage.holds = [Some((xp, rows, cols, Num::Half)), Some((xp, rows, cols, Num::Exact))];
+    let (plane, _, scales) = stage_addrs(hb, rows, cols, 1);
+    let (hi, lo, sums) = stage_addrs(eb, rows, cols, 2);
+    Ok((HalfStage { plane, scales, rows, cols }, ExactStage { hi, lo, sums, rows, cols }))
+}
+
+/// Stages `rows` rows of `cols` columns (a multiple of 64) of x for the folded exact numerics into fresh
+/// buffers, as a GEMM in those numerics does (`gemm_wgmma_stage`): the hi and lo bf16 planes [rows,
+/// cols] and the group sums [rows, cols / 64]. For tests of the producers that write it.
+#[allow(clippy::type_complexity)]
+pub fn stage_exact<X: DevicePtr<f32>>(dev: &Device, x: &X, rows: usize, cols: usize) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<f32>)> {
+    if rows == 0 || cols == 0 || !cols.is_multiple_of(GROUP) || rows * cols > i32::MAX as usize {
+        return Err(CudaError::Shape(format!("stage_exact: {rows} rows of {cols} columns (a positive multiple of 64)")));
+    }
+    let xp = addr(dev, x, rows * cols, "stage_exact x")?;
+    let (hi, lo, sums) = (dev.zeros::<u16>(rows * cols)?, dev.zeros::<u16>(rows * cols)?, dev.zeros::<f32>(rows * (cols / GROUP))?);
+    let sp = StageParams {
+        x: xp,
+        hi: hi.device_ptr(dev.stream()).0,
+        lo: lo.device_ptr(dev.stream()).0,
+        sums: sums.device_ptr(dev.stream()).0,
+        rows: rows as i64,
+        cols: cols as i32,
+    };
+    launch_stage_exact(dev, &sp)?;
+    Ok((hi, lo, sums))
+}
+
+/// Launches the folded numerics' staging (one warp per (row, group)).
+fn launch_stage_exact(dev: &Device, sp: &StageParams) -> Result<()> {
+    let warps = sp.rows as usize * (sp.cols as usize / GROUP);
+    let cfg = LaunchConfig { grid_dim: (warps.div_ceil(THREADS / 32) as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
+    launch(dev, STAGE_KERNEL, cfg, sp)
+}
+
 /// Marks the staging buffers as holding no x (a GEMM call that stages nothing ran since).
 pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
     let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
@@ -675,7 +763,6 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         )));
     }
     debug_assert!(ws.is_none() || experts <= WS_MAX_EXPERTS, "gemm::run refuses the warp-specialised tiles past WS_MAX_EXPERTS");
-    let groups = c.cols / GROUP;
     let planes = num.planes();
     let key = (c.x, c.x_rows, c.cols, num);
     let sl = slot(num);
@@ -706,10 +793,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         if num == Num::Half {
             launch_stage_half(dev, &sp, stager())?;
         } else {
-            // One warp per (row, group).
-            let warps = c.x_rows * groups;
-            let cfg = LaunchConfig { grid_dim: (warps.div_ceil(THREADS / 32) as u32, 1, 1), block_dim: (THREADS as u32, 1, 1), shared_mem_bytes: 0 };
-            launch(dev, STAGE_KERNEL, cfg, &sp)?;
+            launch_stage_exact(dev, &sp)?;
         }
         dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?.holds[sl] = Some(key);
     }
