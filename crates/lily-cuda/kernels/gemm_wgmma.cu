@@ -200,8 +200,10 @@ __device__ __forceinline__ void put_out(void* y, long long i, float v) {
 // The epilogue of a tile: a thread's accumulators (MT m64 tiles of BT tokens: rows o0[m] and o1[m],
 // tokens 8j + 2q + e) times their slot's scale(tok), written to y[slot, row] for the slots in
 // [m_begin, m_end) and the rows that exist (SwiGLU: silu(gate) · up to output o0[m]); NaN where
-// nan_row(tok) (a gathered row past x). OUT16: y holds bf16 (the f32 value rounded once).
-template <int MT, int BT, bool SWIGLU, bool OUT16 = false, typename Scale, typename NanRow>
+// nan_row(tok) (a gathered row past x). OUT16: y holds bf16 (the f32 value rounded once). FAST_SILU:
+// silu(g) · u as g · u / (1 + e^-g) with the fast exponential and division (__expf, __fdividef: a few
+// ulp, where the IEEE forms' ~20 instructions an output were the epilogue's largest part).
+template <int MT, int BT, bool SWIGLU, bool OUT16 = false, bool FAST_SILU = false, typename Scale, typename NanRow>
 __device__ __forceinline__ void store_tile(const float (&acc)[MT][BT / 2], void* y, int rows, int m_begin, int m_end, int q, const int (&o0)[MT],
                                            const int (&o1)[MT], const bool (&ok0)[MT], const bool (&ok1)[MT], Scale scale, NanRow nan_row) {
 #pragma unroll
@@ -217,7 +219,9 @@ __device__ __forceinline__ void store_tile(const float (&acc)[MT][BT / 2], void*
                 const bool bad = nan_row(tok);
                 const float k = scale(tok);
                 const float v0 = acc[m][4 * j + e] * k, v1 = acc[m][4 * j + 2 + e] * k;
-                if (SWIGLU) {
+                if (SWIGLU && FAST_SILU) {
+                    if (ok0[m]) put_out<OUT16>(y, yrow + o0[m], bad ? __int_as_float(0x7fc00000) : __fdividef(v0 * v1, 1.0f + __expf(-v0)));
+                } else if (SWIGLU) {
                     if (ok0[m]) put_out<OUT16>(y, yrow + o0[m], bad ? __int_as_float(0x7fc00000) : v0 / (1.0f + expf(-v0)) * v1);
                 } else {
                     if (ok0[m]) put_out<OUT16>(y, yrow + o0[m], bad ? __int_as_float(0x7fc00000) : v0);
@@ -837,7 +841,8 @@ struct RingTile {
 // the consumers of both blocks have released it (each consumer warp arrives on both blocks' empty
 // barriers), so neither producer overwrites what the other block still reads.
 
-template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2, int N2 = 0, bool OUT16 = false, int CL = 1, bool ROWS16 = false>
+template <int MT, int NS, bool SWIGLU, bool GROUPED, int CWG = 2, int N2 = 0, bool OUT16 = false, int CL = 1, bool ROWS16 = false,
+          bool FAST_SILU = false>
 __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xmap = nullptr) {
     constexpr int BH = 128;                      // tokens of the first part (an MMA's N)
     constexpr int BT = BH + N2;                  // tokens a tile
@@ -1090,11 +1095,11 @@ __device__ __forceinline__ void wg_tile_ws(const WgParams& p, const TmaDesc* xma
                     return;
                 }
             }
-            store_tile<MT, BH, SWIGLU, OUT16>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return tsc[parity][tok]; },
-                                              [](int) { return false; });
+            store_tile<MT, BH, SWIGLU, OUT16, FAST_SILU>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return tsc[parity][tok]; },
+                                                         [](int) { return false; });
             if constexpr (BOTH) {
                 if (two)
-                    store_tile<1, N2, SWIGLU, OUT16>(acc2, p.y, rows, m_begin + BH, m_end, q, o0, o1, ok0, ok1,
+                    store_tile<1, N2, SWIGLU, OUT16, FAST_SILU>(acc2, p.y, rows, m_begin + BH, m_end, q, o0, o1, ok0, ok1,
                                                      [&](int tok) { return tsc[parity][BH + tok]; }, [](int) { return false; });
             }
         };
@@ -1366,6 +1371,14 @@ WS_ENTRY_R(gemm_wgmma_grouped_ws128t256_o16, 1, 6, false, true, 2, 128, true, tr
 WS_ENTRY_R(gemm_wgmma_grouped_ws128t160_o16, 1, 9, false, true, 2, 32, true, true)
 WS_ENTRY_R(gemm_wgmma_grouped_ws128t256_o16s, 1, 6, false, true, 2, 128, true, false)
 WS_ENTRY_R(gemm_wgmma_grouped_ws128t160_o16s, 1, 9, false, true, 2, 32, true, false)
+// The grouped SwiGLU (the MoE gate/up) on the two-part tiles with store_tile's FAST_SILU epilogue.
+#define WS_ENTRY_FS(name, NS, N2)                                                                     \
+    extern "C" __global__ void __launch_bounds__(384, 1) name(const WgParams p) {                     \
+        pdl_enter();                                                                                   \
+        wg_tile_ws<1, NS, true, true, 2, N2, false, 1, false, true>(p);                                \
+    }
+WS_ENTRY_FS(gemm_wgmma_grouped_swiglu_ws128t256_fs, 6, 128)
+WS_ENTRY_FS(gemm_wgmma_grouped_swiglu_ws128t160_fs, 9, 32)
 
 // The cluster pairs of 256-token tiles (plain forms): the staged plane's TMA descriptor beside the
 // parameters, in one __grid_constant__ parameter (a descriptor must sit in parameter, constant or global

@@ -195,6 +195,17 @@ fn rows16() -> bool {
     static ROWS16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ROWS16.get_or_init(|| std::env::var("LILY_STORE16").as_deref() != Ok("scalar"))
 }
+/// The grouped SwiGLU (the MoE gate/up) on [`Ws::T256`] and [`Ws::T160`] with the fast SiLU epilogue
+/// (`store_tile`'s FAST_SILU: `__expf` and `__fdividef` for the IEEE forms, a few ulp of the output).
+const NAMES_WS_FS: [&str; 2] = ["gemm_wgmma_grouped_swiglu_ws128t256_fs", "gemm_wgmma_grouped_swiglu_ws128t160_fs"];
+
+/// Whether the grouped SwiGLU's two-part tiles take [`NAMES_WS_FS`] (the default) or the IEEE
+/// exponential and division (`LILY_SILU=precise`, the first form, for A/B runs). Read once.
+fn fast_silu() -> bool {
+    static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FAST.get_or_init(|| std::env::var("LILY_SILU").as_deref() != Ok("precise"))
+}
+
 /// [`Ws::Mc256`]'s plain and SwiGLU forms (cluster pairs sharing each X tile by TMA multicast).
 const NAMES_MC: [&str; 2] = ["gemm_wgmma_plain_mc256", "gemm_wgmma_swiglu_mc256"];
 
@@ -276,7 +287,7 @@ const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 const STAGE_HALF_ROWS_KERNEL: &str = "gemm_wgmma_stage_half_rows";
 const STAGE_HALF_WROWS_KERNEL: &str = "gemm_wgmma_stage_half_wrows";
 
-const N_ALL: usize = 4 * VARIANTS + 4 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + NAMES_WS_O16.len() + NAMES_MC.len();
+const N_ALL: usize = 4 * VARIANTS + 4 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + NAMES_WS_O16.len() + NAMES_WS_FS.len() + NAMES_MC.len();
 const fn all_kernels() -> [&'static str; N_ALL] {
     let mut out = [""; N_ALL];
     let mut n = 0;
@@ -308,6 +319,11 @@ const fn all_kernels() -> [&'static str; N_ALL] {
     i = 0;
     while i < NAMES_WS_O16.len() {
         out[n] = NAMES_WS_O16[i];
+        (i, n) = (i + 1, n + 1);
+    }
+    i = 0;
+    while i < NAMES_WS_FS.len() {
+        out[n] = NAMES_WS_FS[i];
         (i, n) = (i + 1, n + 1);
     }
     (out[n], out[n + 1]) = (NAMES_MC[0], NAMES_MC[1]);
@@ -433,7 +449,8 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
         let kind = WS_KINDS[i % WS_KINDS.len()];
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(kind) as i32)?;
     }
-    for (name, kind) in NAMES_WS_O16.iter().zip(WS_O16_KINDS).chain([(&NAMES_MC[0], Ws::Mc256), (&NAMES_MC[1], Ws::Mc256)]) {
+    let fs = [(&NAMES_WS_FS[0], Ws::T256), (&NAMES_WS_FS[1], Ws::T160)];
+    for (name, kind) in NAMES_WS_O16.iter().zip(WS_O16_KINDS).chain([(&NAMES_MC[0], Ws::Mc256), (&NAMES_MC[1], Ws::Mc256)]).chain(fs) {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ws_smem_bytes(kind) as i32)?;
     }
     for (i, name) in NAMES.iter().enumerate() {
@@ -843,6 +860,8 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         let blocks = tiles.min(dev.sm_count() as usize).max(1);
         let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (kind.threads(), 1, 1), shared_mem_bytes: ws_smem_bytes(kind) as u32 };
         let name = match (c.out16, kind) {
+            (false, Ws::T256) if form == 3 && fast_silu() => NAMES_WS_FS[0],
+            (false, Ws::T160) if form == 3 && fast_silu() => NAMES_WS_FS[1],
             (false, _) => NAMES_WS[WS_KINDS.len() * form + kind.index()],
             (true, Ws::T160) => NAMES_WS_O16[if rows16() { 1 } else { 3 }],
             (true, _) => NAMES_WS_O16[if rows16() { 0 } else { 2 }],
