@@ -45,14 +45,15 @@
 //
 // Warp-specialised persistent tiles (half numerics, 4-bit, 128 tokens; wg_tile_ws below): a producer
 // warpgroup fills the ring, two consumer warpgroups dequantise and multiply, one block an SM walks the
-// tiles; the same sums as wg_tile's half tiles, bit for bit.
+// tiles; the same sums as wg_tile's half tiles, bit for bit (the _fs forms' SiLU aside).
 //
 // Entry points: gemm_wgmma_{plain, swiglu, grouped, grouped_swiglu}_n{64, 128}_{p1, p2, h128, h256}
 // (p: folded with 1 or 2 planes; h: half, 128 or 256 weight rows), gemm_wgmma_plain_n{64, 128}_{h128, p1, p2}_q8
 // (8-bit codes), gemm_wgmma_grouped_n{128, 64}_h128_o16 (bf16 outputs as 16-byte rows, store_tile16_rows;
 // _o16s one output a store), gemm_wgmma_{form}_ws{128, 256, 4} (warp-specialised: 128 or 256 weight rows
 // on two consumer warpgroups, or 256 on four), _ws128t{256, 160} (two-part tiles; grouped _o16, _o16s as
-// above), _ss256 (shared-memory A), _mc256 (cluster pairs); dynamic shared
+// above; grouped_swiglu _fs: store_tile's FAST_SILU epilogue), _ss256 (shared-memory A), _mc256 (cluster
+// pairs); dynamic shared
 // memory: see smem_bytes in ops/gemm_wgmma.rs. Launch bounds: n128_p* one
 // block an SM (up to 255 registers), n64_p* two, n128_h128* two, n64_h128 three (ptxas serialises its
 // MMAs for registers at that bound; the same tile at two blocks measured even, docs/PERF.md 2026-12-05;

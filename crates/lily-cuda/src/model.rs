@@ -1145,7 +1145,8 @@ fn attn_dims(cfg: &ModelConfig) -> attn_prep::AttnDims {
 /// writes both: a.router holds rows of E + 1, the gate logit last. With `then_norm` (the next norm's
 /// weight and eps) the combine adds the block's output into a.x and writes RMSNorm(a.x) to a.normed
 /// instead (a.mlp untouched). `prestaged`: the device's half-numerics staging holds a.normed (written by
-/// the norm with it), which the router's folded staging must leave in place.
+/// the norm with it, and the router's folded staging too where the router takes it), which the router's
+/// own staging, where it stages, must leave in place.
 #[allow(clippy::too_many_arguments)]
 fn moe(
     dev: &Device,
