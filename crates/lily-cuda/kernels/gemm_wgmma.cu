@@ -658,6 +658,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
 #pragma unroll
                 for (int m = 0; m < MT; ++m) {
                     if constexpr (BT == 128) wgmma_m64n128k16_rs<true>(acc[m], a[m][s], dst + (uint64_t)((32 * s) >> 4), 1);
+                    else if constexpr (BT == 32) wgmma_m64n32k16_rs<true>(acc[m], a[m][s], dst + (uint64_t)((32 * s) >> 4), 1);
                     else wgmma_m64n64k16_rs<true>(acc[m], a[m][s], dst + (uint64_t)((32 * s) >> 4), 1);
                 }
             }
@@ -1452,3 +1453,11 @@ WG_ENTRY16(gemm_wgmma_grouped_n128_h128_o16, 128, 5, 2, true)
 WG_ENTRY16(gemm_wgmma_grouped_n64_h128_o16, 64, 4, 3, true)
 WG_ENTRY16(gemm_wgmma_grouped_n128_h128_o16s, 128, 5, 2, false)
 WG_ENTRY16(gemm_wgmma_grouped_n64_h128_o16s, 64, 4, 3, false)
+
+// 32-token grouped half tiles (the MoE GEMMs at a few slots an expert: short prompts, where the 64-token
+// tiles multiply mostly zero-filled rows): stages of 8 KB, a ring of 8 (6 groups in flight where the
+// 64-token tiles keep 2), three blocks an SM; the plain grouped, SwiGLU and bf16-output forms.
+WG_ENTRY(gemm_wgmma_grouped_n32_h128, 32, 1, NUM_HALF, 8, false, true, 3)
+WG_ENTRY(gemm_wgmma_grouped_swiglu_n32_h128, 32, 1, NUM_HALF, 8, true, true, 3)
+WG_ENTRY16(gemm_wgmma_grouped_n32_h128_o16, 32, 8, 3, true)
+WG_ENTRY16(gemm_wgmma_grouped_n32_h128_o16s, 32, 8, 3, false)

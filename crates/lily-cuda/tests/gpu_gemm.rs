@@ -70,12 +70,13 @@ const CPU_TOL_HALF: f64 = 1e-3;
 const SPARE: usize = 37;
 
 const PRECISIONS: [Precision; 4] = [Precision::Exact, Precision::Bf16x, Precision::Fast, Precision::Half];
-const TILES: [Tile; 14] = [
+const TILES: [Tile; 15] = [
     Tile::Auto,
     Tile::M64,
     Tile::M32,
     Tile::Wg64,
     Tile::Wg128,
+    Tile::Wg32,
     Tile::Wg64x256,
     Tile::Wg128x256,
     Tile::Ws128,
@@ -95,12 +96,14 @@ fn is_q8g64(w: &Matrix) -> bool {
     matches!(&w.storage, Storage::Affine { params, .. } if params.bits == 8 && params.group_size == 64)
 }
 
-/// Whether `tile` takes weights `w` in precision `p` in a call of the plain form (`plain`) or another
-/// (the wgmma tiles: 4-bit group 64, and 8-bit group 64 in the plain form, not Fast; the 256-row and
-/// the warp-specialised ones 4-bit in Half only; the cluster pairs only where `pairs`: a plain or
-/// SwiGLU call of an even count of row tiles). The others must be refused.
-fn tile_takes(tile: Tile, w: &Matrix, p: Precision, plain: bool, pairs: bool) -> bool {
+/// Whether `tile` takes weights `w` in precision `p` in a call of the plain form (`plain`), the grouped
+/// ones (`grouped`) or the SwiGLU one (the wgmma tiles: 4-bit group 64, and 8-bit group 64 in the plain
+/// form, not Fast; the 256-row and the warp-specialised ones 4-bit in Half only; the 32-token ones 4-bit
+/// in Half in the grouped forms only; the cluster pairs only where `pairs`: a plain or SwiGLU call of
+/// an even count of row tiles). The others must be refused.
+fn tile_takes(tile: Tile, w: &Matrix, p: Precision, plain: bool, grouped: bool, pairs: bool) -> bool {
     match tile {
+        Tile::Wg32 => is_q4g64(w) && p == Precision::Half && grouped,
         Tile::Mc256 => is_q4g64(w) && p == Precision::Half && pairs,
         Tile::Wg64 | Tile::Wg128 => (is_q4g64(w) || (is_q8g64(w) && plain)) && p != Precision::Fast,
         Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 | Tile::Ws128T256 | Tile::Ws128T160 => {
@@ -417,7 +420,7 @@ fn plain_case(dev: &Device, w: &Matrix, m: usize, xd: &CudaSlice<f32>, refs: &Re
         for tile in TILES {
             let mut y = poisoned(dev, t * w.rows + SPARE);
             let r = gemm::gemm_with(dev, &dw, m, xd, t, &mut y, Opts { tile, precision: p, ..Default::default() });
-            if !tile_takes(tile, w, p, true, w.rows.div_ceil(128).is_multiple_of(2)) {
+            if !tile_takes(tile, w, p, true, false, w.rows.div_ceil(128).is_multiple_of(2)) {
                 assert!(r.is_err(), "{what}: {tile:?} took {p:?}");
                 continue;
             }
@@ -588,7 +591,7 @@ fn swiglu_gemm_matches_reference() {
                     let mut y = poisoned(&dev, t * rows + SPARE);
                     let what = format!("swiglu_gemm {f} [{count}x{rows}x{cols}] m={m} t={t} {p:?} {tile:?}");
                     let r = gemm::swiglu_gemm_with(&dev, &dg, &du, m, &xd, t, &mut y, Opts { tile, precision: p, ..Default::default() });
-                    if !tile_takes(tile, &g, p, false, rows.div_ceil(64).is_multiple_of(2)) {
+                    if !tile_takes(tile, &g, p, false, false, rows.div_ceil(64).is_multiple_of(2)) {
                         assert!(r.is_err(), "{what}: refused tile taken");
                         continue;
                     }
@@ -701,7 +704,7 @@ fn grouped_case(
                 Some(du) => gemm::grouped_swiglu_gemm_with(dev, &dg, du, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }),
                 None => gemm::grouped_gemm_with(dev, &dg, &off_d, gather, &xd, n, &mut y, Opts { tile, precision: p, ..Default::default() }),
             };
-            if !tile_takes(tile, &g, p, false, false) {
+            if !tile_takes(tile, &g, p, false, true, false) {
                 assert!(r.is_err(), "grouped {f}: {tile:?} took {p:?}");
                 continue;
             }
@@ -1017,7 +1020,7 @@ fn grouped_bf16_outputs_are_the_f32_outputs_rounded() {
         let src = dev.upload(&src).unwrap();
         let (xd, _, _) = inputs(&dev, &mut rng, x_rows, cols, 0);
         let rows_arg = gather.then_some(&src);
-        for tile in [Tile::Auto, Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws4, Tile::Ws128T256, Tile::Ws128T160] {
+        for tile in [Tile::Auto, Tile::Wg32, Tile::Wg64, Tile::Wg128, Tile::Wg128x256, Tile::Ws128, Tile::Ws4, Tile::Ws128T256, Tile::Ws128T160] {
             // The f32 outputs of the tile that runs: a forced wide tile runs the 128-row one (not the
             // two-part tiles, which take bf16 outputs themselves; Auto takes the 160-token one from 96
             // slots an expert).

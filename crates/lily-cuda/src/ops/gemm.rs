@@ -96,6 +96,11 @@ pub enum Tile {
     Wg64,
     /// Hopper wgmma: 128 tokens × 128 weight rows per block (the formats of `Wg64`).
     Wg128,
+    /// Hopper wgmma, the grouped forms (and their bf16 outputs) of 4-bit weights in `Half` only: 32
+    /// tokens × 128 weight rows per block, a deeper ring (for experts of a few slots each: short
+    /// prompts). `Tile::Auto` takes it under 32 slots an expert with `LILY_GEMM=n32` (opt-in: built in
+    /// the twenty-sixth session after its last GPU call, not yet measured).
+    Wg32,
     /// Hopper wgmma, 4-bit in `Half` only: 64 tokens × 256 weight rows per block (four warpgroups).
     Wg64x256,
     /// Hopper wgmma, 4-bit in `Half` only: 128 tokens × 256 weight rows per block (four warpgroups).
@@ -132,6 +137,7 @@ impl Tile {
             self,
             Tile::Wg64
                 | Tile::Wg128
+                | Tile::Wg32
                 | Tile::Wg64x256
                 | Tile::Wg128x256
                 | Tile::Ws128
@@ -162,6 +168,7 @@ impl Tile {
     fn wgmma_shape(self) -> (usize, usize) {
         match self {
             Tile::Wg64 => (64, 128),
+            Tile::Wg32 => (32, 128),
             Tile::Wg64x256 => (64, 256),
             Tile::Wg128x256 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 => (128, 256),
             Tile::Ws128T256 | Tile::Mc256 => (256, 128),
@@ -176,6 +183,7 @@ impl Tile {
 /// would take the 128 × 128 half tile; `t128` the choice before the two-part tiles, `mc256` the
 /// defaults with the cluster pairs, `no160` without the 160-token tiles, `down128` the defaults with
 /// the MoE down projection on `Wg128` (its tile before the twenty-fifth session; see `wide_half_tile`);
+/// `n32` the defaults with the grouped half GEMMs on `Wg32` under 32 slots an expert (`half_tile`);
 /// anything else, the defaults.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum GemmSwitch {
@@ -187,6 +195,8 @@ enum GemmSwitch {
     No160,
     /// The defaults with the MoE down projection (grouped, no SwiGLU) on `Wg128`.
     Down128,
+    /// The defaults with the grouped half GEMMs on `Wg32` under 32 slots an expert.
+    N32,
 }
 
 fn gemm_switch() -> GemmSwitch {
@@ -204,6 +214,7 @@ fn gemm_switch() -> GemmSwitch {
         Ok("t128") => GemmSwitch::Tokens128,
         Ok("mc256") => GemmSwitch::Pairs,
         Ok("down128") => GemmSwitch::Down128,
+        Ok("n32") => GemmSwitch::N32,
         _ => GemmSwitch::Default,
     })
 }
@@ -644,7 +655,13 @@ fn describe(w: &DeviceMatrix) -> String {
 /// slower (PERF.md, 2026-12-05 twelfth session: gate/up +8%, down +9% at a 4K chunk).
 fn half_tile(dev: &Device, grouped: bool, t: usize, experts: usize, wg_tiles: usize) -> Tile {
     if grouped {
-        return if t / experts >= 96 { Tile::Wg128 } else { Tile::Wg64 };
+        return if t / experts >= 96 {
+            Tile::Wg128
+        } else if gemm_switch() == GemmSwitch::N32 && t / experts < 32 {
+            Tile::Wg32
+        } else {
+            Tile::Wg64
+        };
     }
     if t.div_ceil(128) * wg_tiles >= dev.sm_count() as usize {
         Tile::Wg128
@@ -755,6 +772,12 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
             describe(w)
         )));
     }
+    if tile == Tile::Wg32 && (!grouped || precision != Precision::Half || w.bits() != 4) {
+        return Err(CudaError::Shape(format!(
+            "{what}: the 32-token wgmma tiles take the grouped forms of 4-bit weights in Half, not {} in {precision:?} (grouped: {grouped})",
+            describe(w)
+        )));
+    }
     if matches!(tile, Tile::Wg64x256 | Tile::Wg128x256) && (precision != Precision::Half || w.bits() != 4) {
         return Err(CudaError::Shape(format!("{what}: the 256-row wgmma tiles take 4-bit weights in Half, not {} in {precision:?}", describe(w))));
     }
@@ -818,7 +841,7 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
             )));
         }
         match tile {
-            Tile::Ws128T256 | Tile::Ws128T160 => tile,
+            Tile::Ws128T256 | Tile::Ws128T160 | Tile::Wg32 => tile,
             _ if tile.wgmma_shape().0 == 64 => Tile::Wg64,
             _ => Tile::Wg128,
         }

@@ -153,6 +153,12 @@ const NAMES_Q8: [&str; 6] = [
 /// (`LILY_STORE16=scalar`, see [`rows16`]).
 const NAMES_O16: [&str; 4] =
     ["gemm_wgmma_grouped_n128_h128_o16", "gemm_wgmma_grouped_n64_h128_o16", "gemm_wgmma_grouped_n128_h128_o16s", "gemm_wgmma_grouped_n64_h128_o16s"];
+/// The 32-token grouped half tiles (`Tile::Wg32`): the grouped and grouped SwiGLU forms, then the
+/// grouped form's bf16 outputs as 16-byte rows and one output a store ([`rows16`]); [`VARIANT_N32`].
+const NAMES_N32: [&str; 4] =
+    ["gemm_wgmma_grouped_n32_h128", "gemm_wgmma_grouped_swiglu_n32_h128", "gemm_wgmma_grouped_n32_h128_o16", "gemm_wgmma_grouped_n32_h128_o16s"];
+/// [`NAMES_N32`]'s variant: 32 tokens, half numerics, a ring of 8 stages of 8 KB (three blocks an SM).
+const VARIANT_N32: Variant = Variant { bt: 32, num: Num::Half, stages: 8, wgs: 2, bits: 4 };
 /// The warp-specialised persistent tiles (half numerics, 4-bit): per form (plain, swiglu, grouped,
 /// grouped swiglu) [`Ws::R128`], [`Ws::R256`], [`Ws::Four`], [`Ws::Ss256`], [`Ws::T256`], [`Ws::T160`].
 const NAMES_WS: [&str; 24] = [
@@ -287,7 +293,7 @@ const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 const STAGE_HALF_ROWS_KERNEL: &str = "gemm_wgmma_stage_half_rows";
 const STAGE_HALF_WROWS_KERNEL: &str = "gemm_wgmma_stage_half_wrows";
 
-const N_ALL: usize = 4 * VARIANTS + 4 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + NAMES_WS_O16.len() + NAMES_WS_FS.len() + NAMES_MC.len();
+const N_ALL: usize = 4 * VARIANTS + 4 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + NAMES_WS_O16.len() + NAMES_WS_FS.len() + NAMES_N32.len() + NAMES_MC.len();
 const fn all_kernels() -> [&'static str; N_ALL] {
     let mut out = [""; N_ALL];
     let mut n = 0;
@@ -324,6 +330,11 @@ const fn all_kernels() -> [&'static str; N_ALL] {
     i = 0;
     while i < NAMES_WS_FS.len() {
         out[n] = NAMES_WS_FS[i];
+        (i, n) = (i + 1, n + 1);
+    }
+    i = 0;
+    while i < NAMES_N32.len() {
+        out[n] = NAMES_N32[i];
         (i, n) = (i + 1, n + 1);
     }
     (out[n], out[n + 1]) = (NAMES_MC[0], NAMES_MC[1]);
@@ -456,6 +467,9 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     for (i, name) in NAMES.iter().enumerate() {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant(i)) as i32)?;
+    }
+    for name in NAMES_N32 {
+        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(VARIANT_N32) as i32)?;
     }
     for (i, name) in NAMES_O16.iter().enumerate() {
         dev.function(name)?
@@ -757,7 +771,8 @@ pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
 /// staging of the same x in place; `Only` — the buffer must hold it (x's f32 values were never written,
 /// [`prestage_half`]); `Fresh` leaves only its own staging.
 pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws: Option<Ws>, xs: super::gemm::XStage) -> Result<()> {
-    debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 64 | 128 | 160 | 256) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
+    debug_assert!(c.cols.is_multiple_of(GROUP) && c.t > 0 && matches!(bt, 32 | 64 | 128 | 160 | 256) && (wrows == 128 || (wrows == 256 && num == Num::Half)));
+    debug_assert!(bt != 32 || (c.grouped.is_some() && num == Num::Half && c.bits == 4 && wrows == 128 && ws.is_none()));
     debug_assert!(ws.is_none_or(|k| c.bits == 4 && num == Num::Half && bt == k.tokens() && k.rows() == wrows));
     let q8 = c.bits == 8;
     debug_assert!(c.bits == 4 || (q8 && c.w2.0 == 0 && c.grouped.is_none() && wrows == 128 && ws.is_none()));
@@ -868,7 +883,14 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         };
         return launch(dev, name, cfg, &p);
     }
-    let (name, v) = if q8 {
+    let (name, v) = if bt == 32 {
+        let i = match (c.out16, swiglu) {
+            (false, false) => 0,
+            (false, true) => 1,
+            (true, _) => if rows16() { 2 } else { 3 },
+        };
+        (NAMES_N32[i], VARIANT_N32)
+    } else if q8 {
         let i = variant_q8_index(bt, num);
         (NAMES_Q8[i], variant_q8(i))
     } else if c.out16 {
@@ -912,6 +934,9 @@ mod tests {
             assert!(ws_smem_bytes(kind) + fixed <= 227 * 1024, "{kind:?} does not fit");
             assert_eq!(WS_KINDS[kind.index()], kind);
         }
+        // The 32-token grouped tiles: three blocks an SM (their launch bound), 8 stages of 8 KB.
+        assert_eq!(smem_bytes(VARIANT_N32), 66_560);
+        assert!(3 * (smem_bytes(VARIANT_N32) + 1024) <= 227 * 1024);
         // The 8-bit kernels: the half ones two blocks an SM; the folded ones as their 4-bit variants.
         for (i, want) in [99_328, 66_560, 103_424, 168_960, 70_656, 103_424].into_iter().enumerate() {
             let blocks = if i < 2 { 2 } else { [1, 1, 2, 2][i - 2] };
