@@ -435,7 +435,8 @@ __device__ __forceinline__ bool tile_slots(const WgParams& p, int& matrix, int& 
 // BT tokens × 64·WGS·MT weight rows (WGS warpgroups of 64·MT rows, MT m64 tiles each) in numerics NUM:
 // NUM_EXACT / NUM_BF16X fold each group (MT = 1, a ring of NS = STAGES); NUM_HALF accumulates across
 // groups in the MMA (a ring of NS stages, see the header).
-template <int BT, int MT, int NUM, int NS, int WGS, bool SWIGLU, bool GROUPED, int BITS = 4, bool OUT16 = false, bool ROWS16 = false>
+template <int BT, int MT, int NUM, int NS, int WGS, bool SWIGLU, bool GROUPED, int BITS = 4, bool OUT16 = false, bool ROWS16 = false,
+          bool LATE_SCALES = false>
 __device__ __forceinline__ void wg_tile(const WgParams& p) {
     constexpr int NT = 128 * WGS;               // threads
     constexpr bool HALF = NUM == NUM_HALF;
@@ -678,6 +679,17 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             if (s < nk) load(s);
             cp_async_commit_group();
         }
+        // The group's scales and biases as bf16 bits (zero past the matrix's rows), fetched a group
+        // ahead so that their round trip overlaps the step before (LATE_SCALES: in their own step,
+        // the first form, where the fold waited on them; the same values either way).
+        uint16_t sb[4];
+        auto fetch_sb = [&](int kt) {
+            sb[0] = ok0[0] ? __ldg(p.scales + gi0[0] + kt) : (uint16_t)0;
+            sb[1] = ok1[0] ? __ldg(sc1p + gi1[0] + kt) : (uint16_t)0;
+            sb[2] = ok0[0] ? __ldg(p.biases + gi0[0] + kt) : (uint16_t)0;
+            sb[3] = ok1[0] ? __ldg(bi1p + gi1[0] + kt) : (uint16_t)0;
+        };
+        if (!LATE_SCALES) fetch_sb(0);
         for (int kt = 0; kt < nk; ++kt) {
             cp_async_wait_group<STAGES - 2>();
             fence_proxy_async();
@@ -686,12 +698,14 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             cp_async_commit_group();
 
             const uint32_t st = base + (kt % STAGES) * STAGE;
-            // This group's scales and biases (f32; zero past the matrix's rows), the centred codes' bias.
-            const float s0 = ok0[0] ? bf16_to_f32(__ldg(p.scales + gi0[0] + kt)) : 0.0f;
-            const float s1 = ok1[0] ? bf16_to_f32(__ldg(sc1p + gi1[0] + kt)) : 0.0f;
+            // This group's scales and biases in f32, the centred codes' bias (b + centre·s; zero past
+            // the rows, where the bits are zero).
+            if (LATE_SCALES) fetch_sb(kt);
+            const float s0 = bf16_to_f32(sb[0]), s1 = bf16_to_f32(sb[1]);
             constexpr float CENTRE = BITS == 8 ? 128.0f : 8.0f;
-            const float b0 = ok0[0] ? fmaf(CENTRE, s0, bf16_to_f32(__ldg(p.biases + gi0[0] + kt))) : 0.0f;
-            const float b1 = ok1[0] ? fmaf(CENTRE, s1, bf16_to_f32(__ldg(bi1p + gi1[0] + kt))) : 0.0f;
+            const float b0 = fmaf(CENTRE, s0, bf16_to_f32(sb[2]));
+            const float b1 = fmaf(CENTRE, s1, bf16_to_f32(sb[3]));
+            if (!LATE_SCALES && kt + 1 < nk) fetch_sb(kt + 1);
             uint32_t a[4][4];
             if constexpr (BITS == 8) {
                 // The 16 codes as in the half 8-bit path (words x, y: k 2q, 2q+1 of step s; z, w: k 2q+8, 2q+9).
@@ -1439,6 +1453,12 @@ WG_ENTRY8F(gemm_wgmma_plain_n128_p1_q8, 128, NUM_BF16X, 1)
 WG_ENTRY8F(gemm_wgmma_plain_n128_p2_q8, 128, NUM_EXACT, 1)
 WG_ENTRY8F(gemm_wgmma_plain_n64_p1_q8, 64, NUM_BF16X, 2)
 WG_ENTRY8F(gemm_wgmma_plain_n64_p2_q8, 64, NUM_EXACT, 2)
+// The router's tile with each group's scales and biases loaded in its own step (the form before the
+// twenty-seventh session; LILY_ROUTER_FOLD=late, A/B runs).
+extern "C" __global__ void __launch_bounds__(256, 2) gemm_wgmma_plain_n64_p2_q8_late(const WgParams p) {
+    pdl_enter();
+    wg_tile<64, 1, NUM_EXACT, STAGES, 2, false, false, 8, false, false, true>(p);
+}
 
 // bf16 outputs (the MoE down projection's per-slot rows, which the combine reads back): the grouped
 // 4-bit half form on the 128- and 64-token tiles of 128 weight rows (variants n128_h128, n64_h128),

@@ -201,6 +201,14 @@ fn rows16() -> bool {
     static ROWS16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ROWS16.get_or_init(|| std::env::var("LILY_STORE16").as_deref() != Ok("scalar"))
 }
+/// The router's folded 64-token tile (`NAMES_Q8[5]`) with each group's scales and biases loaded in its
+/// own step, the form before the twenty-seventh session (which fetches them a group ahead: the same
+/// values); taken with `LILY_ROUTER_FOLD=late` (A/B runs; read once, see [`late_scales`]).
+const NAME_Q8_LATE: &str = "gemm_wgmma_plain_n64_p2_q8_late";
+fn late_scales() -> bool {
+    static LATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *LATE.get_or_init(|| std::env::var("LILY_ROUTER_FOLD").as_deref() == Ok("late"))
+}
 /// The grouped SwiGLU (the MoE gate/up) on [`Ws::T256`] and [`Ws::T160`] with the fast SiLU epilogue
 /// (`store_tile`'s FAST_SILU: `__expf` and `__fdividef` for the IEEE forms, a few ulp of the output).
 const NAMES_WS_FS: [&str; 2] = ["gemm_wgmma_grouped_swiglu_ws128t256_fs", "gemm_wgmma_grouped_swiglu_ws128t160_fs"];
@@ -293,7 +301,7 @@ const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 const STAGE_HALF_ROWS_KERNEL: &str = "gemm_wgmma_stage_half_rows";
 const STAGE_HALF_WROWS_KERNEL: &str = "gemm_wgmma_stage_half_wrows";
 
-const N_ALL: usize = 4 * VARIANTS + 4 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + NAMES_WS_O16.len() + NAMES_WS_FS.len() + NAMES_N32.len() + NAMES_MC.len();
+const N_ALL: usize = 4 * VARIANTS + 4 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + NAMES_WS_O16.len() + NAMES_WS_FS.len() + NAMES_N32.len() + NAMES_MC.len() + 1;
 const fn all_kernels() -> [&'static str; N_ALL] {
     let mut out = [""; N_ALL];
     let mut n = 0;
@@ -337,7 +345,7 @@ const fn all_kernels() -> [&'static str; N_ALL] {
         out[n] = NAMES_N32[i];
         (i, n) = (i + 1, n + 1);
     }
-    (out[n], out[n + 1]) = (NAMES_MC[0], NAMES_MC[1]);
+    (out[n], out[n + 1], out[n + 2]) = (NAMES_MC[0], NAMES_MC[1], NAME_Q8_LATE);
     out
 }
 const ALL: [&str; N_ALL] = all_kernels();
@@ -479,6 +487,8 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
         dev.function(name)?
             .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant_q8(i)) as i32)?;
     }
+    dev.function(NAME_Q8_LATE)?
+        .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant_q8(5)) as i32)?;
     Ok(())
 }
 
@@ -892,7 +902,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         (NAMES_N32[i], VARIANT_N32)
     } else if q8 {
         let i = variant_q8_index(bt, num);
-        (NAMES_Q8[i], variant_q8(i))
+        (if i == 5 && late_scales() { NAME_Q8_LATE } else { NAMES_Q8[i] }, variant_q8(i))
     } else if c.out16 {
         let vi = variant_index(bt, num, wrows);
         (NAMES_O16[vi - 4 + if rows16() { 0 } else { 2 }], variant(vi))
