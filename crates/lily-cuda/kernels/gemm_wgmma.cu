@@ -99,7 +99,9 @@ struct WgParams {
     int cols;                  // K, a multiple of 64
     int count;                 // grouped: experts
     int matrix;                // plain: which matrix of the stack
-    int pad_;
+    int splits;                // split-K tiles (SPLITK): blocks a tile, each summing a range of K's groups
+    float* part;               // SPLITK: the splits' partial tiles [splits, t, rows]
+    uint32_t* tile_count;      // SPLITK: a tile's finished splits [token tiles × row tiles], zero between calls
 };
 
 constexpr int GROUP = 64;    // K a step
@@ -435,8 +437,44 @@ __device__ __forceinline__ bool tile_slots(const WgParams& p, int& matrix, int& 
 // BT tokens × 64·WGS·MT weight rows (WGS warpgroups of 64·MT rows, MT m64 tiles each) in numerics NUM:
 // NUM_EXACT / NUM_BF16X fold each group (MT = 1, a ring of NS = STAGES); NUM_HALF accumulates across
 // groups in the MMA (a ring of NS stages, see the header).
+// The end of a split-K tile (plain form): once its block has written its partial tile, the last of the
+// tile's p.splits blocks to finish (a counter a tile, reset by that block for the next call) sums the
+// partial tiles in split order — the same sums whichever block finishes last — into y[slot, row] for the
+// tile's slots [m_begin, m_end) and rows [row0, row0 + BWO) below p.rows. The partials are read through
+// L2 (other SMs wrote them); the fences order each block's writes before its arrival and the last
+// block's reads after the arrivals it counted.
+template <int BWO, int NT>
+__device__ __forceinline__ void splitk_finish(const WgParams& p, int m_begin, int m_end, int row0) {
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        uint32_t* cnt = p.tile_count + (long long)blockIdx.y * gridDim.x + blockIdx.x;
+        is_last = atomicAdd(cnt, 1u) == (uint32_t)p.splits - 1;
+        if (is_last) *cnt = 0u;  // every split has arrived: the next call starts from zero
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const long long plane = (long long)p.t * p.rows;
+    const int live = min(BWO, p.rows - row0);
+    float* y = reinterpret_cast<float*>(p.y);
+    for (int i = threadIdx.x; i < (m_end - m_begin) * BWO; i += NT) {
+        const int slot = m_begin + i / BWO, r = i % BWO;
+        if (r >= live) continue;
+        const long long o = (long long)slot * p.rows + row0 + r;
+        float v = __ldcg(p.part + o);
+        for (int s = 1; s < p.splits; ++s) v += __ldcg(p.part + s * plane + o);
+        y[o] = v;
+    }
+}
+
+// SPLITK (the plain form): blockIdx.z takes groups [z·G/S, (z+1)·G/S) of K's G groups (S = p.splits), writes
+// its partial tile (the same epilogue into p.part's plane z) and the tile's last block sums them
+// (splitk_finish): for GEMMs of too few tiles to fill the GPU (short prompts), whose blocks otherwise
+// each walk all of K alone. S = 1 is the tile without the split.
 template <int BT, int MT, int NUM, int NS, int WGS, bool SWIGLU, bool GROUPED, int BITS = 4, bool OUT16 = false, bool ROWS16 = false,
-          bool LATE_SCALES = false>
+          bool LATE_SCALES = false, bool SPLITK = false>
 __device__ __forceinline__ void wg_tile(const WgParams& p) {
     constexpr int NT = 128 * WGS;               // threads
     constexpr bool HALF = NUM == NUM_HALF;
@@ -462,6 +500,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     static_assert(BITS == 4 || (BITS == 8 && !SWIGLU && !GROUPED), "8-bit codes: the plain form");
     static_assert(!OUT16 || (HALF && GROUPED && !SWIGLU && BITS == 4), "bf16 outputs: the grouped 4-bit half form without SwiGLU");
     static_assert(!ROWS16 || (OUT16 && STAGE >= NT / 32 * 512), "16-byte output rows: bf16 outputs, a ring stage holding every warp's 512 bytes");
+    static_assert(!SPLITK || (!SWIGLU && !GROUPED && !OUT16), "split K: the plain form");
 
     extern __shared__ __align__(16) unsigned char smem_raw[];
     __shared__ unsigned char bad[BT];           // gathered slot past x: a NaN output row
@@ -472,6 +511,9 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     const int wg = tid >> 7, warp = (tid >> 5) & 3;
     const int g = lane >> 2, q = lane & 3;
     const int rows = p.rows, cols = p.cols, groups = cols >> 6;
+    // This block's groups of K: [k0, k0 + nk) (all of them without the split).
+    const int k0 = SPLITK ? (int)((long long)blockIdx.z * groups / p.splits) : 0;
+    const int nk = SPLITK ? (int)((long long)(blockIdx.z + 1) * groups / p.splits) - k0 : groups;
 
     int matrix, m_begin, m_end;
     if (!tile_slots<BT, NT, GROUPED>(p, matrix, m_begin, m_end)) return;
@@ -508,7 +550,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             bad[r] = nan_row;
             if constexpr (HALF) tscale[r] = x_ok[j] ? p.xsum[src] : 0.0f;
         }
-        xoff[j] = off + xc * 8;
+        xoff[j] = off + xc * 8 + k0 * GROUP;
     }
     // Codes: tile row tid / WCH + (NT / WCH) j, 16-byte chunk tid % WCH (row 0 of the stack, zero-filled,
     // past the rows).
@@ -521,7 +563,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
         const int w_out = out_row(wr);
         w_ok[j] = w_out < rows;
         w_up[j] = is_up(wr);
-        wchunk[j] = (uint32_t)(((long long)matrix * rows + (w_ok[j] ? w_out : 0)) * (BITS == 8 ? cols / 16 : cols / 32)) + wh;
+        wchunk[j] = (uint32_t)(((long long)matrix * rows + (w_ok[j] ? w_out : 0)) * (BITS == 8 ? cols / 16 : cols / 32)) + wh + k0 * WCH;
     }
     // X sums (folded numerics): slot tid (tid < BT).
     const float* ssrc = p.xsum;
@@ -533,7 +575,7 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
             if (GROUPED && p.gather) src = p.gather[slot];
             if (src < p.x_rows) {
                 s_ok = true;
-                ssrc = p.xsum + src * groups;
+                ssrc = p.xsum + src * groups + k0;
             }
         }
     }
@@ -571,8 +613,8 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
         r0[m] = 64 * (MT * wg + m) + 16 * warp + g;
         o0[m] = out_row(r0[m]), o1[m] = out_row(r0[m] + 8);
         ok0[m] = o0[m] < rows, ok1[m] = o1[m] < rows;
-        gi0[m] = (uint32_t)(((long long)matrix * rows + (ok0[m] ? o0[m] : 0)) * groups);
-        gi1[m] = (uint32_t)(((long long)matrix * rows + (ok1[m] ? o1[m] : 0)) * groups);
+        gi0[m] = (uint32_t)(((long long)matrix * rows + (ok0[m] ? o0[m] : 0)) * groups) + k0;
+        gi1[m] = (uint32_t)(((long long)matrix * rows + (ok1[m] ? o1[m] : 0)) * groups) + k0;
     }
     const uint16_t* sc1p = SWIGLU ? p.scales2 : p.scales;
     const uint16_t* bi1p = SWIGLU ? p.biases2 : p.biases;
@@ -580,7 +622,6 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
     // The X tile descriptor of stage 0 (a stage or k-step further: its byte offset / 16 added to the
     // start-address field, which cannot carry: shared addresses are below 2^18).
     const uint64_t d0 = wgmma_desc_sw128(base);
-    const int nk = groups;
 
     float acc[MT][ND];
 #pragma unroll
@@ -766,6 +807,12 @@ __device__ __forceinline__ void wg_tile(const WgParams& p) {
                                       [&](int tok) { return tscale[tok]; }, [&](int tok) { return bad[tok] != 0; });
             return;
         }
+    }
+    if constexpr (SPLITK) {
+        store_tile<MT, BT, false>(acc, p.part + (long long)blockIdx.z * p.t * rows, rows, m_begin, m_end, q, o0, o1, ok0, ok1,
+                                  [&](int tok) { return HALF ? tscale[tok] : 1.0f; }, [&](int tok) { return bad[tok] != 0; });
+        splitk_finish<BW_OUT, NT>(p, m_begin, m_end, n_tile * BW_OUT);
+        return;
     }
     store_tile<MT, BT, SWIGLU, OUT16>(acc, p.y, rows, m_begin, m_end, q, o0, o1, ok0, ok1, [&](int tok) { return HALF ? tscale[tok] : 1.0f; },
                                [&](int tok) { return bad[tok] != 0; });
@@ -1459,6 +1506,17 @@ extern "C" __global__ void __launch_bounds__(256, 2) gemm_wgmma_plain_n64_p2_q8_
     pdl_enter();
     wg_tile<64, 1, NUM_EXACT, STAGES, 2, false, false, 8, false, false, true>(p);
 }
+
+// Split K (wg_tile's SPLITK) for the plain form's 64-token tiles: the half 4-bit tile (two blocks an SM:
+// at three ptxas serialises its MMAs), the folded exact 4-bit one and the router's folded 8-bit one.
+#define WG_ENTRY_SK(name, NUM, NS, BITS, MINB)                                                        \
+    extern "C" __global__ void __launch_bounds__(256, MINB) name(const WgParams p) {                  \
+        pdl_enter();                                                                                   \
+        wg_tile<64, 1, NUM, NS, 2, false, false, BITS, false, false, false, true>(p);                  \
+    }
+WG_ENTRY_SK(gemm_wgmma_plain_n64_h128_sk, NUM_HALF, 4, 4, 2)
+WG_ENTRY_SK(gemm_wgmma_plain_n64_p2_sk, NUM_EXACT, STAGES, 4, 2)
+WG_ENTRY_SK(gemm_wgmma_plain_n64_p2_q8_sk, NUM_EXACT, STAGES, 8, 2)
 
 // bf16 outputs (the MoE down projection's per-slot rows, which the combine reads back): the grouped
 // 4-bit half form on the 128- and 64-token tiles of 128 weight rows (variants n128_h128, n64_h128),

@@ -70,13 +70,14 @@ const CPU_TOL_HALF: f64 = 1e-3;
 const SPARE: usize = 37;
 
 const PRECISIONS: [Precision; 4] = [Precision::Exact, Precision::Bf16x, Precision::Fast, Precision::Half];
-const TILES: [Tile; 15] = [
+const TILES: [Tile; 16] = [
     Tile::Auto,
     Tile::M64,
     Tile::M32,
     Tile::Wg64,
     Tile::Wg128,
     Tile::Wg32,
+    Tile::Wg64K,
     Tile::Wg64x256,
     Tile::Wg128x256,
     Tile::Ws128,
@@ -99,11 +100,13 @@ fn is_q8g64(w: &Matrix) -> bool {
 /// Whether `tile` takes weights `w` in precision `p` in a call of the plain form (`plain`), the grouped
 /// ones (`grouped`) or the SwiGLU one (the wgmma tiles: 4-bit group 64, and 8-bit group 64 in the plain
 /// form, not Fast; the 256-row and the warp-specialised ones 4-bit in Half only; the 32-token ones 4-bit
-/// in Half in the grouped forms only; the cluster pairs only where `pairs`: a plain or SwiGLU call of
-/// an even count of row tiles). The others must be refused.
+/// in Half in the grouped forms only; the split-K ones the plain form of 4-bit in Half or Exact and of
+/// 8-bit in Exact; the cluster pairs only where `pairs`: a plain or SwiGLU call of an even count of row
+/// tiles). The others must be refused.
 fn tile_takes(tile: Tile, w: &Matrix, p: Precision, plain: bool, grouped: bool, pairs: bool) -> bool {
     match tile {
         Tile::Wg32 => is_q4g64(w) && p == Precision::Half && grouped,
+        Tile::Wg64K => plain && ((is_q4g64(w) && matches!(p, Precision::Half | Precision::Exact)) || (is_q8g64(w) && p == Precision::Exact)),
         Tile::Mc256 => is_q4g64(w) && p == Precision::Half && pairs,
         Tile::Wg64 | Tile::Wg128 => (is_q4g64(w) || (is_q8g64(w) && plain)) && p != Precision::Fast,
         Tile::Wg64x256 | Tile::Wg128x256 | Tile::Ws128 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 | Tile::Ws128T256 | Tile::Ws128T160 => {
@@ -1061,6 +1064,48 @@ fn grouped_bf16_outputs_are_the_f32_outputs_rounded() {
     assert!(gemm::grouped_gemm_with(&dev, &w8, &off, None, &xd, n, &mut y16, half(Tile::Auto)).is_err());
     assert!(dev.download(&y16).unwrap().iter().all(|&v| v == POISON), "a refused call wrote");
     assert!(gemm::bf16_out_ok(&w, half(Tile::Auto)) && !gemm::bf16_out_ok(&w8, half(Tile::Auto)) && !gemm::bf16_out_ok(&w, exact));
+}
+
+/// The split-K tiles on shapes of few tiles (each split over 2–8 blocks): the router's (257 × 2048,
+/// 8-bit, Exact) and an output projection's (2048 × 4096 and 256 × 4096, 4-bit, Half and Exact). Each
+/// call twice on the same inputs gives the same bits (the partials summed in split order whichever
+/// block finishes last; a counter not reset would leave the second call's outputs unwritten), and
+/// each agrees with `Wg64` (the same tile without the split: the same products, summed in another
+/// order) to 2e-6 of the largest output, and with the f64 reference at the suite's tolerances.
+#[test]
+fn split_k_tiles_are_deterministic_and_match_the_unsplit_tile() {
+    let Some(dev) = device() else { return };
+    let mut rng = Rng::new(207);
+    let q4 = Fmt { bits: 4, gs: 64 };
+    let q8 = Fmt { bits: 8, gs: 64 };
+    let cases: [(Fmt, usize, usize, usize, &[Precision]); 4] = [
+        (q8, 257, 2048, 100, &[Precision::Exact]),
+        (q8, 257, 2048, 256, &[Precision::Exact]),
+        (q4, 2048, 4096, 256, &[Precision::Half, Precision::Exact]),
+        (q4, 256, 4096, 33, &[Precision::Half, Precision::Exact]),
+    ];
+    for (f, rows, cols, t, precisions) in cases {
+        let w = matrix(&mut rng, f, 1, rows, cols);
+        let (xd, x, xr) = inputs(&dev, &mut rng, t, cols, 2);
+        let refs = plain_refs(&w, 0, &x, &xr);
+        let dw = upload_matrix(&dev, &w).unwrap();
+        for &p in precisions {
+            let what = format!("split-K {f} [{rows}x{cols}] t={t} {p:?}");
+            let run = |tile: Tile| {
+                let mut y = poisoned(&dev, t * rows + SPARE);
+                gemm::gemm_with(&dev, &dw, 0, &xd, t, &mut y, Opts { tile, precision: p, ..Default::default() }).unwrap();
+                download_checked(&dev, &y, t * rows, &format!("{what} {tile:?}"))
+            };
+            let (a, b, unsplit) = (run(Tile::Wg64K), run(Tile::Wg64K), run(Tile::Wg64));
+            assert!(a.iter().zip(&b).all(|(u, v)| u.to_bits() == v.to_bits()), "{what}: two calls differ");
+            let scale = unsplit.iter().fold(0.0f32, |m, v| m.max(v.abs())) as f64;
+            let worst = a.iter().zip(&unsplit).map(|(u, v)| (*u as f64 - *v as f64).abs()).fold(0.0, f64::max) / scale;
+            assert!(worst <= 2e-6, "{what}: {worst:.2e} from Wg64");
+            let mut wst = Worst::default();
+            compare(&a, &refs, p, &mut wst, &what);
+            eprintln!("{what}: {worst:.2e} from Wg64 (largest output {scale:.3})");
+        }
+    }
 }
 
 #[test]

@@ -101,6 +101,12 @@ pub enum Tile {
     /// prompts). `Tile::Auto` takes it under 32 slots an expert with `LILY_GEMM=n32` (opt-in: built in
     /// the twenty-sixth session after its last GPU call, not yet measured).
     Wg32,
+    /// `Wg64` with K split over up to 8 blocks a tile where its tiles are too few to fill the GPU (each
+    /// block sums a range of K's groups; the last of a tile's blocks to finish sums their partial tiles in
+    /// split order): the plain form only (not SwiGLU, not grouped), 4-bit weights in `Half` or `Exact`,
+    /// 8-bit ones in `Exact`. `Tile::Auto` takes it for the plain GEMMs it would run on `Wg64` (short
+    /// prompts: the router, the output projections), unless `LILY_SPLITK=0`.
+    Wg64K,
     /// Hopper wgmma, 4-bit in `Half` only: 64 tokens × 256 weight rows per block (four warpgroups).
     Wg64x256,
     /// Hopper wgmma, 4-bit in `Half` only: 128 tokens × 256 weight rows per block (four warpgroups).
@@ -138,6 +144,7 @@ impl Tile {
             Tile::Wg64
                 | Tile::Wg128
                 | Tile::Wg32
+                | Tile::Wg64K
                 | Tile::Wg64x256
                 | Tile::Wg128x256
                 | Tile::Ws128
@@ -167,7 +174,7 @@ impl Tile {
     /// (tokens, weight rows) a block of a wgmma tile.
     fn wgmma_shape(self) -> (usize, usize) {
         match self {
-            Tile::Wg64 => (64, 128),
+            Tile::Wg64 | Tile::Wg64K => (64, 128),
             Tile::Wg32 => (32, 128),
             Tile::Wg64x256 => (64, 256),
             Tile::Wg128x256 | Tile::Ws256 | Tile::Ws4 | Tile::Ss256 => (128, 256),
@@ -217,6 +224,13 @@ fn gemm_switch() -> GemmSwitch {
         Ok("n32") => GemmSwitch::N32,
         _ => GemmSwitch::Default,
     })
+}
+
+/// Whether `Tile::Auto` takes `Tile::Wg64K` for the plain GEMMs it would run on `Tile::Wg64` (the
+/// default); `LILY_SPLITK=0` keeps `Wg64` (the form before the twenty-seventh session, A/B runs). Read once.
+fn split_k_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_SPLITK").as_deref() != Ok("0"))
 }
 
 /// Where `Tile::Auto` runs 8-bit group-64 weights in the plain form (the MoE router), read once from
@@ -778,6 +792,12 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
             describe(w)
         )));
     }
+    if tile == Tile::Wg64K && (grouped || w2.is_some() || !matches!((precision, w.bits()), (Precision::Half, 4) | (Precision::Exact, _))) {
+        return Err(CudaError::Shape(format!(
+            "{what}: the split-K tiles take the plain form of 4-bit weights in Half or Exact, or 8-bit ones in Exact, not {} in {precision:?} (grouped: {grouped})",
+            describe(w)
+        )));
+    }
     if matches!(tile, Tile::Wg64x256 | Tile::Wg128x256) && (precision != Precision::Half || w.bits() != 4) {
         return Err(CudaError::Shape(format!("{what}: the 256-row wgmma tiles take 4-bit weights in Half, not {} in {precision:?}", describe(w))));
     }
@@ -790,12 +810,15 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
     }
     let wg_tiles = rows.div_ceil(if w2.is_some() { super::gemm_wgmma::BW / 2 } else { super::gemm_wgmma::BW });
     let wg_auto = wg_ok && gemm_switch() != GemmSwitch::Mma && (w.bits() == 4 || router_path() != RouterPath::Mma);
+    // The plain GEMMs' 64-token tiles split K where they are too few (`Tile::Wg64K`).
+    let plain_split = !grouped && w2.is_none() && split_k_on();
     let tile = match tile {
         // The test `takes_prestaged_half` makes (on the precision asked: the router's Half is Exact here).
         Tile::Auto if half_on_wgmma(w, asked, q8_plain) => match half_tile(dev, grouped, t, experts, wg_tiles) {
             Tile::Wg128 if w.bits() == 4 && (!grouped || experts <= super::gemm_wgmma::WS_MAX_EXPERTS) => {
                 wide_half_tile(dev, grouped, w2.is_some(), t, experts, wg_tiles)
             }
+            Tile::Wg64 if plain_split && w.bits() == 4 => Tile::Wg64K,
             other => other,
         },
         Tile::Auto if wg_auto => {
@@ -810,6 +833,8 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
             };
             if big {
                 Tile::Wg128
+            } else if plain_split && precision == Precision::Exact {
+                Tile::Wg64K
             } else {
                 Tile::Wg64
             }
@@ -870,6 +895,7 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
             bits: w.bits(),
             grouped: if grouped { Some((offsets, gather, experts)) } else { None },
             out16: E::BF16,
+            split_k: tile == Tile::Wg64K,
         };
         let (bt, wrows) = tile.wgmma_shape();
         let num = match precision {

@@ -49,7 +49,9 @@ struct WgParams {
     cols: i32,
     count: i32,
     matrix: i32,
-    pad_: i32,
+    splits: i32,
+    part: u64,
+    tile_count: u64,
 }
 // SAFETY: plain old data with the kernel's layout.
 unsafe impl DeviceRepr for WgParams {}
@@ -201,6 +203,41 @@ fn rows16() -> bool {
     static ROWS16: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ROWS16.get_or_init(|| std::env::var("LILY_STORE16").as_deref() != Ok("scalar"))
 }
+/// The split-K forms of the plain 64-token tiles (`Call::split_k`): half 4-bit (variant 5's ring, two
+/// blocks an SM), folded exact 4-bit (variant 3), folded exact 8-bit (`variant_q8(5)`).
+const NAMES_SK: [&str; 3] = ["gemm_wgmma_plain_n64_h128_sk", "gemm_wgmma_plain_n64_p2_sk", "gemm_wgmma_plain_n64_p2_q8_sk"];
+const fn variant_sk(i: usize) -> Variant {
+    match i {
+        0 => variant(5),
+        1 => variant(3),
+        _ => variant_q8(5),
+    }
+}
+/// Most blocks a split-K tile is split into, and the fewest of K's groups each takes.
+const SPLIT_MAX: usize = 8;
+const SPLIT_MIN_GROUPS: usize = 4;
+/// Blocks (an SM) a split-K grid may reach: the split doubles while the grid stays within this.
+const SPLIT_BLOCKS_PER_SM: usize = 2;
+
+/// The splits of K for a plain GEMM of `tiles` 64-token tiles over `groups` groups of K on `sm` SMs:
+/// doubled from 1 while the grid stays within `SPLIT_BLOCKS_PER_SM` blocks an SM and each split keeps
+/// at least `SPLIT_MIN_GROUPS` groups, at most `SPLIT_MAX` (1: the grid fills the GPU already). The
+/// router at 256 tokens (12 tiles, 32 groups) takes 8; a 2048 × 4096 projection at 256 tokens (64 tiles)
+/// 4; at 1K tokens neither splits.
+pub(crate) fn split_count(tiles: usize, groups: usize, sm: usize) -> usize {
+    let mut s = 1;
+    while s < SPLIT_MAX && tiles * 2 * s <= SPLIT_BLOCKS_PER_SM * sm && groups / (2 * s) >= SPLIT_MIN_GROUPS {
+        s *= 2;
+    }
+    s
+}
+
+/// f32 values of the split-K partial tiles the largest split grid holds: splits × tiles ≤ the grid's
+/// bound, each tile 64 tokens × 128 rows.
+fn split_part_floats(sm: usize) -> usize {
+    SPLIT_BLOCKS_PER_SM * sm * 64 * 128
+}
+
 /// The router's folded 64-token tile (`NAMES_Q8[5]`) with each group's scales and biases loaded in its
 /// own step, the form before the twenty-seventh session (which fetches them a group ahead: the same
 /// values); taken with `LILY_ROUTER_FOLD=late` (A/B runs; read once, see [`late_scales`]).
@@ -301,7 +338,7 @@ const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 const STAGE_HALF_ROWS_KERNEL: &str = "gemm_wgmma_stage_half_rows";
 const STAGE_HALF_WROWS_KERNEL: &str = "gemm_wgmma_stage_half_wrows";
 
-const N_ALL: usize = 4 * VARIANTS + 4 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + NAMES_WS_O16.len() + NAMES_WS_FS.len() + NAMES_N32.len() + NAMES_MC.len() + 1;
+const N_ALL: usize = 4 * VARIANTS + 4 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + NAMES_WS_O16.len() + NAMES_WS_FS.len() + NAMES_N32.len() + NAMES_MC.len() + 1 + NAMES_SK.len();
 const fn all_kernels() -> [&'static str; N_ALL] {
     let mut out = [""; N_ALL];
     let mut n = 0;
@@ -346,6 +383,12 @@ const fn all_kernels() -> [&'static str; N_ALL] {
         (i, n) = (i + 1, n + 1);
     }
     (out[n], out[n + 1], out[n + 2]) = (NAMES_MC[0], NAMES_MC[1], NAME_Q8_LATE);
+    n += 3;
+    i = 0;
+    while i < NAMES_SK.len() {
+        out[n] = NAMES_SK[i];
+        (i, n) = (i + 1, n + 1);
+    }
     out
 }
 const ALL: [&str; N_ALL] = all_kernels();
@@ -489,6 +532,9 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     }
     dev.function(NAME_Q8_LATE)?
         .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant_q8(5)) as i32)?;
+    for (i, name) in NAMES_SK.iter().enumerate() {
+        dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes(variant_sk(i)) as i32)?;
+    }
     Ok(())
 }
 
@@ -514,6 +560,9 @@ pub(crate) struct Call {
     pub grouped: Option<(u64, u64, usize)>,
     /// y in bf16: the grouped form without SwiGLU, 4-bit, `Num::Half`, 128 weight rows, not `ws`.
     pub out16: bool,
+    /// K may be split over several blocks a tile ([`split_count`]): the plain form (no SwiGLU), 64
+    /// tokens, 128 weight rows, `Num::Half` (4-bit) or `Num::Exact` (4- or 8-bit), not `ws`.
+    pub split_k: bool,
 }
 
 /// Bytes of staged x for `x_rows` rows of `cols` (a multiple of 64) in `planes` planes: the planes
@@ -541,6 +590,9 @@ type StageKey = (u64, usize, usize, Num);
 pub(crate) struct Stage {
     bufs: [Option<cudarc::driver::CudaSlice<u8>>; 2],
     holds: [Option<StageKey>; 2],
+    /// The split-K tiles' partial tiles (f32, [`split_part_floats`]) and their tiles' counters (zero
+    /// between calls: each call's last block of a tile resets its own).
+    split: Option<(cudarc::driver::CudaSlice<f32>, cudarc::driver::CudaSlice<u32>)>,
 }
 
 /// The buffer of `Stage` a numerics stages into.
@@ -555,7 +607,18 @@ pub(crate) fn reserve(dev: &Device, half: usize, folded: usize) -> Result<()> {
     let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
     reserve_in(dev, &mut stage, 0, half)?;
     reserve_in(dev, &mut stage, 1, folded)?;
+    split_buffers(dev, &mut stage)?;
     Ok(())
+}
+
+/// The split-K buffers' addresses (partial tiles, counters), made on first use (8.7 MB on a 132-SM GPU).
+fn split_buffers(dev: &Device, stage: &mut Stage) -> Result<(u64, u64)> {
+    if stage.split.is_none() {
+        let sm = dev.sm_count() as usize;
+        stage.split = Some((dev.zeros::<f32>(split_part_floats(sm))?, dev.zeros::<u32>(SPLIT_BLOCKS_PER_SM * sm)?));
+    }
+    let (part, count) = stage.split.as_ref().map(|(p, c)| (p.device_ptr(dev.stream()).0, c.device_ptr(dev.stream()).0)).unwrap_or((0, 0));
+    Ok((part, count))
 }
 
 /// Makes buffer `slot` at least `bytes` and returns its address.
@@ -787,6 +850,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     let q8 = c.bits == 8;
     debug_assert!(c.bits == 4 || (q8 && c.w2.0 == 0 && c.grouped.is_none() && wrows == 128 && ws.is_none()));
     debug_assert!(!c.out16 || (c.bits == 4 && c.w2.0 == 0 && c.grouped.is_some() && num == Num::Half && wrows == 128 && ws.is_none_or(|k| matches!(k, Ws::T256 | Ws::T160))));
+    debug_assert!(!c.split_k || (c.w2.0 == 0 && c.grouped.is_none() && !c.out16 && bt == 64 && wrows == 128 && ws.is_none() && (num == Num::Exact || (num == Num::Half && c.bits == 4))));
     // The grid (checked before anything is launched): token tiles × weight-row tiles, or the other way
     // round for grouped calls, whose blocks of one token tile run consecutively (`tile_slots` in the
     // kernel: measured +3% on the 4K prefill, the down projection 16.2 → 12.9 ms, PERF.md).
@@ -829,6 +893,15 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         (base, staged)
     };
     let (hi, lo, sums) = stage_addrs(base, c.x_rows, c.cols, planes);
+    // Split K where the tiles are too few for the GPU (the wrapper asked for it: `split_k`).
+    let splits = if c.split_k { split_count(m_tiles * row_tiles, c.cols / GROUP, dev.sm_count() as usize) } else { 1 };
+    let (part, tile_count) = if splits > 1 {
+        let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
+        split_buffers(dev, &mut stage)?
+    } else {
+        (0, 0)
+    };
+    debug_assert!(splits == 1 || (splits * c.t * c.rows <= split_part_floats(dev.sm_count() as usize) && m_tiles * row_tiles <= SPLIT_BLOCKS_PER_SM * dev.sm_count() as usize));
 
     if !staged {
         let sp = StageParams { x: c.x, hi, lo, sums, rows: c.x_rows as i64, cols: c.cols as i32 };
@@ -865,7 +938,9 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         cols: c.cols as i32,
         count: experts as i32,
         matrix: c.matrix as i32,
-        pad_: 0,
+        splits: splits as i32,
+        part,
+        tile_count,
     };
     if ws == Some(Ws::Mc256) {
         // Cluster pairs: pairs of adjacent row tiles of a token tile, one pair a cluster of two SMs.
@@ -893,7 +968,14 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         };
         return launch(dev, name, cfg, &p);
     }
-    let (name, v) = if bt == 32 {
+    let (name, v) = if splits > 1 {
+        let i = match (num, q8) {
+            (Num::Half, _) => 0,
+            (_, false) => 1,
+            (_, true) => 2,
+        };
+        (NAMES_SK[i], variant_sk(i))
+    } else if bt == 32 {
         let i = match (c.out16, swiglu) {
             (false, false) => 0,
             (false, true) => 1,
@@ -912,7 +994,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     };
     debug_assert_eq!((v.bt, v.num, v.rows()), (bt, num, wrows));
     let cfg = LaunchConfig {
-        grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+        grid_dim: (grid.0 as u32, grid.1 as u32, splits as u32),
         block_dim: (128 * v.wgs as u32, 1, 1),
         shared_mem_bytes: smem_bytes(v) as u32,
     };
@@ -922,6 +1004,29 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The split-K counts on a 132-SM GPU for the model's short-prompt GEMMs and the gpu_gemm cases,
+    /// and the partial-tile buffer's bound holding every split grid's partials.
+    #[test]
+    fn split_count_fills_the_gpu_and_keeps_each_split_four_groups() {
+        let sm = 132;
+        // The router (257 rows: 3 row tiles; K = 2048: 32 groups) at 256, 512, 1K, 2K and 4K tokens.
+        assert_eq!([4, 8, 16, 32, 64].map(|tt| split_count(tt * 3, 32, sm)), [8, 8, 4, 2, 1]);
+        // A [2048 × 4096] output projection (16 row tiles, 64 groups) at 256, 512 and 1K tokens.
+        assert_eq!([4, 8, 16].map(|tt| split_count(tt * 16, 64, sm)), [4, 2, 1]);
+        // K = 512 (8 groups): two splits at most; K = 128: none.
+        assert_eq!((split_count(1, 8, sm), split_count(1, 2, sm)), (2, 1));
+        for tiles in 1..=2 * sm {
+            for groups in [2, 8, 32, 64, 192] {
+                let s = split_count(tiles, groups, sm);
+                assert!(s.is_power_of_two() && s <= SPLIT_MAX);
+                if s > 1 {
+                    assert!(groups / s >= SPLIT_MIN_GROUPS && tiles * s <= SPLIT_BLOCKS_PER_SM * sm);
+                    assert!(tiles * s * 64 * 128 <= split_part_floats(sm), "{tiles} tiles × {s}");
+                }
+            }
+        }
+    }
 
     /// Each variant's ring as laid out in the `.cu` (stages of X planes, codes and X sums, each rounded
     /// to 1024 bytes, plus 1024 for alignment), and the blocks an SM its launch bounds ask for fit in
