@@ -338,56 +338,38 @@ const STAGE_HALF_KERNEL: &str = "gemm_wgmma_stage_half";
 const STAGE_HALF_ROWS_KERNEL: &str = "gemm_wgmma_stage_half_rows";
 const STAGE_HALF_WROWS_KERNEL: &str = "gemm_wgmma_stage_half_wrows";
 
-const N_ALL: usize = 4 * VARIANTS + 4 + NAMES_Q8.len() + NAMES_WS.len() + NAMES_O16.len() + NAMES_WS_O16.len() + NAMES_WS_FS.len() + NAMES_N32.len() + NAMES_MC.len() + 1 + NAMES_SK.len();
+/// Every kernel's name, in the order of these lists.
+const NAME_LISTS: [&[&str]; 11] = [
+    &NAMES,
+    &[STAGE_KERNEL, STAGE_HALF_KERNEL, STAGE_HALF_ROWS_KERNEL, STAGE_HALF_WROWS_KERNEL],
+    &NAMES_Q8,
+    &NAMES_WS,
+    &NAMES_O16,
+    &NAMES_WS_O16,
+    &NAMES_WS_FS,
+    &NAMES_N32,
+    &NAMES_MC,
+    &[NAME_Q8_LATE],
+    &NAMES_SK,
+];
+const N_ALL: usize = {
+    let (mut n, mut l) = (0, 0);
+    while l < NAME_LISTS.len() {
+        n += NAME_LISTS[l].len();
+        l += 1;
+    }
+    n
+};
 const fn all_kernels() -> [&'static str; N_ALL] {
     let mut out = [""; N_ALL];
-    let mut n = 0;
-    let mut i = 0;
-    while i < 4 * VARIANTS {
-        out[n] = NAMES[i];
-        (i, n) = (i + 1, n + 1);
-    }
-    out[n] = STAGE_KERNEL;
-    out[n + 1] = STAGE_HALF_KERNEL;
-    out[n + 2] = STAGE_HALF_ROWS_KERNEL;
-    out[n + 3] = STAGE_HALF_WROWS_KERNEL;
-    n += 4;
-    i = 0;
-    while i < NAMES_Q8.len() {
-        out[n] = NAMES_Q8[i];
-        (i, n) = (i + 1, n + 1);
-    }
-    i = 0;
-    while i < NAMES_WS.len() {
-        out[n] = NAMES_WS[i];
-        (i, n) = (i + 1, n + 1);
-    }
-    i = 0;
-    while i < NAMES_O16.len() {
-        out[n] = NAMES_O16[i];
-        (i, n) = (i + 1, n + 1);
-    }
-    i = 0;
-    while i < NAMES_WS_O16.len() {
-        out[n] = NAMES_WS_O16[i];
-        (i, n) = (i + 1, n + 1);
-    }
-    i = 0;
-    while i < NAMES_WS_FS.len() {
-        out[n] = NAMES_WS_FS[i];
-        (i, n) = (i + 1, n + 1);
-    }
-    i = 0;
-    while i < NAMES_N32.len() {
-        out[n] = NAMES_N32[i];
-        (i, n) = (i + 1, n + 1);
-    }
-    (out[n], out[n + 1], out[n + 2]) = (NAMES_MC[0], NAMES_MC[1], NAME_Q8_LATE);
-    n += 3;
-    i = 0;
-    while i < NAMES_SK.len() {
-        out[n] = NAMES_SK[i];
-        (i, n) = (i + 1, n + 1);
+    let (mut n, mut l) = (0, 0);
+    while l < NAME_LISTS.len() {
+        let mut i = 0;
+        while i < NAME_LISTS[l].len() {
+            out[n] = NAME_LISTS[l][i];
+            (i, n) = (i + 1, n + 1);
+        }
+        l += 1;
     }
     out
 }
