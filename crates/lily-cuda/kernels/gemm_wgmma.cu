@@ -1501,7 +1501,8 @@ WG_ENTRY8F(gemm_wgmma_plain_n128_p2_q8, 128, NUM_EXACT, 1)
 WG_ENTRY8F(gemm_wgmma_plain_n64_p1_q8, 64, NUM_BF16X, 2)
 WG_ENTRY8F(gemm_wgmma_plain_n64_p2_q8, 64, NUM_EXACT, 2)
 // The router's tile with each group's scales and biases loaded in its own step (the form before the
-// twenty-seventh session; LILY_ROUTER_FOLD=late, A/B runs).
+// twenty-seventh session; still the router's by default: the form above, a group ahead, is opt-in with
+// LILY_ROUTER_FOLD=ahead until it has run on a GPU).
 extern "C" __global__ void __launch_bounds__(256, 2) gemm_wgmma_plain_n64_p2_q8_late(const WgParams p) {
     pdl_enter();
     wg_tile<64, 1, NUM_EXACT, STAGES, 2, false, false, 8, false, false, true>(p);

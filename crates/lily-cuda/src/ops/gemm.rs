@@ -105,7 +105,7 @@ pub enum Tile {
     /// block sums a range of K's groups; the last of a tile's blocks to finish sums their partial tiles in
     /// split order): the plain form only (not SwiGLU, not grouped), 4-bit weights in `Half` or `Exact`,
     /// 8-bit ones in `Exact`. `Tile::Auto` takes it for the plain GEMMs it would run on `Wg64` (short
-    /// prompts: the router, the output projections), unless `LILY_SPLITK=0`.
+    /// prompts: the router, the output projections) with `LILY_SPLITK=1` (opt-in, not yet run on a GPU).
     Wg64K,
     /// Hopper wgmma, 4-bit in `Half` only: 64 tokens × 256 weight rows per block (four warpgroups).
     Wg64x256,
@@ -226,11 +226,12 @@ fn gemm_switch() -> GemmSwitch {
     })
 }
 
-/// Whether `Tile::Auto` takes `Tile::Wg64K` for the plain GEMMs it would run on `Tile::Wg64` (the
-/// default); `LILY_SPLITK=0` keeps `Wg64` (the form before the twenty-seventh session, A/B runs). Read once.
+/// Whether `Tile::Auto` takes `Tile::Wg64K` for the plain GEMMs it would run on `Tile::Wg64`: with
+/// `LILY_SPLITK=1` (opt-in: built in the twenty-seventh session, not yet run on a GPU); else `Wg64`.
+/// Read once.
 fn split_k_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_SPLITK").as_deref() != Ok("0"))
+    *ON.get_or_init(|| std::env::var("LILY_SPLITK").as_deref() == Ok("1"))
 }
 
 /// Where `Tile::Auto` runs 8-bit group-64 weights in the plain form (the MoE router), read once from

@@ -239,12 +239,13 @@ fn split_part_floats(sm: usize) -> usize {
 }
 
 /// The router's folded 64-token tile (`NAMES_Q8[5]`) with each group's scales and biases loaded in its
-/// own step, the form before the twenty-seventh session (which fetches them a group ahead: the same
-/// values); taken with `LILY_ROUTER_FOLD=late` (A/B runs; read once, see [`late_scales`]).
+/// own step, the form before the twenty-seventh session; `NAMES_Q8[5]` fetches them a group ahead (the
+/// same values). The router takes this one unless `LILY_ROUTER_FOLD=ahead` (opt-in: built in the
+/// twenty-seventh session, not yet run on a GPU; read once, see [`late_scales`]).
 const NAME_Q8_LATE: &str = "gemm_wgmma_plain_n64_p2_q8_late";
 fn late_scales() -> bool {
     static LATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *LATE.get_or_init(|| std::env::var("LILY_ROUTER_FOLD").as_deref() == Ok("late"))
+    *LATE.get_or_init(|| std::env::var("LILY_ROUTER_FOLD").as_deref() != Ok("ahead"))
 }
 /// The grouped SwiGLU (the MoE gate/up) on [`Ws::T256`] and [`Ws::T160`] with the fast SiLU epilogue
 /// (`store_tile`'s FAST_SILU: `__expf` and `__fdividef` for the IEEE forms, a few ulp of the output).
