@@ -17,6 +17,10 @@
 # (default 2) rounds in turn, over AB_LENGTHS (default 4K,32K), AB_DECODE_TOKENS decode tokens (default
 # 8: a prefill A/B; 64 for a decode one, whose 8-token figures move ±5% between rounds), one repeat;
 # then a table of prefill / decode tok/s, one row per environment, a column per round and length.
+# scoreab: full-size `lily score --backend cuda` on SCORE_IDS random ids (default 1024; SCORE_CHUNK, when
+# set, passed as --chunk) under each environment of SCORE_ENVS (as AB_ENVS), each compared with the
+# first by tools/compare_scores.py (different kernels' numerics at full size; the issue's bar applies).
+# TEST_ENV (VAR=VALUE, several joined by commas): the environment of every test binary the tests part runs.
 # side: the side-by-side with MLX-LM on MODEL's bytes: ROUNDS (default 2) rounds, each MLX-LM's
 # mlx_baseline.py (path in MLX_BASELINE) then `lily bench`, over SIDE_LENGTHS (default 256,1024,4096),
 # 64 decode tokens, prefill in 2048-token steps for both; tools/side_table.py prints the table.
@@ -41,9 +45,10 @@ summary=()
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader | tee "$out/nvidia-smi.txt"
 
 if [[ $suite == *,tests,* ]]; then
+  test_env=(); [ -z "${TEST_ENV:-}" ] || IFS=, read -ra test_env <<<"$TEST_ENV"
   for t in $(test_bins); do
     name=$(basename "$t")
-    "$t" --test-threads=1 --nocapture >"$out/$name.log" 2>&1
+    env "${test_env[@]}" "$t" --test-threads=1 --nocapture >"$out/$name.log" 2>&1
     rc=$?
     res=$(grep -E "^test result" "$out/$name.log" | tail -1)
     echo "tests $name: rc $rc, $res"
@@ -59,7 +64,7 @@ if [[ $suite == *,opbench,* ]]; then
   done
 fi
 
-if [[ $suite == *,parity,* || $suite == *,bench,* || $suite == *,ab,* ]] && [ ! -f "$model/config.json" ]; then
+if [[ $suite == *,parity,* || $suite == *,bench,* || $suite == *,ab,* || $suite == *,scoreab,* ]] && [ ! -f "$model/config.json" ]; then
   t0=$(date +%s)
   "$dir/lily" synth --config qwen3.6-35b-a3b --out "$model" 2>&1 | tail -2
   echo "synth: $(( $(date +%s) - t0 )) s"
@@ -127,6 +132,26 @@ if [[ $suite == *,ab,* ]]; then
     done
     echo "$row"
   done | tee "$out/ab.md"
+fi
+
+if [[ $suite == *,scoreab,* ]]; then
+  python3 -c "import json, random; r = random.Random(13); print(json.dumps([r.randrange(248077) for _ in range(${SCORE_IDS:-1024})]))" >"$out/score_tokens.json"
+  envs=(${SCORE_ENVS:--})
+  chunk=(); [ -z "${SCORE_CHUNK:-}" ] || chunk=(--chunk "$SCORE_CHUNK")
+  for i in "${!envs[@]}"; do
+    e=${envs[$i]}
+    assigns=(); [ "$e" = - ] || IFS=, read -ra assigns <<<"$e"
+    if ! env "${assigns[@]}" "$dir/lily" score --backend cuda --model "$model" --tokens "$out/score_tokens.json" "${chunk[@]}" \
+        >"$out/score_$i.json" 2>"$out/score_$i.err"; then
+      status=1; echo "score [$e] failed:"; tail -3 "$out/score_$i.err"; continue
+    fi
+    if [ "$i" != 0 ]; then
+      line=$(python3 tools/compare_scores.py "$out/score_$i.json" "$out/score_0.json"); rc=$?
+      echo "score [$e] vs [${envs[0]}]: $line"
+      summary+=("score [$e] vs [${envs[0]}] | $( [ $rc = 0 ] && echo pass || echo FAIL ) | $line")
+      [ $rc = 0 ] || status=1
+    fi
+  done
 fi
 
 if [[ $suite == *,side,* ]]; then
