@@ -229,9 +229,15 @@ fn gemm_switch() -> GemmSwitch {
 /// Whether `Tile::Auto` takes `Tile::Wg64K` for the plain GEMMs it would run on `Tile::Wg64`: with
 /// `LILY_SPLITK=1` (opt-in: built in the twenty-seventh session, not yet run on a GPU); else `Wg64`.
 /// Read once.
-fn split_k_on() -> bool {
+pub(crate) fn split_k_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("LILY_SPLITK").as_deref() == Ok("1"))
+}
+
+/// The calls `Tile::Wg64K` takes: the plain form (not grouped, not SwiGLU), 4-bit weights in Half or
+/// Exact, 8-bit ones in Exact (the kernels `gemm_wgmma::run` has for it).
+fn split_k_takes(grouped: bool, swiglu: bool, precision: Precision, bits: u32) -> bool {
+    !grouped && !swiglu && matches!((precision, bits), (Precision::Half, 4) | (Precision::Exact, _))
 }
 
 /// Where `Tile::Auto` runs 8-bit group-64 weights in the plain form (the MoE router), read once from
@@ -793,7 +799,7 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
             describe(w)
         )));
     }
-    if tile == Tile::Wg64K && (grouped || w2.is_some() || !matches!((precision, w.bits()), (Precision::Half, 4) | (Precision::Exact, _))) {
+    if tile == Tile::Wg64K && !split_k_takes(grouped, w2.is_some(), precision, w.bits()) {
         return Err(CudaError::Shape(format!(
             "{what}: the split-K tiles take the plain form of 4-bit weights in Half or Exact, or 8-bit ones in Exact, not {} in {precision:?} (grouped: {grouped})",
             describe(w)
@@ -811,15 +817,13 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
     }
     let wg_tiles = rows.div_ceil(if w2.is_some() { super::gemm_wgmma::BW / 2 } else { super::gemm_wgmma::BW });
     let wg_auto = wg_ok && gemm_switch() != GemmSwitch::Mma && (w.bits() == 4 || router_path() != RouterPath::Mma);
-    // The plain GEMMs' 64-token tiles split K where they are too few (`Tile::Wg64K`).
-    let plain_split = !grouped && w2.is_none() && split_k_on();
+    let auto = tile == Tile::Auto;
     let tile = match tile {
         // The test `takes_prestaged_half` makes (on the precision asked: the router's Half is Exact here).
         Tile::Auto if half_on_wgmma(w, asked, q8_plain) => match half_tile(dev, grouped, t, experts, wg_tiles) {
             Tile::Wg128 if w.bits() == 4 && (!grouped || experts <= super::gemm_wgmma::WS_MAX_EXPERTS) => {
                 wide_half_tile(dev, grouped, w2.is_some(), t, experts, wg_tiles)
             }
-            Tile::Wg64 if plain_split && w.bits() == 4 => Tile::Wg64K,
             other => other,
         },
         Tile::Auto if wg_auto => {
@@ -834,8 +838,6 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
             };
             if big {
                 Tile::Wg128
-            } else if plain_split && precision == Precision::Exact {
-                Tile::Wg64K
             } else {
                 Tile::Wg64
             }
@@ -856,6 +858,8 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
         }
         other => other,
     };
+    // The plain GEMMs `Tile::Auto` put on 64-token tiles split K where those are too few (`Tile::Wg64K`).
+    let tile = if auto && tile == Tile::Wg64 && split_k_on() && split_k_takes(grouped, w2.is_some(), precision, w.bits()) { Tile::Wg64K } else { tile };
     // bf16 outputs: the grouped 4-bit Half wgmma form without SwiGLU, on its tiles of 128 weight rows
     // and `Ws128T256` (another forced 256-row or warp-specialised tile gives way to the 128-row one of
     // its token width).

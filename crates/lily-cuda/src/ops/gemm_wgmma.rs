@@ -585,16 +585,24 @@ const fn slot(num: Num) -> usize {
 
 /// Makes the device's staging buffers at least `half` bytes (the half numerics) and `folded` bytes (grown
 /// in 16 MiB steps; an old one is freed in stream order). The model reserves its largest needs at load,
-/// so that the memory it reports includes them and a prefill allocates nothing.
-pub(crate) fn reserve(dev: &Device, half: usize, folded: usize) -> Result<()> {
+/// so that the memory it reports includes them and a prefill allocates nothing; with `split_k` (the
+/// model's GEMMs may split K) the split-K buffers too.
+pub(crate) fn reserve(dev: &Device, half: usize, folded: usize, split_k: bool) -> Result<()> {
     let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
     reserve_in(dev, &mut stage, 0, half)?;
     reserve_in(dev, &mut stage, 1, folded)?;
-    split_buffers(dev, &mut stage)?;
+    if split_k {
+        split_buffers(dev, &mut stage)?;
+    }
     Ok(())
 }
 
-/// The split-K buffers' addresses (partial tiles, counters), made on first use (8.7 MB on a 132-SM GPU).
+/// Bytes of the split-K buffers (partial tiles and counters) on `sm` SMs: 8.7 MB on 132.
+pub(crate) fn split_bytes(sm: usize) -> usize {
+    4 * split_part_floats(sm) + 4 * SPLIT_BLOCKS_PER_SM * sm
+}
+
+/// The split-K buffers' addresses (partial tiles, counters), made on first use.
 fn split_buffers(dev: &Device, stage: &mut Stage) -> Result<(u64, u64)> {
     if stage.split.is_none() {
         let sm = dev.sm_count() as usize;
@@ -855,8 +863,12 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     let planes = num.planes();
     let key = (c.x, c.x_rows, c.cols, num);
     let sl = slot(num);
-    let (base, staged) = {
+    // Split K where the tiles are too few for the GPU (the wrapper asked for it: `split_k`).
+    let splits = if c.split_k { split_count(m_tiles * row_tiles, c.cols / GROUP, dev.sm_count() as usize) } else { 1 };
+    debug_assert!(splits == 1 || (splits * c.t * c.rows <= split_part_floats(dev.sm_count() as usize) && m_tiles * row_tiles <= SPLIT_BLOCKS_PER_SM * dev.sm_count() as usize));
+    let (base, staged, (part, tile_count)) = {
         let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
+        let split = if splits > 1 { split_buffers(dev, &mut stage)? } else { (0, 0) };
         let base = reserve_in(dev, &mut stage, sl, stage_bytes(c.x_rows, c.cols, planes))?;
         let staged = xs != super::gemm::XStage::Fresh && stage.holds[sl] == Some(key);
         if xs == super::gemm::XStage::Only && !staged {
@@ -873,18 +885,9 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
                 stage.holds[1 - sl] = None;
             }
         }
-        (base, staged)
+        (base, staged, split)
     };
     let (hi, lo, sums) = stage_addrs(base, c.x_rows, c.cols, planes);
-    // Split K where the tiles are too few for the GPU (the wrapper asked for it: `split_k`).
-    let splits = if c.split_k { split_count(m_tiles * row_tiles, c.cols / GROUP, dev.sm_count() as usize) } else { 1 };
-    let (part, tile_count) = if splits > 1 {
-        let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
-        split_buffers(dev, &mut stage)?
-    } else {
-        (0, 0)
-    };
-    debug_assert!(splits == 1 || (splits * c.t * c.rows <= split_part_floats(dev.sm_count() as usize) && m_tiles * row_tiles <= SPLIT_BLOCKS_PER_SM * dev.sm_count() as usize));
 
     if !staged {
         let sp = StageParams { x: c.x, hi, lo, sums, rows: c.x_rows as i64, cols: c.cols as i32 };
