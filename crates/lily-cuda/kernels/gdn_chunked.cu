@@ -572,7 +572,55 @@ __device__ __forceinline__ void conv_stage(const GdnChunkPrepParams& p, float* d
     conv_rows(xw, w, dst, p.k, live, norm, qscale, n, warp, lane);
 }
 
-template <int NT, bool BF, bool CONV = false>
+// X's blocks below the diagonal (step 3 of the prep, after forward_rows) on the tensor cores, 3xTF32
+// (each product good to ~2^-21, f32 sums; whatever NT the prep's other products take): at distance
+// d = 1, 2, 3, warp w < 2(4 − d) takes the pair (c, b) = (w / 2, w / 2 + d) and X's columns
+// 16c + 8(w % 2) .. + 7 of it: Y = A[b rows][16c .. 16b) · X[16c .. 16b)[those columns] (2d k-steps of
+// 8), stored in the upper block (c, b) of sX as the scalar form stores it; then, after a warp barrier
+// (the same warp wrote those Y columns), X_bc = −X_bb · Y (2 k-steps; X_bb's upper triangle holds
+// forward_rows' zeros). One block barrier a distance instead of two. Fragments as mma.cuh's m16n8k8:
+// A (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4); B (t, g), (t + 4, g); C (g, 2t), (g, 2t + 1),
+// (g + 8, 2t), (g + 8, 2t + 1).
+__device__ __forceinline__ void solve_blocks_mma(const float* sA, float* sX, int warp, int g, int t4) {
+#pragma unroll
+    for (int d = 1; d < 4; ++d) {
+        __syncthreads();  // the diagonal blocks, and the blocks of distances below d, are written
+        if (warp < 2 * (4 - d)) {
+            const int cb = warp >> 1, bb = cb + d, half = 8 * (warp & 1), nc = 16 * cb + half;
+            float big[4] = {0.0f, 0.0f, 0.0f, 0.0f}, small[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const float* ar = sA + (16 * bb + g) * GDC_AS;
+#pragma unroll
+            for (int kk = 0; kk < 2 * d; ++kk) {
+                const int k = 16 * cb + 8 * kk;
+                const Tf32A af = split_a(ar[k + t4], ar[8 * GDC_AS + k + t4], ar[k + t4 + 4], ar[8 * GDC_AS + k + t4 + 4]);
+                const float* xb = sX + (k + t4) * GDC_XS + nc + g;
+                mma_3xtf32(big, small, af, split_tf32(xb[0]), split_tf32(xb[4 * GDC_XS]));
+            }
+            float* const yu = sX + (16 * cb + g) * GDC_XS + 16 * bb + half + 2 * t4;
+            yu[0] = big[0] + small[0];
+            yu[1] = big[1] + small[1];
+            yu[8 * GDC_XS] = big[2] + small[2];
+            yu[8 * GDC_XS + 1] = big[3] + small[3];
+            __syncwarp();
+            float xbig[4] = {0.0f, 0.0f, 0.0f, 0.0f}, xsmall[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            const float* xr = sX + (16 * bb + g) * GDC_XS + 16 * bb;
+            const float* yc = sX + 16 * cb * GDC_XS + 16 * bb + half + g;
+#pragma unroll
+            for (int k = 0; k < 16; k += 8) {
+                const Tf32A af = split_a(xr[k + t4], xr[8 * GDC_XS + k + t4], xr[k + t4 + 4], xr[8 * GDC_XS + k + t4 + 4]);
+                mma_3xtf32(xbig, xsmall, af, split_tf32(yc[(k + t4) * GDC_XS]), split_tf32(yc[(k + t4 + 4) * GDC_XS]));
+            }
+            float* const xo = sX + (16 * bb + g) * GDC_XS + nc + 2 * t4;
+            xo[0] = -(xbig[0] + xsmall[0]);
+            xo[1] = -(xbig[1] + xsmall[1]);
+            xo[8 * GDC_XS] = -(xbig[2] + xsmall[2]);
+            xo[8 * GDC_XS + 1] = -(xbig[3] + xsmall[3]);
+        }
+    }
+}
+
+// MS: X's blocks below the diagonal by solve_blocks_mma instead of the scalar loops.
+template <int NT, bool BF, bool CONV = false, bool MS = false>
 __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     extern __shared__ __align__(16) float sm[];
     double* const gam = reinterpret_cast<double*>(sm);           // Γ_i (f64)
@@ -773,28 +821,33 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
         //    row-by-row solve were the prep's longest chain); then by distance d = b − c = 1, 2, 3:
         //    Y = Σ_{k=c}^{b−1} T_bk X_kc and X_bc = −X_bb Y. Y is kept in the upper block (c, b) of sX,
         //    which nothing reads: step 4 reads X's blocks on and below the diagonal only. f32 sums
-        //    throughout (the row-by-row solve's maths, summed in another order).
+        //    throughout (the row-by-row solve's maths, summed in another order); MS: the blocks below
+        //    the diagonal on the tensor cores (solve_blocks_mma, the same maths in 3xTF32).
         forward_rows(sA, sX, tid >> 2, tid & 3, (tid >> 2) & ~15, n);
-        const int r = (tid >> 4) & 15, c = tid & 15;  // this thread's element of a 16×16 block
+        if constexpr (MS) {
+            solve_blocks_mma(sA, sX, warp, g, t4);
+        } else {
+            const int r = (tid >> 4) & 15, c = tid & 15;  // this thread's element of a 16×16 block
 #pragma unroll 1
-        for (int d = 1; d < 4; ++d) {
-            __syncthreads();  // the blocks of distances below d are written
-            for (int cb = 0; cb + d < 4; ++cb) {
-                const int bb = cb + d;
-                // Y[r][c] = Σ_{m = 16cb}^{16bb − 1} A[16bb + r][m] X[m][16cb + c] (rows past n: A is 0 there).
-                float y = 0.0f;
-                const float* arow = sA + (16 * bb + r) * GDC_AS;
-                for (int m = 16 * cb; m < 16 * bb; ++m) y = fmaf(arow[m], sX[m * GDC_XS + 16 * cb + c], y);
-                sX[(16 * cb + r) * GDC_XS + 16 * bb + c] = y;
-            }
-            __syncthreads();  // Y visible
-            for (int cb = 0; cb + d < 4; ++cb) {
-                const int bb = cb + d;
-                // X[16bb + r][16cb + c] = −Σ_{m ≤ r} X_bb[r][m] Y[m][c].
-                float x = 0.0f;
-                const float* xrow = sX + (16 * bb + r) * GDC_XS + 16 * bb;
-                for (int m = 0; m <= r; ++m) x = fmaf(xrow[m], sX[(16 * cb + m) * GDC_XS + 16 * bb + c], x);
-                sX[(16 * bb + r) * GDC_XS + 16 * cb + c] = -x;
+            for (int d = 1; d < 4; ++d) {
+                __syncthreads();  // the blocks of distances below d are written
+                for (int cb = 0; cb + d < 4; ++cb) {
+                    const int bb = cb + d;
+                    // Y[r][c] = Σ_{m = 16cb}^{16bb − 1} A[16bb + r][m] X[m][16cb + c] (rows past n: A is 0 there).
+                    float y = 0.0f;
+                    const float* arow = sA + (16 * bb + r) * GDC_AS;
+                    for (int m = 16 * cb; m < 16 * bb; ++m) y = fmaf(arow[m], sX[m * GDC_XS + 16 * cb + c], y);
+                    sX[(16 * cb + r) * GDC_XS + 16 * bb + c] = y;
+                }
+                __syncthreads();  // Y visible
+                for (int cb = 0; cb + d < 4; ++cb) {
+                    const int bb = cb + d;
+                    // X[16bb + r][16cb + c] = −Σ_{m ≤ r} X_bb[r][m] Y[m][c].
+                    float x = 0.0f;
+                    const float* xrow = sX + (16 * bb + r) * GDC_XS + 16 * bb;
+                    for (int m = 0; m <= r; ++m) x = fmaf(xrow[m], sX[(16 * cb + m) * GDC_XS + 16 * bb + c], x);
+                    sX[(16 * bb + r) * GDC_XS + 16 * cb + c] = -x;
+                }
             }
         }
     }
@@ -865,6 +918,11 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1_bf(const
 // gdn_conv_finish's maths in their order, so its outputs are the unfused pair's bit for bit; the conv
 // state is left to gdn_conv_finish (state only), launched after it.
 extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1_bf_conv(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1, true, true>(p); }
+// The off-diagonal blocks of (I + A)⁻¹ on the tensor cores (solve_blocks_mma), opt-in
+// (LILY_GDN_SOLVE=mma, ops/gdn_chunked.rs): the bf16 pair's prep, and the 3xTF32 prep (its f32-exact
+// counterpart, which the tests hold to the definition at f32 tolerances).
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1_bf_ms(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1, true, false, true>(p); }
+extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc_ms(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<3, false, false, true>(p); }
 
 // ---------------------------------------------------------------------------------------------------
 // gdn_chunk_state_tc: the sequential pass on the tensor cores. grid (⌈Dv/32⌉, Hv), 512 threads (16

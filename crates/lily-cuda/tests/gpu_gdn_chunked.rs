@@ -27,8 +27,9 @@ use lily_cuda::ops::gdn_chunked::{self as chunked, scratch_len, PrepKernel, Stat
 
 /// Every (prep, sequential pass) pair of kernels; the 1xTF32 ones (Tensor1) alone and with the
 /// f32-exact ones; the ldmatrix pass (held to the plain 1xTF32 one bit for bit after the 1xTF32 prep);
-/// the bf16 passes (held to each other bit for bit).
-const KERNELS: [(PrepKernel, StateKernel); 13] = [
+/// the bf16 passes (held to each other bit for bit after the bf16 prep); the preps whose solve runs
+/// on the tensor cores (TensorMs, f32-exact, held to TOL; Bf16Ms before the bf16 pass).
+const KERNELS: [(PrepKernel, StateKernel); 15] = [
     (PrepKernel::Ffma, StateKernel::Ffma16),
     (PrepKernel::Ffma, StateKernel::Ffma32),
     (PrepKernel::Ffma, StateKernel::Tensor),
@@ -42,6 +43,8 @@ const KERNELS: [(PrepKernel, StateKernel); 13] = [
     (PrepKernel::Bf16, StateKernel::Bf16x32),
     (PrepKernel::Bf16, StateKernel::Bf16x32S3),
     (PrepKernel::Bf16, StateKernel::Bf16x32S3L),
+    (PrepKernel::TensorMs, StateKernel::Tensor),
+    (PrepKernel::Bf16Ms, StateKernel::Bf16x32S3),
 ];
 
 /// Whether a pair rounds its operands to tf32 (10 mantissa bits): held to TOL1 against the definition
@@ -195,6 +198,7 @@ fn check_case(dev: &Device, d: &GdnDims, t: usize, seed: u64) -> f64 {
     let mut ffma = Vec::new();
     let mut tc1 = Vec::new();
     let mut bf = Vec::new();
+    let mut solves = Vec::new();
     for kernel in KERNELS {
         if !supports(d, kernel) {
             continue;
@@ -211,7 +215,10 @@ fn check_case(dev: &Device, d: &GdnDims, t: usize, seed: u64) -> f64 {
             &mut e_kern
         };
         *worst = worst.max(eo).max(es);
-        if kernel.1.rounds_to_bf16() {
+        if kernel == (PrepKernel::Tensor, StateKernel::Tensor) || kernel.0 == PrepKernel::TensorMs {
+            solves.push((ok.clone(), sk.clone()));
+        }
+        if kernel.0 == PrepKernel::Bf16 {
             bf.push((kernel.1, ok, sk));
         } else if kernel.0 == PrepKernel::Ffma && matches!(kernel.1, StateKernel::Ffma16 | StateKernel::Ffma32) {
             ffma.push((ok, sk));
@@ -231,12 +238,21 @@ fn check_case(dev: &Device, d: &GdnDims, t: usize, seed: u64) -> f64 {
             assert!(o1 == o2 && s1 == s2, "{what}: the bf16 pass {k:?} differs from {k1:?}");
         }
     }
+    // The solve's blocks below the diagonal on the tensor cores (3xTF32) against the scalar loops,
+    // both before the 3xTF32 pass: the same maths summed in another order, ~1e-6 apart; a wrong block,
+    // index or sign costs O(1), a dropped lo term of a 3xTF32 product ~1e-3.
+    let e_solve = match &solves[..] {
+        [(o1, s1), (o2, s2)] => check(o2, o1, 1e-5, &format!("{what}: out, the tensor-core solve vs the scalar one"))
+            .max(check(s2, s1, 1e-5, &format!("{what}: state, the tensor-core solve vs the scalar one"))),
+        [] => 0.0,
+        _ => panic!("{what}: the two 3xTF32 preps should take the same shapes"),
+    };
     let e_tiles = check(&ffma[0].0, &ffma[1].0, 1e-6, &format!("{what}: out, FFMA tile 16 vs 32"))
         .max(check(&ffma[0].1, &ffma[1].1, 1e-6, &format!("{what}: state, FFMA tile 16 vs 32")));
     let (gmin, gmax) = g.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
     println!(
         "{what}: vs CPU recurrent out {:.1e} state {:.1e} | vs CPU chunked {:.1e} {:.1e} | vs GPU recurrent \
-         {:.1e} {:.1e} | each kernel {e_kern:.1e}, 1xTF32 {e_tf32:.1e}, bf16 {e_bf16:.1e}, tiles {e_tiles:.1e} (g in [{gmin:.2e}, {gmax:.2e}])",
+         {:.1e} {:.1e} | each kernel {e_kern:.1e}, 1xTF32 {e_tf32:.1e}, bf16 {e_bf16:.1e}, tiles {e_tiles:.1e}, solves {e_solve:.1e} (g in [{gmin:.2e}, {gmax:.2e}])",
         errs[0], errs[1], errs[2], errs[3], errs[4], errs[5]
     );
     errs.iter().fold(0.0, |a, &b| a.max(b))

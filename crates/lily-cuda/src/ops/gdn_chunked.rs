@@ -20,6 +20,8 @@
 //! ldmatrix (the same bits), `=tf32x3` the 3xTF32 pair and `=ffma` the FFMA kernels.
 //! [`delta_rule_conv`] (opt-in, `LILY_GDN_CONV=fused`) runs the bf16 pair with a prep that convolves
 //! its own inputs (the conv, SiLU, q/k norms and gates of `gdn::conv_qk_with`, the same bits).
+//! `LILY_GDN_SOLVE=mma` (opt-in) gives the bf16 pair the prep whose (I + A)⁻¹ takes its blocks below
+//! the diagonal on the tensor cores ([`PrepKernel::Bf16Ms`]).
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -97,6 +99,8 @@ pub(crate) const KERNELS: &[&str] = &[
     "gdn_chunk_prep_tc1",
     "gdn_chunk_prep_tc1_bf",
     "gdn_chunk_prep_tc1_bf_conv",
+    "gdn_chunk_prep_tc1_bf_ms",
+    "gdn_chunk_prep_tc_ms",
     "gdn_chunk_state_t16",
     "gdn_chunk_state_t32",
     "gdn_chunk_state_tc",
@@ -134,7 +138,7 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
         let (name, _, _, smem) = kernel.launch_shape();
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
     }
-    for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_prep_tc1_bf", "gdn_chunk_prep_tc1_bf_conv"] {
+    for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_prep_tc1_bf", "gdn_chunk_prep_tc1_bf_conv", "gdn_chunk_prep_tc1_bf_ms", "gdn_chunk_prep_tc_ms"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, PREP_TC_SMEM as i32)?;
     }
     Ok(())
@@ -152,6 +156,11 @@ pub enum PrepKernel {
     /// [`PrepKernel::Tensor1`] writing for the bf16 passes: W, P and the decayed Q and K in bf16, U and
     /// the decays in f32. Only with a `StateKernel::Bf16*` pass.
     Bf16,
+    /// [`PrepKernel::Bf16`] with the blocks of (I + A)⁻¹ below the diagonal on the tensor cores
+    /// (3xTF32 m16n8k8: one block barrier a distance, no scalar loops), opt-in (`LILY_GDN_SOLVE=mma`).
+    Bf16Ms,
+    /// [`PrepKernel::Tensor`] with that solve: its f32-exact counterpart, for the tests.
+    TensorMs,
 }
 
 impl PrepKernel {
@@ -159,18 +168,18 @@ impl PrepKernel {
     pub fn supports(self, dims: &GdnDims) -> bool {
         match self {
             PrepKernel::Ffma => true,
-            PrepKernel::Tensor | PrepKernel::Tensor1 | PrepKernel::Bf16 => tensor_shape(dims),
+            PrepKernel::Tensor | PrepKernel::Tensor1 | PrepKernel::Bf16 | PrepKernel::Bf16Ms | PrepKernel::TensorMs => tensor_shape(dims),
         }
     }
 
     /// Whether this prep rounds its products' operands to tf32.
     pub fn rounds_to_tf32(self) -> bool {
-        matches!(self, PrepKernel::Tensor1 | PrepKernel::Bf16)
+        matches!(self, PrepKernel::Tensor1 | PrepKernel::Bf16 | PrepKernel::Bf16Ms)
     }
 
     /// Whether this prep writes for the bf16 passes (and only they read it).
     pub fn writes_bf16(self) -> bool {
-        self == PrepKernel::Bf16
+        matches!(self, PrepKernel::Bf16 | PrepKernel::Bf16Ms)
     }
 }
 
@@ -251,17 +260,28 @@ fn chunk_env() -> &'static str {
     V.get_or_init(|| std::env::var("LILY_GDN_CHUNK").unwrap_or_default())
 }
 
+/// The bf16 pair's prep: [`PrepKernel::Bf16Ms`] with `LILY_GDN_SOLVE=mma` (read once, opt-in until it
+/// has run on a GPU: docs/PERF.md, twenty-eighth session), else [`PrepKernel::Bf16`].
+fn bf16_prep() -> PrepKernel {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *V.get_or_init(|| std::env::var("LILY_GDN_SOLVE").is_ok_and(|v| v == "mma")) {
+        PrepKernel::Bf16Ms
+    } else {
+        PrepKernel::Bf16
+    }
+}
+
 /// The kernels [`delta_rule_chunked`] runs for this shape on this device.
 pub fn default_kernels(dev: &Device, dims: &GdnDims) -> (PrepKernel, StateKernel) {
     if chunk_env() != "ffma" && tensor_shape(dims) {
         return match chunk_env() {
             "tf32x3" => (PrepKernel::Tensor, StateKernel::Tensor),
             "tc1" => (PrepKernel::Tensor1, StateKernel::Tensor1),
-            "bf32" => (PrepKernel::Bf16, StateKernel::Bf16x32),
-            "bf32s3" => (PrepKernel::Bf16, StateKernel::Bf16x32S3),
-            "bf32s3l" => (PrepKernel::Bf16, StateKernel::Bf16x32S3L),
+            "bf32" => (bf16_prep(), StateKernel::Bf16x32),
+            "bf32s3" => (bf16_prep(), StateKernel::Bf16x32S3),
+            "bf32s3l" => (bf16_prep(), StateKernel::Bf16x32S3L),
             "ldsmb" => (PrepKernel::Tensor1, StateKernel::Tensor1Ldsmb),
-            _ => (PrepKernel::Bf16, StateKernel::Bf16x32S3),
+            _ => (bf16_prep(), StateKernel::Bf16x32S3),
         };
     }
     // 32-column tiles read each chunk's W, Q, K and P from L2 half as often as 16-column ones; 16 only
@@ -549,6 +569,8 @@ fn run(dev: &Device, dims: &GdnDims, t_len: usize, inputs: Inputs, state: u64, o
         (PrepKernel::Tensor, _) => ("gdn_chunk_prep_tc", PREP_TC_SMEM as u32),
         (PrepKernel::Tensor1, _) => ("gdn_chunk_prep_tc1", PREP_TC_SMEM as u32),
         (PrepKernel::Bf16, _) => ("gdn_chunk_prep_tc1_bf", PREP_TC_SMEM as u32),
+        (PrepKernel::Bf16Ms, _) => ("gdn_chunk_prep_tc1_bf_ms", PREP_TC_SMEM as u32),
+        (PrepKernel::TensorMs, _) => ("gdn_chunk_prep_tc_ms", PREP_TC_SMEM as u32),
     };
     let cfg = LaunchConfig {
         grid_dim: (t_len.div_ceil(CHUNK) as u32, hv as u32, 1),
