@@ -31,18 +31,27 @@ __device__ __forceinline__ int stage_smem_index(int k) {
     return k ^ (((g & 1) << 2) | ((g & 2) << 3));
 }
 
-// Staged columns 8c .. 8c + 7 (c < 8) of group g of a row held at `row` (stage_smem_index's layout),
-// each times `down` (2^-e) rounded to f16: column 16s + 8h + 2q + e' holds element 16q + 8h + 4e' + s
-// (stage_column's inverse), for s = c / 2, h = c % 2.
-__device__ __forceinline__ uint4 stage_half_chunk(const float* row, int g, int c, float down) {
+// The elements of staged columns 8c .. 8c + 7 (c < 8) of group g of a row held at `row`
+// (stage_smem_index's layout): column 16s + 8h + 2q + e' holds element 16q + 8h + 4e' + s
+// (stage_column's inverse), for s = c / 2, h = c % 2; word q of the chunk is (a[q], b[q]) (e' = 0, 1).
+__device__ __forceinline__ void stage_chunk_values(const float* row, int g, int c, float (&a)[4], float (&b)[4]) {
     const int s = c >> 1, h = c & 1, sw = ((g & 1) << 2) | ((g & 2) << 3);
     const float* gp = row + 64 * g;
-    uint32_t w[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        const float lo = gp[(16 * q + 8 * h + s) ^ sw], hi = gp[(16 * q + 8 * h + 4 + s) ^ sw];
-        w[q] = (uint32_t)__half_as_ushort(__float2half_rn(lo * down)) | ((uint32_t)__half_as_ushort(__float2half_rn(hi * down)) << 16);
+        a[q] = gp[(16 * q + 8 * h + s) ^ sw];
+        b[q] = gp[(16 * q + 8 * h + 4 + s) ^ sw];
     }
+}
+
+// Chunk c of group g of the f16 plane: the chunk's values each times `down` (2^-e) rounded to f16.
+__device__ __forceinline__ uint4 stage_half_chunk(const float* row, int g, int c, float down) {
+    float a[4], b[4];
+    stage_chunk_values(row, g, c, a, b);
+    uint32_t w[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+        w[q] = (uint32_t)__half_as_ushort(__float2half_rn(a[q] * down)) | ((uint32_t)__half_as_ushort(__float2half_rn(b[q] * down)) << 16);
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
@@ -62,16 +71,15 @@ __device__ __forceinline__ void stage_half_row_out(const float* row, float row_m
 // group's f32 sum of the unrounded x, added as that stager adds it (lane l: x[2l] + x[2l + 1], then the
 // xor butterfly 16, 8, 4, 2, 1), so the bits are its own. Chunk c of group g of both planes:
 __device__ __forceinline__ void stage_exact_chunk(const float* row, int g, int c, uint4& hi, uint4& lo) {
-    const int s = c >> 1, h = c & 1, sw = ((g & 1) << 2) | ((g & 2) << 3);
-    const float* gp = row + 64 * g;
+    float a[4], b[4];
+    stage_chunk_values(row, g, c, a, b);
     uint32_t wh[4], wl[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-        const float a = gp[(16 * q + 8 * h + s) ^ sw], b = gp[(16 * q + 8 * h + 4 + s) ^ sw];
-        const __nv_bfloat16 ah = __float2bfloat16_rn(a), bh = __float2bfloat16_rn(b);
+        const __nv_bfloat16 ah = __float2bfloat16_rn(a[q]), bh = __float2bfloat16_rn(b[q]);
         wh[q] = (uint32_t)__bfloat16_as_ushort(ah) | ((uint32_t)__bfloat16_as_ushort(bh) << 16);
-        wl[q] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(a - __bfloat162float(ah))) |
-                ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(b - __bfloat162float(bh))) << 16);
+        wl[q] = (uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(a[q] - __bfloat162float(ah))) |
+                ((uint32_t)__bfloat16_as_ushort(__float2bfloat16_rn(b[q] - __bfloat162float(bh))) << 16);
     }
     hi = make_uint4(wh[0], wh[1], wh[2], wh[3]);
     lo = make_uint4(wl[0], wl[1], wl[2], wl[3]);
