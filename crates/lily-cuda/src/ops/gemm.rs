@@ -262,6 +262,23 @@ fn router_path() -> RouterPath {
     })
 }
 
+/// The numerics a call runs in, from those it asks: the 8-bit router (`q8_plain`: 8-bit group-64 codes
+/// in a plain GEMM) asked in `Half` on `Tile::Auto` runs `Exact` unless `LILY_ROUTER_WGMMA=1`
+/// ([`router_path`]); every other call runs what it asks.
+fn run_precision(q8_plain: bool, tile: Tile, asked: Precision) -> Precision {
+    if q8_plain && tile == Tile::Auto && asked == Precision::Half && router_path() != RouterPath::Half {
+        Precision::Exact
+    } else {
+        asked
+    }
+}
+
+/// Whether the switches leave `Tile::Auto` the wgmma kernels for weights of `bits`: not with
+/// `LILY_GEMM=mma`, nor for 8-bit codes with `LILY_ROUTER_WGMMA=mma`.
+fn auto_wgmma_allowed(bits: u32) -> bool {
+    gemm_switch() != GemmSwitch::Mma && (bits == 4 || router_path() != RouterPath::Mma)
+}
+
 /// The tile `Tile::Auto` takes where `half_tile` picks `Tile::Wg128` (4-bit weights, at most
 /// `WS_MAX_EXPERTS` experts), measured (H100, PERF.md 2026-12-06 twentieth, nineteenth and fifteenth
 /// sessions):
@@ -466,9 +483,8 @@ pub fn takes_prestaged_half(w: &DeviceMatrix, o: Opts) -> bool {
 pub fn takes_prestaged_exact(w: &DeviceMatrix, o: Opts) -> bool {
     let g64 = w.group_size() == Some(super::gemm_wgmma::GROUP);
     let q8_plain = w.bits() == 8 && g64;
-    let exact = o.precision == Precision::Exact || (q8_plain && o.precision == Precision::Half && router_path() == RouterPath::Folded);
-    let bits_ok = w.bits() == 4 || (q8_plain && router_path() != RouterPath::Mma);
-    o.tile == Tile::Auto && o.experts.is_none() && g64 && exact && bits_ok && gemm_switch() != GemmSwitch::Mma
+    let exact = run_precision(q8_plain, o.tile, o.precision) == Precision::Exact;
+    o.tile == Tile::Auto && o.experts.is_none() && g64 && exact && (w.bits() == 4 || q8_plain) && auto_wgmma_allowed(w.bits())
 }
 
 /// Whether `Tile::Auto` takes the wgmma kernels in the half numerics for `w` asked in `precision`
@@ -477,8 +493,7 @@ pub fn takes_prestaged_exact(w: &DeviceMatrix, o: Opts) -> bool {
 fn half_on_wgmma(w: &DeviceMatrix, precision: Precision, q8_plain: bool) -> bool {
     let g64 = w.group_size() == Some(super::gemm_wgmma::GROUP);
     let half = precision == Precision::Half && !(q8_plain && router_path() != RouterPath::Half);
-    let bits_ok = w.bits() == 4 || (q8_plain && router_path() != RouterPath::Mma);
-    g64 && half && bits_ok && gemm_switch() != GemmSwitch::Mma
+    g64 && half && (w.bits() == 4 || q8_plain) && auto_wgmma_allowed(w.bits())
 }
 
 /// How a call gets x's staged copy on the wgmma tiles.
@@ -776,11 +791,7 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
     // 8-bit codes on Tile::Auto in Half: the folded numerics unless `LILY_ROUTER_WGMMA=1` (router_path).
     let q8_plain = w.bits() == 8 && g64 && w2.is_none() && !grouped;
     let asked = precision;
-    let precision = if q8_plain && tile == Tile::Auto && precision == Precision::Half && router_path() != RouterPath::Half {
-        Precision::Exact
-    } else {
-        precision
-    };
+    let precision = run_precision(q8_plain, tile, precision);
     let wg_ok = g64
         && match w.bits() {
             4 => precision != Precision::Fast,
@@ -816,7 +827,7 @@ fn run<X: DevicePtr<f32>, E: super::Act, Y: DevicePtrMut<E>>(
         )));
     }
     let wg_tiles = rows.div_ceil(if w2.is_some() { super::gemm_wgmma::BW / 2 } else { super::gemm_wgmma::BW });
-    let wg_auto = wg_ok && gemm_switch() != GemmSwitch::Mma && (w.bits() == 4 || router_path() != RouterPath::Mma);
+    let wg_auto = wg_ok && auto_wgmma_allowed(w.bits());
     let auto = tile == Tile::Auto;
     let tile = match tile {
         // The test `takes_prestaged_half` makes (on the precision asked: the router's Half is Exact here).
