@@ -578,6 +578,11 @@ pub(crate) struct Stage {
     split: Option<(cudarc::driver::CudaSlice<f32>, cudarc::driver::CudaSlice<u32>)>,
 }
 
+/// The device's staging buffers, locked.
+fn lock_stage(dev: &Device) -> Result<std::sync::MutexGuard<'_, Stage>> {
+    dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))
+}
+
 /// The buffer of `Stage` a numerics stages into.
 const fn slot(num: Num) -> usize {
     if matches!(num, Num::Half) { 0 } else { 1 }
@@ -588,7 +593,7 @@ const fn slot(num: Num) -> usize {
 /// so that the memory it reports includes them and a prefill allocates nothing; with `split_k` (the
 /// model's GEMMs may split K) the split-K buffers too.
 pub(crate) fn reserve(dev: &Device, half: usize, folded: usize, split_k: bool) -> Result<()> {
-    let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
+    let mut stage = lock_stage(dev)?;
     reserve_in(dev, &mut stage, 0, half)?;
     reserve_in(dev, &mut stage, 1, folded)?;
     if split_k {
@@ -715,16 +720,22 @@ impl HalfStage {
     }
 }
 
+/// x's address for a prestage call `what`, after its shape's check: `rows` > 0 rows of `cols` columns, a
+/// positive multiple of 64, with fewer than 2^32 − 2 elements (the stagers' indices).
+fn prestaged_x<X: DevicePtr<f32>>(dev: &Device, x: &X, rows: usize, cols: usize, what: &str) -> Result<u64> {
+    if rows == 0 || cols == 0 || !cols.is_multiple_of(GROUP) || rows as u128 * cols as u128 > u32::MAX as u128 - 2 {
+        return Err(CudaError::Shape(format!("{what}: {rows} rows of {cols} columns (a positive multiple of 64)")));
+    }
+    addr(dev, x, rows * cols, &format!("{what} x"))
+}
+
 /// Makes the device's staging buffer hold x (`rows` × `cols`, a multiple of 64) in the half numerics
 /// and returns where its plane and scales go, for a kernel that produces x to write them instead of
 /// x's f32 values; the next GEMM on x must then run with `x_staged_only` (and
 /// [`super::gemm::takes_prestaged_half`]). Whatever the buffer held before is forgotten.
 pub fn prestage_half<X: DevicePtr<f32>>(dev: &Device, x: &X, rows: usize, cols: usize) -> Result<HalfStage> {
-    if rows == 0 || cols == 0 || !cols.is_multiple_of(GROUP) || rows as u128 * cols as u128 > u32::MAX as u128 - 2 {
-        return Err(CudaError::Shape(format!("prestage_half: {rows} rows of {cols} columns (a positive multiple of 64)")));
-    }
-    let xp = addr(dev, x, rows * cols, "prestage_half x")?;
-    let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
+    let xp = prestaged_x(dev, x, rows, cols, "prestage_half")?;
+    let mut stage = lock_stage(dev)?;
     let base = reserve_in(dev, &mut stage, slot(Num::Half), stage_bytes(rows, cols, 1))?;
     stage.holds = [None, None];
     stage.holds[slot(Num::Half)] = Some((xp, rows, cols, Num::Half));
@@ -778,11 +789,8 @@ impl ExactStage {
 /// the folded numerics, the experts in the half ones) reuse them (`Opts::reuse_x`), x's f32 values
 /// still written. Whatever the buffers held before is forgotten.
 pub fn prestage_half_exact<X: DevicePtr<f32>>(dev: &Device, x: &X, rows: usize, cols: usize) -> Result<(HalfStage, ExactStage)> {
-    if rows == 0 || cols == 0 || !cols.is_multiple_of(GROUP) || rows as u128 * cols as u128 > u32::MAX as u128 - 2 {
-        return Err(CudaError::Shape(format!("prestage_half_exact: {rows} rows of {cols} columns (a positive multiple of 64)")));
-    }
-    let xp = addr(dev, x, rows * cols, "prestage_half_exact x")?;
-    let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
+    let xp = prestaged_x(dev, x, rows, cols, "prestage_half_exact")?;
+    let mut stage = lock_stage(dev)?;
     let hb = reserve_in(dev, &mut stage, slot(Num::Half), stage_bytes(rows, cols, 1))?;
     let eb = reserve_in(dev, &mut stage, slot(Num::Exact), stage_bytes(rows, cols, 2))?;
     stage.holds = [Some((xp, rows, cols, Num::Half)), Some((xp, rows, cols, Num::Exact))];
@@ -822,7 +830,7 @@ fn launch_stage_exact(dev: &Device, sp: &StageParams) -> Result<()> {
 
 /// Marks the staging buffers as holding no x (a GEMM call that stages nothing ran since).
 pub(crate) fn forget_staged(dev: &Device) -> Result<()> {
-    let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
+    let mut stage = lock_stage(dev)?;
     stage.holds = [None, None];
     Ok(())
 }
@@ -867,7 +875,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
     let splits = if c.split_k { split_count(m_tiles * row_tiles, c.cols / GROUP, dev.sm_count() as usize) } else { 1 };
     debug_assert!(splits == 1 || (splits * c.t * c.rows <= split_part_floats(dev.sm_count() as usize) && m_tiles * row_tiles <= SPLIT_BLOCKS_PER_SM * dev.sm_count() as usize));
     let (base, staged, (part, tile_count)) = {
-        let mut stage = dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?;
+        let mut stage = lock_stage(dev)?;
         let split = if splits > 1 { split_buffers(dev, &mut stage)? } else { (0, 0) };
         let base = reserve_in(dev, &mut stage, sl, stage_bytes(c.x_rows, c.cols, planes))?;
         let staged = xs != super::gemm::XStage::Fresh && stage.holds[sl] == Some(key);
@@ -896,7 +904,7 @@ pub(crate) fn run(dev: &Device, c: &Call, bt: usize, num: Num, wrows: usize, ws:
         } else {
             launch_stage_exact(dev, &sp)?;
         }
-        dev.gemm_stage.lock().map_err(|_| CudaError::Driver("gemm stage buffer lock poisoned".into()))?.holds[sl] = Some(key);
+        lock_stage(dev)?.holds[sl] = Some(key);
     }
 
     let form = match (swiglu, c.grouped.is_some()) {
