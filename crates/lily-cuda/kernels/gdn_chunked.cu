@@ -34,6 +34,7 @@
 #include "pdl.cuh"
 #include "gdn_step.cuh"
 #include "gdn_conv.cuh"
+#include "stage_half.cuh"
 
 #define GDC_CH 64    // tokens per chunk
 #define GDC_MAXD 128 // largest Dk and Dv
@@ -923,6 +924,297 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1_bf_conv(
 // counterpart, which the tests hold to the definition at f32 tolerances).
 extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc1_bf_ms(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<1, true, false, true>(p); }
 extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc_ms(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_tc<3, false, false, true>(p); }
+
+// ---------------------------------------------------------------------------------------------------
+// gdn_chunk_prep_h16_bf: the bf16 pair's prep — the outputs and layout of gdn_chunk_prep_tc1_bf — on
+// f16 operands (opt-in, LILY_GDN_PREP=f16; docs/notes/gdn-prefill-peers.md). q, k and v are staged in
+// shared memory as f16 (11 significant bits, as tf32's: tools/gdn_chunked_numerics.py puts the rule's
+// error at the 1xTF32 prep's to three digits, where bf16 operands would add ~60%), so K, Q / V take
+// 17 KB each instead of 35 and the block 71 KB instead of 104: three blocks an SM instead of two. K Kᵀ,
+// Q Kᵀ, W and U run on mma.m16n8k16 f16 → f32 (half the MMAs of m16n8k8 tf32); the solve is the MS
+// prep's (forward_rows, solve_blocks_mma). q and k are L2-normed (|x| ≤ 1); v and X are not bounded,
+// so V is staged times 2^-ev and X diag(s) enters the products times 2^-ex (ev, ex from the chunk's
+// largest |v| and |X| by stage_half_exponent: the largest scaled value in [2^14, 2^15), far inside
+// f16's range), and W, U are multiplied back by 2^ex, 2^(ex+ev) in f32 (exact: powers of two).
+// Per (chunk, value head), 256 threads (8 warps):
+//   1. q and k rows into f16 (warp w rows w + 8i, lane l columns 4l..4l+3; zeros past n), two batches
+//      of four rows in flight; the gates as chunk_prep_tc's; Q̃ and K̃ in bf16 from the f16 rows;
+//   2. K Kᵀ (warps 0–3) and Q Kᵀ (4–7) on the same lower tiles as chunk_prep_tc (32-bit fragment loads
+//      at row stride 136 halves: banks 4g + t), decayed into A and P;
+//   3. v's rows loaded into registers (in flight during the solve), the solve, then one block barrier
+//      for the two maxima, V into Q's buffer in f16;
+//   4. W (warps 0–3) and U (4–7): A = X diag(s)·2^-ex packed to f16 from sX, B by ldmatrix.x4.trans
+//      from the row-major K or V (two n-tiles a load).
+#define GDC_HRS 136  // K, Q / V f16 row stride (272 bytes)
+#define GDC_PREP_H16_SMEM (8 * GDC_CH + 2 * 2 * GDC_CH * GDC_HRS + 4 * (GDC_CH * GDC_AS + GDC_CH * GDC_XS + 4 * GDC_CH + 16))
+
+__device__ __forceinline__ uint32_t lds32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+
+// Four floats as f16 at dst (8 bytes), each times `scale`.
+__device__ __forceinline__ void store_f16x4(uint16_t* dst, float4 v, float scale) {
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack_f16(v.x * scale, v.y * scale), pack_f16(v.z * scale, v.w * scale));
+}
+
+__device__ __forceinline__ void chunk_prep_h16(const GdnChunkPrepParams& p) {
+    extern __shared__ __align__(16) float sm[];
+    double* const gam = reinterpret_cast<double*>(sm);                     // Γ_i (f64)
+    uint16_t* const sK = reinterpret_cast<uint16_t*>(sm + 2 * GDC_CH);     // K [64][HRS] f16
+    uint16_t* const sQ = sK + GDC_CH * GDC_HRS;                            // Q, then V·2^-ev [64][HRS] f16
+    float* const sA = reinterpret_cast<float*>(sQ + GDC_CH * GDC_HRS);     // A [64][AS]
+    float* const sX = sA + GDC_CH * GDC_AS;                                // X [64][XS]
+    float* const bet = sX + GDC_CH * GDC_XS;                               // β_i (0 past n)
+    float* const egs = bet + GDC_CH;                                       // e^{Γ_i}
+    float* const sbe = egs + GDC_CH;                                       // β_i e^{Γ_i}
+    float* const eks = sbe + GDC_CH;                                       // e^{Γ_last−Γ_i}
+    float* const red = eks + GDC_CH;                                       // [8][2] the warps' maxima
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int chunk = blockIdx.x, j = blockIdx.y;
+    const int t0 = chunk * GDC_CH;
+    const int n = min(GDC_CH, p.t_len - t0);
+    const int kh = j / (p.hv / p.hk);
+    const int dk = p.dk, dv = p.dv;
+    const long long kd = (long long)p.hk * dk;
+    const long long C = 2 * kd + (long long)p.hv * dv;
+    const long long blk = (long long)chunk * p.hv + j;
+    const float* qkv = p.qkv + (long long)t0 * C;  // row r of the chunk at qkv + r·C
+    const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+    // 1. q and k of the chunk into f16 (zeros past n).
+    const bool klive = 4 * lane < dk;
+#pragma unroll
+    for (int b = 0; b < 2; ++b) {
+        float4 vq[4], vk[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = warp + 8 * (4 * b + i);
+            const bool in = klive && r < n;
+            const float* q = qkv + (long long)r * C + (long long)kh * dk + 4 * lane;
+            vq[i] = in ? *reinterpret_cast<const float4*>(q) : zero4;
+            vk[i] = in ? *reinterpret_cast<const float4*>(q + kd) : zero4;
+        }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = warp + 8 * (4 * b + i);
+            if (klive) {
+                store_f16x4(sQ + r * GDC_HRS + 4 * lane, vq[i], 1.0f);
+                store_f16x4(sK + r * GDC_HRS + 4 * lane, vk[i], 1.0f);
+            }
+        }
+    }
+    // The gates: β, Γ (f64 prefix sum), e^Γ and e^{Γ_last−Γ}, as chunk_prep_tc.
+    if (warp == 0) {
+        const int i0 = 2 * lane;
+        const double g0 = i0 < n ? (double)p.g[(long long)(t0 + i0) * p.hv + j] : 0.0;
+        const double g1 = i0 + 1 < n ? (double)p.g[(long long)(t0 + i0 + 1) * p.hv + j] : 0.0;
+        double incl = g0 + g1;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const double v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+        if (lane == 0) excl = 0.0;
+        gam[i0] = excl + g0;
+        gam[i0 + 1] = incl;
+    } else if (warp == 1) {
+        for (int i = lane; i < GDC_CH; i += 32) bet[i] = i >= n ? 0.0f : p.beta[(long long)(t0 + i) * p.hv + j];
+    }
+    __syncthreads();
+    if (tid < GDC_CH) {
+        const bool in = tid < n;
+        const float eg = in ? expf((float)gam[tid]) : 0.0f;
+        const float ek = in ? expf((float)(gam[n - 1] - gam[tid])) : 0.0f;
+        egs[tid] = eg;
+        sbe[tid] = bet[tid] * eg;
+        eks[tid] = ek;
+        p.e[blk * 2 * GDC_CH + tid] = eg;
+        p.e[blk * 2 * GDC_CH + GDC_CH + tid] = ek;
+    }
+    __syncthreads();  // the decays and the f16 rows
+
+    // Q̃ = e^Γ ⊙ Q and K̃ = e^{Γ_last−Γ} ⊙ K in bf16, [64][Dk], from the f16 rows (zeros past n).
+    if (klive) {
+        uint2* const qt = reinterpret_cast<uint2*>(p.qt) + blk * GDC_CH * dk / 4;
+        uint2* const kt = reinterpret_cast<uint2*>(p.kt) + blk * GDC_CH * dk / 4;
+#pragma unroll 4
+        for (int r = warp; r < GDC_CH; r += 8) {
+            const uint2 qh = *reinterpret_cast<const uint2*>(sQ + r * GDC_HRS + 4 * lane);
+            const uint2 kh2 = *reinterpret_cast<const uint2*>(sK + r * GDC_HRS + 4 * lane);
+            const float2 q01 = __half22float2(*reinterpret_cast<const __half2*>(&qh.x)), q23 = __half22float2(*reinterpret_cast<const __half2*>(&qh.y));
+            const float2 k01 = __half22float2(*reinterpret_cast<const __half2*>(&kh2.x)), k23 = __half22float2(*reinterpret_cast<const __half2*>(&kh2.y));
+            const float eq = egs[r], ek = eks[r];
+            const int idx = (r * dk + 4 * lane) / 4;
+            qt[idx] = make_uint2(pack_bf16(q01.x * eq, q01.y * eq), pack_bf16(q23.x * eq, q23.y * eq));
+            kt[idx] = make_uint2(pack_bf16(k01.x * ek, k01.y * ek), pack_bf16(k23.x * ek, k23.y * ek));
+        }
+    }
+
+    // 2. K Kᵀ (warps 0–3) and Q Kᵀ (4–7), decayed into A (shared) and P (scratch, bf16).
+    {
+        const bool qk = warp >= 4;
+        const uint16_t* M = qk ? sQ : sK;
+        const int a = warp & 3, h = a & 1;
+        uint32_t* const pb = reinterpret_cast<uint32_t*>(p.p) + (blk * GDC_CH * GDC_CH) / 2;
+#pragma unroll
+        for (int pm = 0; pm < 2; ++pm) {
+            const int mi = pm == 0 ? a >> 1 : 3 - (a >> 1);
+            const int nt = mi + 1;  // n-tiles ni = h, h + 2, … ≤ 2mi + 1
+            float acc[4][4];
+#pragma unroll
+            for (int x = 0; x < 4; ++x)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) acc[x][e] = 0.0f;
+            const int r0 = 16 * mi + g;
+            for (int k = 0; k < dk; k += 16) {
+                const uint16_t* ar = M + r0 * GDC_HRS + k + 2 * t4;
+                const uint32_t a0 = lds32(ar), a1 = lds32(ar + 8 * GDC_HRS), a2 = lds32(ar + 8), a3 = lds32(ar + 8 * GDC_HRS + 8);
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    if (x < nt) {
+                        const uint16_t* br = sK + (8 * (h + 2 * x) + g) * GDC_HRS + k + 2 * t4;
+                        mma_f16(acc[x], a0, a1, a2, a3, lds32(br), lds32(br + 8));
+                    }
+                }
+            }
+#pragma unroll
+            for (int x = 0; x < 4; ++x) {
+                if (x >= nt) continue;
+                const int c = 8 * (h + 2 * x) + 2 * t4;
+#pragma unroll
+                for (int hr = 0; hr < 2; ++hr) {
+                    const int r = r0 + 8 * hr;
+                    float v[2];
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) {
+                        const int cj = c + e;
+                        float out = 0.0f;
+                        if (r < n && cj <= r) {
+                            const float dec = expf((float)(gam[r] - gam[cj]));
+                            if (qk) out = acc[x][2 * hr + e] * dec;
+                            else if (cj < r) out = acc[x][2 * hr + e] * (bet[r] * dec);
+                        }
+                        v[e] = out;
+                    }
+                    if (qk) {
+                        pb[(r * GDC_CH + c) / 2] = pack_bf16(v[0], v[1]);
+                    } else {
+                        sA[r * GDC_AS + c] = v[0];
+                        sA[r * GDC_AS + c + 1] = v[1];
+                    }
+                }
+            }
+            // P's upper tiles of these rows are zeros (never read; written so the scratch holds P).
+            if (qk) {
+                for (int ni = 2 * mi + 2 + h; ni < 8; ni += 2) {
+                    const int c = 8 * ni + 2 * t4;
+                    pb[(r0 * GDC_CH + c) / 2] = 0u;
+                    pb[((r0 + 8) * GDC_CH + c) / 2] = 0u;
+                }
+            }
+        }
+    }
+    __syncthreads();  // A complete; Q is no longer read
+
+    // 3. v's rows in flight (registers) during the solve.
+    const bool vlive = 4 * lane < dv;
+    float4 vr[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+        const int r = warp + 8 * i;
+        vr[i] = vlive && r < n ? *reinterpret_cast<const float4*>(qkv + (long long)r * C + 2 * kd + (long long)j * dv + 4 * lane) : zero4;
+    }
+    forward_rows(sA, sX, tid >> 2, tid & 3, (tid >> 2) & ~15, n);
+    solve_blocks_mma(sA, sX, warp, g, t4);
+    __syncthreads();  // X complete
+    // The largest |v| of the chunk and |X| on and below the diagonal (the blocks above hold the solve's Y).
+    float vmax = 0.0f, xmax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) vmax = fmaxf(vmax, fmaxf(fmaxf(fabsf(vr[i].x), fabsf(vr[i].y)), fmaxf(fabsf(vr[i].z), fabsf(vr[i].w))));
+    for (int e = tid; e < GDC_CH * GDC_CH; e += 256) {
+        const int r = e >> 6, c = e & 63;
+        if (c <= r) xmax = fmaxf(xmax, fabsf(sX[r * GDC_XS + c]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, o));
+        xmax = fmaxf(xmax, __shfl_xor_sync(0xffffffffu, xmax, o));
+    }
+    if (lane == 0) {
+        red[2 * warp] = vmax;
+        red[2 * warp + 1] = xmax;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < 8; ++w) {
+        vmax = fmaxf(vmax, red[2 * w]);
+        xmax = fmaxf(xmax, red[2 * w + 1]);
+    }
+    const int ev = stage_half_exponent(vmax), ex = stage_half_exponent(xmax);
+    if (vlive) {
+        const float down = stage_pow2(-ev);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) store_f16x4(sQ + (warp + 8 * i) * GDC_HRS + 4 * lane, vr[i], down);
+    }
+    __syncthreads();  // V visible
+
+    // 4. W = X (β e^Γ ⊙ K) (warps 0–3), U = X (β ⊙ V) (warps 4–7), as (X diag(s)·2^-ex) R.
+    {
+        const bool is_u = warp >= 4;
+        const uint16_t* R = is_u ? sQ : sK;
+        const float* sc = is_u ? bet : sbe;
+        const int width = is_u ? dv : dk;
+        const float xdown = stage_pow2(-ex), up = stage_pow2(is_u ? ex + ev : ex);
+        const int nb = 4 * (warp & 3);  // n-tiles nb..nb+3
+        const int ntw = min(4, width / 8 - nb);
+        // This lane's row address for ldmatrix.x4.trans: matrix lane/8 = (tokens +8 if odd, n-tile +1 if ≥ 2).
+        const int lm = lane >> 3, lr = lane & 7;
+        if (ntw > 0) {
+            for (int mi = 0; mi < 4; ++mi) {
+                float acc[4][4];
+#pragma unroll
+                for (int x = 0; x < 4; ++x)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) acc[x][e] = 0.0f;
+                const int r0 = 16 * mi + g;
+                for (int k = 0; k < 16 * (mi + 1); k += 16) {
+                    const float* xa = sX + r0 * GDC_XS + k + 2 * t4;
+                    const float s0 = sc[k + 2 * t4] * xdown, s1 = sc[k + 2 * t4 + 1] * xdown;
+                    const float s2 = sc[k + 2 * t4 + 8] * xdown, s3 = sc[k + 2 * t4 + 9] * xdown;
+                    const uint32_t a0 = pack_f16(xa[0] * s0, xa[1] * s1);
+                    const uint32_t a1 = pack_f16(xa[8 * GDC_XS] * s0, xa[8 * GDC_XS + 1] * s1);
+                    const uint32_t a2 = pack_f16(xa[8] * s2, xa[9] * s3);
+                    const uint32_t a3 = pack_f16(xa[8 * GDC_XS + 8] * s2, xa[8 * GDC_XS + 9] * s3);
+#pragma unroll
+                    for (int xp = 0; xp < 2; ++xp) {
+                        if (2 * xp < ntw) {
+                            uint32_t b0, b1, b2, b3;
+                            ldmatrix_x4_trans(smem_addr(R + (k + 8 * (lm & 1) + lr) * GDC_HRS + 8 * (nb + 2 * xp + (lm >> 1))), b0, b1, b2, b3);
+                            mma_f16(acc[2 * xp], a0, a1, a2, a3, b0, b1);
+                            if (2 * xp + 1 < ntw) mma_f16(acc[2 * xp + 1], a0, a1, a2, a3, b2, b3);
+                        }
+                    }
+                }
+#pragma unroll
+                for (int x = 0; x < 4; ++x) {
+                    if (x >= ntw) continue;
+                    const int c = 8 * (nb + x) + 2 * t4;
+                    if (!is_u) {  // W in bf16 (the pass's A operand)
+                        uint32_t* const wb = reinterpret_cast<uint32_t*>(p.w) + blk * GDC_CH * dk / 2;
+                        wb[(r0 * dk + c) / 2] = pack_bf16(acc[x][0] * up, acc[x][1] * up);
+                        wb[((r0 + 8) * dk + c) / 2] = pack_bf16(acc[x][2] * up, acc[x][3] * up);
+                    } else {  // U in f32
+                        float* const u = p.u + blk * GDC_CH * dv;
+                        *reinterpret_cast<float2*>(&u[(long long)r0 * dv + c]) = make_float2(acc[x][0] * up, acc[x][1] * up);
+                        *reinterpret_cast<float2*>(&u[(long long)(r0 + 8) * dv + c]) = make_float2(acc[x][2] * up, acc[x][3] * up);
+                    }
+                }
+            }
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(256, 3) gdn_chunk_prep_h16_bf(const GdnChunkPrepParams p) { pdl_enter(); chunk_prep_h16(p); }
 
 // ---------------------------------------------------------------------------------------------------
 // gdn_chunk_state_tc: the sequential pass on the tensor cores. grid (⌈Dv/32⌉, Hv), 512 threads (16

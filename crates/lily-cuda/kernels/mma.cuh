@@ -1,6 +1,6 @@
 // Tensor-core and copy helpers shared by the attention kernels (attention.cu, attn_prefill.cu) and
 // the chunked delta rule (gdn_chunked.cu): bf16 packing (round to nearest even, and the hi/lo split
-// of an f32 into two bf16), the m16n8k16 bf16 MMA with f32 accumulation, the m16n8k8 tf32 MMA and
+// of an f32 into two bf16), the m16n8k16 bf16 and f16 MMAs with f32 accumulation, the m16n8k8 tf32 MMA and
 // its 3xTF32 product, ldmatrix, and shared loads by 32-bit address; with async_copy.cuh (16-byte cp.async
 // with zero-fill, the shared-window address of a pointer).
 //
@@ -12,6 +12,7 @@
 #pragma once
 #include <stdint.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include "async_copy.cuh"
 #include "bf16.cuh"
 
@@ -28,6 +29,19 @@ __device__ __forceinline__ void split_bf16(float a, float b, uint32_t& hi, uint3
 __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two floats as one register of f16 (a in the low half), each rounded to nearest even.
+__device__ __forceinline__ uint32_t pack_f16(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+}
+// m16n8k16 with f16 operands (the fragments as bf16's above), f32 accumulation.
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }

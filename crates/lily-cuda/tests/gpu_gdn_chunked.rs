@@ -28,8 +28,9 @@ use lily_cuda::ops::gdn_chunked::{self as chunked, scratch_len, PrepKernel, Stat
 /// Every (prep, sequential pass) pair of kernels; the 1xTF32 ones (Tensor1) alone and with the
 /// f32-exact ones; the ldmatrix pass (held to the plain 1xTF32 one bit for bit after the 1xTF32 prep);
 /// the bf16 passes (held to each other bit for bit after the bf16 prep); the preps whose solve runs
-/// on the tensor cores (TensorMs, f32-exact, held to TOL; Bf16Ms before the bf16 pass).
-const KERNELS: [(PrepKernel, StateKernel); 15] = [
+/// on the tensor cores (TensorMs, f32-exact, held to TOL; Bf16Ms before the bf16 pass); the prep on
+/// f16 operands (F16) before the bf16 pass.
+const KERNELS: [(PrepKernel, StateKernel); 16] = [
     (PrepKernel::Ffma, StateKernel::Ffma16),
     (PrepKernel::Ffma, StateKernel::Ffma32),
     (PrepKernel::Ffma, StateKernel::Tensor),
@@ -45,6 +46,7 @@ const KERNELS: [(PrepKernel, StateKernel); 15] = [
     (PrepKernel::Bf16, StateKernel::Bf16x32S3L),
     (PrepKernel::TensorMs, StateKernel::Tensor),
     (PrepKernel::Bf16Ms, StateKernel::Bf16x32S3),
+    (PrepKernel::F16, StateKernel::Bf16x32S3),
 ];
 
 /// Whether a pair rounds its operands to tf32 (10 mantissa bits): held to TOL1 against the definition
@@ -293,6 +295,37 @@ fn gdn_chunked_small_shapes_match() {
         }
     }
     println!("worst relative error, small shapes: {worst:.2e}");
+}
+
+/// The f16 prep scales v and X by powers of two into f16's range: v a million times larger than f16's
+/// largest value, or so small that its f16 copy would be subnormal, gives the definition's output at
+/// the bf16 pairs' tolerance (without the scaling: infinities, or a third of v's digits lost), as the
+/// tf32 prep does; on the 35B shape and a small one.
+#[test]
+fn gdn_chunked_f16_prep_scales_v_into_range() {
+    let Some(dev) = device() else { return };
+    for (d, t, seed) in [(REAL, 200, 31u64), (dims(2, 4, 32, 32), 130, 32)] {
+        for v_scale in [1e6f32, 1e-7] {
+            let mut rng = Rng::new(seed);
+            let (mut qkv, g, beta, state0) = inputs(&mut rng, &d, t);
+            let (c, v0) = (d.conv_dim(), 2 * d.num_k_heads * d.head_k_dim);
+            for row in qkv.chunks_mut(c) {
+                row[v0..].iter_mut().for_each(|x| *x *= v_scale);
+            }
+            let state0: Vec<f32> = state0.iter().map(|x| x * v_scale).collect();
+            let mut s_rec = state0.clone();
+            let mut o_rec = vec![f32::NAN; t * d.value_dim()];
+            cpu::delta_rule_recurrent(&qkv, &g, &beta, &mut s_rec, &d, &mut o_rec);
+            let (qkv_d, g_d, beta_d) = (dev.upload(&qkv).unwrap(), dev.upload(&g).unwrap(), dev.upload(&beta).unwrap());
+            let what = format!("Hv {} Dk {} T={t}, v × {v_scale:e}", d.num_v_heads, d.head_k_dim);
+            for kernel in [(PrepKernel::F16, StateKernel::Bf16x32S3), (PrepKernel::Bf16, StateKernel::Bf16x32S3)] {
+                let (o, s) = gpu_chunked(&dev, &d, t, &qkv_d, &g_d, &beta_d, &state0, Some(kernel));
+                let eo = check(&o, &o_rec, TOLB, &format!("{what}: out, {kernel:?}"));
+                let es = check(&s, &s_rec, TOLB, &format!("{what}: state, {kernel:?}"));
+                println!("{what}: {kernel:?} out {eo:.1e} state {es:.1e}");
+            }
+        }
+    }
 }
 
 #[test]

@@ -21,7 +21,8 @@
 //! [`delta_rule_conv`] (opt-in, `LILY_GDN_CONV=fused`) runs the bf16 pair with a prep that convolves
 //! its own inputs (the conv, SiLU, q/k norms and gates of `gdn::conv_qk_with`, the same bits).
 //! `LILY_GDN_SOLVE=mma` (opt-in) gives the bf16 pair the prep whose (I + A)⁻¹ takes its blocks below
-//! the diagonal on the tensor cores ([`PrepKernel::Bf16Ms`]).
+//! the diagonal on the tensor cores ([`PrepKernel::Bf16Ms`]); `LILY_GDN_PREP=f16` (opt-in) that prep on
+//! f16 operands ([`PrepKernel::F16`]).
 
 use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig};
@@ -101,6 +102,7 @@ pub(crate) const KERNELS: &[&str] = &[
     "gdn_chunk_prep_tc1_bf_conv",
     "gdn_chunk_prep_tc1_bf_ms",
     "gdn_chunk_prep_tc_ms",
+    "gdn_chunk_prep_h16_bf",
     "gdn_chunk_state_t16",
     "gdn_chunk_state_t32",
     "gdn_chunk_state_tc",
@@ -114,6 +116,10 @@ pub(crate) const KERNELS: &[&str] = &[
 /// `GDC_PREP_SMEM` in `kernels/gdn_chunked.cu`: Γ [64] f64, then K, Q/V [64, 136], A [64, 65], X [64, 72]
 /// and four vectors [64], f32.
 const PREP_TC_SMEM: usize = 8 * 64 + 4 * (2 * 64 * 136 + 64 * 65 + 64 * 72 + 4 * 64);
+
+/// `GDC_PREP_H16_SMEM`: Γ [64] f64, K and Q/V [64, 136] f16, then A [64, 65], X [64, 72], four vectors
+/// [64] and the warps' maxima [16], f32.
+const PREP_H16_SMEM: usize = 8 * 64 + 2 * 2 * 64 * 136 + 4 * (64 * 65 + 64 * 72 + 4 * 64 + 16);
 
 /// `GDC_TC_SMEM` in `kernels/gdn_chunked.cu`: W, Q [64, 132], K [2, 64, 136], P [2, 64, 68], the decays
 /// [2, 2, 64] f32, then S [128, 36] and V' [64, 36] as (hi, lo) tf32 pairs.
@@ -141,6 +147,7 @@ pub(crate) fn configure(dev: &Device) -> Result<()> {
     for name in ["gdn_chunk_prep_tc", "gdn_chunk_prep_tc1", "gdn_chunk_prep_tc1_bf", "gdn_chunk_prep_tc1_bf_conv", "gdn_chunk_prep_tc1_bf_ms", "gdn_chunk_prep_tc_ms"] {
         dev.function(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, PREP_TC_SMEM as i32)?;
     }
+    dev.function("gdn_chunk_prep_h16_bf")?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, PREP_H16_SMEM as i32)?;
     Ok(())
 }
 
@@ -161,6 +168,10 @@ pub enum PrepKernel {
     Bf16Ms,
     /// [`PrepKernel::Tensor`] with that solve: its f32-exact counterpart, for the tests.
     TensorMs,
+    /// The outputs of [`PrepKernel::Bf16Ms`] from f16 operands (q, k, v staged in f16; K Kᵀ, Q Kᵀ, W and
+    /// U on m16n8k16 f16; v and X scaled by powers of two into f16's range): 71 KB of shared memory, three
+    /// blocks an SM; opt-in (`LILY_GDN_PREP=f16`). Dk, Dv multiples of 16 and 8.
+    F16,
 }
 
 impl PrepKernel {
@@ -168,7 +179,7 @@ impl PrepKernel {
     pub fn supports(self, dims: &GdnDims) -> bool {
         match self {
             PrepKernel::Ffma => true,
-            PrepKernel::Tensor | PrepKernel::Tensor1 | PrepKernel::Bf16 | PrepKernel::Bf16Ms | PrepKernel::TensorMs => tensor_shape(dims),
+            PrepKernel::Tensor | PrepKernel::Tensor1 | PrepKernel::Bf16 | PrepKernel::Bf16Ms | PrepKernel::TensorMs | PrepKernel::F16 => tensor_shape(dims),
         }
     }
 
@@ -179,7 +190,7 @@ impl PrepKernel {
 
     /// Whether this prep writes for the bf16 passes (and only they read it).
     pub fn writes_bf16(self) -> bool {
-        matches!(self, PrepKernel::Bf16 | PrepKernel::Bf16Ms)
+        matches!(self, PrepKernel::Bf16 | PrepKernel::Bf16Ms | PrepKernel::F16)
     }
 }
 
@@ -260,15 +271,20 @@ fn chunk_env() -> &'static str {
     V.get_or_init(|| std::env::var("LILY_GDN_CHUNK").unwrap_or_default())
 }
 
-/// The bf16 pair's prep: [`PrepKernel::Bf16Ms`] with `LILY_GDN_SOLVE=mma` (read once, opt-in until it
-/// has run on a GPU: docs/PERF.md, twenty-eighth session), else [`PrepKernel::Bf16`].
+/// The bf16 pair's prep (read once; opt-in until they have run on a GPU: docs/PERF.md, twenty-eighth
+/// session): [`PrepKernel::F16`] with `LILY_GDN_PREP=f16`, [`PrepKernel::Bf16Ms`] with
+/// `LILY_GDN_SOLVE=mma`, else [`PrepKernel::Bf16`].
 fn bf16_prep() -> PrepKernel {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *V.get_or_init(|| std::env::var("LILY_GDN_SOLVE").is_ok_and(|v| v == "mma")) {
-        PrepKernel::Bf16Ms
-    } else {
-        PrepKernel::Bf16
-    }
+    static V: std::sync::OnceLock<PrepKernel> = std::sync::OnceLock::new();
+    *V.get_or_init(|| {
+        if std::env::var("LILY_GDN_PREP").is_ok_and(|v| v == "f16") {
+            PrepKernel::F16
+        } else if std::env::var("LILY_GDN_SOLVE").is_ok_and(|v| v == "mma") {
+            PrepKernel::Bf16Ms
+        } else {
+            PrepKernel::Bf16
+        }
+    })
 }
 
 /// The kernels [`delta_rule_chunked`] runs for this shape on this device.
@@ -571,6 +587,7 @@ fn run(dev: &Device, dims: &GdnDims, t_len: usize, inputs: Inputs, state: u64, o
         (PrepKernel::Bf16, _) => ("gdn_chunk_prep_tc1_bf", PREP_TC_SMEM as u32),
         (PrepKernel::Bf16Ms, _) => ("gdn_chunk_prep_tc1_bf_ms", PREP_TC_SMEM as u32),
         (PrepKernel::TensorMs, _) => ("gdn_chunk_prep_tc_ms", PREP_TC_SMEM as u32),
+        (PrepKernel::F16, _) => ("gdn_chunk_prep_h16_bf", PREP_H16_SMEM as u32),
     };
     let cfg = LaunchConfig {
         grid_dim: (t_len.div_ceil(CHUNK) as u32, hv as u32, 1),
@@ -625,6 +642,7 @@ mod tests {
         assert_eq!(scratch_layout(&real, 4096, true).bytes, 185_597_952);
     }
 
-    // Two tensor-core preps a block per SM.
+    // Two tensor-core preps a block per SM; three f16 ones (each block also holds 1 KB for the system).
     const _: () = assert!(PREP_TC_SMEM <= 232_448 / 2);
+    const _: () = assert!(3 * (PREP_H16_SMEM + 1024) <= 233_472);
 }
