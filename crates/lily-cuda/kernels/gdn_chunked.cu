@@ -620,6 +620,100 @@ __device__ __forceinline__ void solve_blocks_mma(const float* sA, float* sX, int
     }
 }
 
+// The tensor-core preps' shared steps (chunk_prep_tc, chunk_prep_h16).
+// 1. Gates: warp 0 loads the chunk's g, two a lane (lane l: positions 2l, 2l + 1), and scans them in
+//    f64 across the warp (five shuffle steps) into Γ; warp 1 loads β (0 past n). CONV: g and β from
+//    the gate inputs, as gdn_conv_finish computes them. No barrier: the caller's publishes them.
+template <bool CONV>
+__device__ __forceinline__ void chunk_gates(const GdnChunkPrepParams& p, double* gam, float* bet, int t0, int n, int j, int warp, int lane) {
+    if (warp == 0) {
+        const int i0 = 2 * lane;
+        // CONV: g = −exp(A_log)·softplus(a + dt_bias), as gdn_conv_finish writes it.
+        const float neg_a = CONV ? -expf(p.a_log[j]) : 0.0f;
+        const auto gate = [&](int t) { return CONV ? neg_a * gdn_softplus(p.a[(long long)t * p.ab_stride + j] + p.dt_bias[j]) : p.g[(long long)t * p.hv + j]; };
+        const double g0 = i0 < n ? (double)gate(t0 + i0) : 0.0;
+        const double g1 = i0 + 1 < n ? (double)gate(t0 + i0 + 1) : 0.0;
+        double incl = g0 + g1;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const double v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        double excl = __shfl_up_sync(0xffffffffu, incl, 1);
+        if (lane == 0) excl = 0.0;
+        gam[i0] = excl + g0;
+        gam[i0 + 1] = incl;
+    } else if (warp == 1) {
+        for (int i = lane; i < GDC_CH; i += 32)
+            bet[i] = i >= n ? 0.0f : CONV ? gdn_beta(p.b[(long long)(t0 + i) * p.ab_stride + j]) : p.beta[(long long)(t0 + i) * p.hv + j];
+    }
+}
+
+// The decays from Γ and β (after a barrier): e^Γ, β e^Γ and e^{Γ_last−Γ} (0 past n) into shared memory,
+// e^Γ and e^{Γ_last−Γ} into the scratch's E.
+__device__ __forceinline__ void chunk_decays(const GdnChunkPrepParams& p, const double* gam, const float* bet, float* egs, float* sbe, float* eks, int n, long long blk, int tid) {
+    if (tid < GDC_CH) {
+        const bool in = tid < n;
+        const float eg = in ? expf((float)gam[tid]) : 0.0f;
+        const float ek = in ? expf((float)(gam[n - 1] - gam[tid])) : 0.0f;
+        egs[tid] = eg;
+        sbe[tid] = bet[tid] * eg;
+        eks[tid] = ek;
+        p.e[blk * 2 * GDC_CH + tid] = eg;
+        p.e[blk * 2 * GDC_CH + GDC_CH + tid] = ek;
+    }
+}
+
+// 2. One m16n8 tile of K Kᵀ (qk false) or Q Kᵀ (qk true), `prod` its C fragment (rows r0, r0 + 8;
+//    columns c, c + 1), decayed: A = β_r (k_r·k_c) e^{Γ_r−Γ_c} strictly below the diagonal into sA, P =
+//    (q_r·k_c) e^{Γ_r−Γ_c} on and below it into the scratch (bf16 with BF, else f32); 0 elsewhere and
+//    past n.
+template <bool BF>
+__device__ __forceinline__ void store_decayed(const GdnChunkPrepParams& p, float* sA, const double* gam, const float* bet, const float (&prod)[4], bool qk,
+                                              int r0, int c, int n, long long blk) {
+    float* const pp = p.p + blk * GDC_CH * GDC_CH;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+        const int r = r0 + 8 * hr;
+        float v[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int cj = c + e;
+            float out = 0.0f;
+            if (r < n && cj <= r) {
+                const float dec = expf((float)(gam[r] - gam[cj]));
+                if (qk) out = prod[2 * hr + e] * dec;
+                else if (cj < r) out = prod[2 * hr + e] * (bet[r] * dec);
+            }
+            v[e] = out;
+        }
+        if (qk && BF) reinterpret_cast<uint32_t*>(p.p)[(blk * GDC_CH * GDC_CH + r * GDC_CH + c) / 2] = pack_bf16(v[0], v[1]);
+        else if (qk) *reinterpret_cast<float2*>(&pp[r * GDC_CH + c]) = make_float2(v[0], v[1]);
+        else {
+            sA[r * GDC_AS + c] = v[0];
+            sA[r * GDC_AS + c + 1] = v[1];
+        }
+    }
+}
+
+// P's tiles above m-tile mi's diagonal in this warp's n-tiles (ni ≡ h mod 2), rows r0 and r0 + 8: zeros
+// (never read; written so the scratch holds P).
+template <bool BF>
+__device__ __forceinline__ void zero_p_upper(const GdnChunkPrepParams& p, int mi, int h, int r0, int t4, long long blk) {
+    for (int ni = 2 * mi + 2 + h; ni < 8; ni += 2) {
+        const int c = 8 * ni + 2 * t4;
+        if (BF) {
+            uint32_t* const pb = reinterpret_cast<uint32_t*>(p.p) + (blk * GDC_CH * GDC_CH) / 2;
+            pb[(r0 * GDC_CH + c) / 2] = 0u;
+            pb[((r0 + 8) * GDC_CH + c) / 2] = 0u;
+        } else {
+            float* const pp = p.p + blk * GDC_CH * GDC_CH;
+            *reinterpret_cast<float2*>(&pp[r0 * GDC_CH + c]) = make_float2(0.0f, 0.0f);
+            *reinterpret_cast<float2*>(&pp[(r0 + 8) * GDC_CH + c]) = make_float2(0.0f, 0.0f);
+        }
+    }
+}
+
 // MS: X's blocks below the diagonal by solve_blocks_mma instead of the scalar loops.
 template <int NT, bool BF, bool CONV = false, bool MS = false>
 __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
@@ -664,41 +758,10 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
     }
     cp_async_commit_group();
 
-    // 1. Gates: β, Γ (f64 prefix sum), e^Γ and e^{Γ_last−Γ}. Warp 0 loads the chunk's g, two a lane
-    //    (lane l: positions 2l, 2l + 1), and scans them in f64 across the warp (five shuffle steps);
-    //    warp 1 loads β meanwhile.
-    if (warp == 0) {
-        const int i0 = 2 * lane;
-        // CONV: g = −exp(A_log)·softplus(a + dt_bias), as gdn_conv_finish writes it.
-        const float neg_a = CONV ? -expf(p.a_log[j]) : 0.0f;
-        const auto gate = [&](int t) { return CONV ? neg_a * gdn_softplus(p.a[(long long)t * p.ab_stride + j] + p.dt_bias[j]) : p.g[(long long)t * p.hv + j]; };
-        const double g0 = i0 < n ? (double)gate(t0 + i0) : 0.0;
-        const double g1 = i0 + 1 < n ? (double)gate(t0 + i0 + 1) : 0.0;
-        double incl = g0 + g1;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const double v = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += v;
-        }
-        double excl = __shfl_up_sync(0xffffffffu, incl, 1);
-        if (lane == 0) excl = 0.0;
-        gam[i0] = excl + g0;
-        gam[i0 + 1] = incl;
-    } else if (warp == 1) {
-        for (int i = lane; i < GDC_CH; i += 32)
-            bet[i] = i >= n ? 0.0f : CONV ? gdn_beta(p.b[(long long)(t0 + i) * p.ab_stride + j]) : p.beta[(long long)(t0 + i) * p.hv + j];
-    }
+    // 1. Gates: β, Γ (f64 prefix sum), e^Γ and e^{Γ_last−Γ}, while the copies land.
+    chunk_gates<CONV>(p, gam, bet, t0, n, j, warp, lane);
     __syncthreads();
-    if (tid < GDC_CH) {
-        const bool in = tid < n;
-        const float eg = in ? expf((float)gam[tid]) : 0.0f;
-        const float ek = in ? expf((float)(gam[n - 1] - gam[tid])) : 0.0f;
-        egs[tid] = eg;
-        sbe[tid] = bet[tid] * eg;
-        eks[tid] = ek;
-        p.e[blk * 2 * GDC_CH + tid] = eg;
-        p.e[blk * 2 * GDC_CH + GDC_CH + tid] = ek;
-    }
+    chunk_decays(p, gam, bet, egs, sbe, eks, n, blk, tid);
     cp_async_wait_group<0>();
     __syncthreads();
 
@@ -726,7 +789,6 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
         const bool qk = warp >= 4;
         const float* M = qk ? sQ : sK;
         const int a = warp & 3, h = a & 1;
-        float* pp = p.p + blk * GDC_CH * GDC_CH;
 #pragma unroll
         for (int pm = 0; pm < 2; ++pm) {
             const int mi = pm == 0 ? a >> 1 : 3 - (a >> 1);
@@ -753,45 +815,10 @@ __device__ __forceinline__ void chunk_prep_tc(const GdnChunkPrepParams& p) {
 #pragma unroll
             for (int x = 0; x < 4; ++x) {
                 if (x >= nt) continue;
-                const int c = 8 * (h + 2 * x) + 2 * t4;
-#pragma unroll
-                for (int hr = 0; hr < 2; ++hr) {
-                    const int r = r0 + 8 * hr;
-                    float v[2];
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int cj = c + e;
-                        const float prod = big[x][2 * hr + e] + small[x][2 * hr + e];
-                        float out = 0.0f;
-                        if (r < n && cj <= r) {
-                            const float dec = expf((float)(gam[r] - gam[cj]));
-                            if (qk) out = prod * dec;
-                            else if (cj < r) out = prod * (bet[r] * dec);
-                        }
-                        v[e] = out;
-                    }
-                    if (qk && BF) reinterpret_cast<uint32_t*>(p.p)[(blk * GDC_CH * GDC_CH + r * GDC_CH + c) / 2] = pack_bf16(v[0], v[1]);
-                    else if (qk) *reinterpret_cast<float2*>(&pp[r * GDC_CH + c]) = make_float2(v[0], v[1]);
-                    else {
-                        sA[r * GDC_AS + c] = v[0];
-                        sA[r * GDC_AS + c + 1] = v[1];
-                    }
-                }
+                const float prod[4] = {big[x][0] + small[x][0], big[x][1] + small[x][1], big[x][2] + small[x][2], big[x][3] + small[x][3]};
+                store_decayed<BF>(p, sA, gam, bet, prod, qk, r0, 8 * (h + 2 * x) + 2 * t4, n, blk);
             }
-            // P's upper tiles of these rows are zeros (never read; written so the scratch holds P).
-            if (qk) {
-                for (int ni = 2 * mi + 2 + h; ni < 8; ni += 2) {
-                    const int c = 8 * ni + 2 * t4;
-                    if (BF) {
-                        uint32_t* const pb = reinterpret_cast<uint32_t*>(p.p) + (blk * GDC_CH * GDC_CH) / 2;
-                        pb[(r0 * GDC_CH + c) / 2] = 0u;
-                        pb[((r0 + 8) * GDC_CH + c) / 2] = 0u;
-                    } else {
-                        *reinterpret_cast<float2*>(&pp[r0 * GDC_CH + c]) = make_float2(0.0f, 0.0f);
-                        *reinterpret_cast<float2*>(&pp[(r0 + 8) * GDC_CH + c]) = make_float2(0.0f, 0.0f);
-                    }
-                }
-            }
+            if (qk) zero_p_upper<BF>(p, mi, h, r0, t4, blk);
         }
     }
     __syncthreads();  // A complete; Q is no longer read
@@ -950,6 +977,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) gdn_chunk_prep_tc_ms(const 
 
 __device__ __forceinline__ uint32_t lds32(const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
+// The four f16 at src (8 bytes) as floats.
+__device__ __forceinline__ float4 load_f16x4(const uint16_t* src) {
+    const uint2 h = *reinterpret_cast<const uint2*>(src);
+    const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&h.x)), b = __half22float2(*reinterpret_cast<const __half2*>(&h.y));
+    return make_float4(a.x, a.y, b.x, b.y);
+}
+
 // Four floats as f16 at dst (8 bytes), each times `scale`.
 __device__ __forceinline__ void store_f16x4(uint16_t* dst, float4 v, float scale) {
     *reinterpret_cast<uint2*>(dst) = make_uint2(pack_f16(v.x * scale, v.y * scale), pack_f16(v.z * scale, v.w * scale));
@@ -1003,35 +1037,10 @@ __device__ __forceinline__ void chunk_prep_h16(const GdnChunkPrepParams& p) {
             }
         }
     }
-    // The gates: β, Γ (f64 prefix sum), e^Γ and e^{Γ_last−Γ}, as chunk_prep_tc.
-    if (warp == 0) {
-        const int i0 = 2 * lane;
-        const double g0 = i0 < n ? (double)p.g[(long long)(t0 + i0) * p.hv + j] : 0.0;
-        const double g1 = i0 + 1 < n ? (double)p.g[(long long)(t0 + i0 + 1) * p.hv + j] : 0.0;
-        double incl = g0 + g1;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const double v = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += v;
-        }
-        double excl = __shfl_up_sync(0xffffffffu, incl, 1);
-        if (lane == 0) excl = 0.0;
-        gam[i0] = excl + g0;
-        gam[i0 + 1] = incl;
-    } else if (warp == 1) {
-        for (int i = lane; i < GDC_CH; i += 32) bet[i] = i >= n ? 0.0f : p.beta[(long long)(t0 + i) * p.hv + j];
-    }
+    // The gates and decays, as chunk_prep_tc.
+    chunk_gates<false>(p, gam, bet, t0, n, j, warp, lane);
     __syncthreads();
-    if (tid < GDC_CH) {
-        const bool in = tid < n;
-        const float eg = in ? expf((float)gam[tid]) : 0.0f;
-        const float ek = in ? expf((float)(gam[n - 1] - gam[tid])) : 0.0f;
-        egs[tid] = eg;
-        sbe[tid] = bet[tid] * eg;
-        eks[tid] = ek;
-        p.e[blk * 2 * GDC_CH + tid] = eg;
-        p.e[blk * 2 * GDC_CH + GDC_CH + tid] = ek;
-    }
+    chunk_decays(p, gam, bet, egs, sbe, eks, n, blk, tid);
     __syncthreads();  // the decays and the f16 rows
 
     // Q̃ = e^Γ ⊙ Q and K̃ = e^{Γ_last−Γ} ⊙ K in bf16, [64][Dk], from the f16 rows (zeros past n).
@@ -1040,14 +1049,11 @@ __device__ __forceinline__ void chunk_prep_h16(const GdnChunkPrepParams& p) {
         uint2* const kt = reinterpret_cast<uint2*>(p.kt) + blk * GDC_CH * dk / 4;
 #pragma unroll 4
         for (int r = warp; r < GDC_CH; r += 8) {
-            const uint2 qh = *reinterpret_cast<const uint2*>(sQ + r * GDC_HRS + 4 * lane);
-            const uint2 kh2 = *reinterpret_cast<const uint2*>(sK + r * GDC_HRS + 4 * lane);
-            const float2 q01 = __half22float2(*reinterpret_cast<const __half2*>(&qh.x)), q23 = __half22float2(*reinterpret_cast<const __half2*>(&qh.y));
-            const float2 k01 = __half22float2(*reinterpret_cast<const __half2*>(&kh2.x)), k23 = __half22float2(*reinterpret_cast<const __half2*>(&kh2.y));
+            const float4 q = load_f16x4(sQ + r * GDC_HRS + 4 * lane), k = load_f16x4(sK + r * GDC_HRS + 4 * lane);
             const float eq = egs[r], ek = eks[r];
             const int idx = (r * dk + 4 * lane) / 4;
-            qt[idx] = make_uint2(pack_bf16(q01.x * eq, q01.y * eq), pack_bf16(q23.x * eq, q23.y * eq));
-            kt[idx] = make_uint2(pack_bf16(k01.x * ek, k01.y * ek), pack_bf16(k23.x * ek, k23.y * ek));
+            qt[idx] = make_uint2(pack_bf16(q.x * eq, q.y * eq), pack_bf16(q.z * eq, q.w * eq));
+            kt[idx] = make_uint2(pack_bf16(k.x * ek, k.y * ek), pack_bf16(k.z * ek, k.w * ek));
         }
     }
 
@@ -1056,7 +1062,6 @@ __device__ __forceinline__ void chunk_prep_h16(const GdnChunkPrepParams& p) {
         const bool qk = warp >= 4;
         const uint16_t* M = qk ? sQ : sK;
         const int a = warp & 3, h = a & 1;
-        uint32_t* const pb = reinterpret_cast<uint32_t*>(p.p) + (blk * GDC_CH * GDC_CH) / 2;
 #pragma unroll
         for (int pm = 0; pm < 2; ++pm) {
             const int mi = pm == 0 ? a >> 1 : 3 - (a >> 1);
@@ -1079,40 +1084,9 @@ __device__ __forceinline__ void chunk_prep_h16(const GdnChunkPrepParams& p) {
                 }
             }
 #pragma unroll
-            for (int x = 0; x < 4; ++x) {
-                if (x >= nt) continue;
-                const int c = 8 * (h + 2 * x) + 2 * t4;
-#pragma unroll
-                for (int hr = 0; hr < 2; ++hr) {
-                    const int r = r0 + 8 * hr;
-                    float v[2];
-#pragma unroll
-                    for (int e = 0; e < 2; ++e) {
-                        const int cj = c + e;
-                        float out = 0.0f;
-                        if (r < n && cj <= r) {
-                            const float dec = expf((float)(gam[r] - gam[cj]));
-                            if (qk) out = acc[x][2 * hr + e] * dec;
-                            else if (cj < r) out = acc[x][2 * hr + e] * (bet[r] * dec);
-                        }
-                        v[e] = out;
-                    }
-                    if (qk) {
-                        pb[(r * GDC_CH + c) / 2] = pack_bf16(v[0], v[1]);
-                    } else {
-                        sA[r * GDC_AS + c] = v[0];
-                        sA[r * GDC_AS + c + 1] = v[1];
-                    }
-                }
-            }
-            // P's upper tiles of these rows are zeros (never read; written so the scratch holds P).
-            if (qk) {
-                for (int ni = 2 * mi + 2 + h; ni < 8; ni += 2) {
-                    const int c = 8 * ni + 2 * t4;
-                    pb[(r0 * GDC_CH + c) / 2] = 0u;
-                    pb[((r0 + 8) * GDC_CH + c) / 2] = 0u;
-                }
-            }
+            for (int x = 0; x < 4; ++x)
+                if (x < nt) store_decayed<true>(p, sA, gam, bet, acc[x], qk, r0, 8 * (h + 2 * x) + 2 * t4, n, blk);
+            if (qk) zero_p_upper<true>(p, mi, h, r0, t4, blk);
         }
     }
     __syncthreads();  // A complete; Q is no longer read

@@ -468,12 +468,7 @@ impl CudaModel {
         };
         let (half, folded) = (stage(1), stage(2));
         if folded > 0 {
-            let split_k = gemm::split_k_on();
-            gemm_wgmma::reserve(&dev, half, folded, split_k)?;
-            activation_bytes += half.next_multiple_of(16 << 20) + folded.next_multiple_of(16 << 20);
-            if split_k {
-                activation_bytes += gemm_wgmma::split_bytes(dev.sm_count() as usize);
-            }
+            activation_bytes += gemm_wgmma::reserve(&dev, half, folded)?;
         }
         let kv_per_token = cfg.layer_types.iter().filter(|k| **k == LayerKind::FullAttention).count()
             * 2

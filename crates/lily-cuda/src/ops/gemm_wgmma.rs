@@ -589,22 +589,19 @@ const fn slot(num: Num) -> usize {
 }
 
 /// Makes the device's staging buffers at least `half` bytes (the half numerics) and `folded` bytes (grown
-/// in 16 MiB steps; an old one is freed in stream order). The model reserves its largest needs at load,
-/// so that the memory it reports includes them and a prefill allocates nothing; with `split_k` (the
-/// model's GEMMs may split K) the split-K buffers too.
-pub(crate) fn reserve(dev: &Device, half: usize, folded: usize, split_k: bool) -> Result<()> {
+/// in 16 MiB steps; an old one is freed in stream order), and the split-K buffers where `Tile::Auto` may
+/// split K (`LILY_SPLITK=1`, [`super::gemm::split_k_on`]). The model reserves its largest needs at load,
+/// so that the memory it reports includes them and a prefill allocates nothing. Returns the bytes the
+/// staging and split-K buffers hold.
+pub(crate) fn reserve(dev: &Device, half: usize, folded: usize) -> Result<usize> {
     let mut stage = lock_stage(dev)?;
     reserve_in(dev, &mut stage, 0, half)?;
     reserve_in(dev, &mut stage, 1, folded)?;
-    if split_k {
+    if super::gemm::split_k_on() {
         split_buffers(dev, &mut stage)?;
     }
-    Ok(())
-}
-
-/// Bytes of the split-K buffers (partial tiles and counters) on `sm` SMs: 8.7 MB on 132.
-pub(crate) fn split_bytes(sm: usize) -> usize {
-    4 * split_part_floats(sm) + 4 * SPLIT_BLOCKS_PER_SM * sm
+    let bufs: usize = stage.bufs.iter().flatten().map(|b| b.len()).sum();
+    Ok(bufs + stage.split.as_ref().map_or(0, |(p, c)| 4 * (p.len() + c.len())))
 }
 
 /// The split-K buffers' addresses (partial tiles, counters), made on first use.
